@@ -1,0 +1,93 @@
+"""Memory planning before anything is loaded: weights, KV pages (main and MTP), activations, graphs.
+
+An impossible configuration is refused here with the numbers, never by a crash halfway through
+loading (the seed's "silent exit while loading model..." lesson).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import CapacityError
+
+GiB = 1 << 30
+# On the CPU an automatic capacity stops here: memory there is shared with everything else.
+CPU_AUTO_KV_TOKENS = 32768
+# CUDA graphs of the decode buckets, the allocator's slack and the communicator's buffers.
+CUDA_RESERVE_BYTES = 1 * GiB
+
+
+def dtype_bytes(name: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}[name]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    available_bytes: int       # what the engine may use on one device
+    weights_bytes: int         # per rank
+    activation_bytes: int      # the largest prefill chunk and decode round, with logits
+    reserve_bytes: int         # graphs and allocator slack
+    kv_bytes_per_token: int    # all KV layers (main + MTP), per rank, scales included
+    kv_tokens: int             # the capacity, a whole number of blocks
+    num_blocks: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv_tokens * self.kv_bytes_per_token
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
+        return (f"KV {self.kv_tokens} tokens x {self.kv_bytes_per_token} B = {g(self.kv_bytes)}, weights "
+                f"{g(self.weights_bytes)}, activations {g(self.activation_bytes)}, reserve "
+                f"{g(self.reserve_bytes)}; available {g(self.available_bytes)}")
+
+
+def available_memory(cfg: EngineConfig) -> int:
+    if cfg.device == "cpu":
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return int(total * cfg.memory_utilization)
+    free, total = torch.cuda.mem_get_info(torch.device(cfg.device))
+    used_by_others = total - free
+    return int(total * cfg.memory_utilization) - used_by_others
+
+
+def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_model_len: int,
+                available: int | None = None) -> MemoryPlan:
+    tp = cfg.tensor_parallel_size
+    elt = dtype_bytes(cfg.torch_dtype_name)
+    kv_elt = dtype_bytes(cfg.kv_dtype_name)
+    kv_heads = max(1, model.num_key_value_heads // tp)
+    kv_layers = model.num_hidden_layers + (model.mtp_num_hidden_layers if draft_tokens > 0 else 0)
+    per_token = kv_layers * 2 * kv_heads * model.head_dim * kv_elt
+    if cfg.kv_dtype_name == "int8":
+        per_token += kv_layers * 2 * kv_heads * 4                   # float32 scale per token and head
+    weights = model.num_params(include_mtp=draft_tokens > 0) * elt // tp
+    h, f = model.hidden_size, model.intermediate_size // tp
+    qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim // tp
+    chunk = min(cfg.prefill_chunk, max_model_len)
+    # live tensors of one layer at the largest chunk (hidden, residual, qkv, attention out, gate/up,
+    # act), twice for the allocator's double buffering; plus the vocabulary rows sampled per step.
+    activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
+    logit_rows = cfg.max_batch * (draft_tokens + 1)
+    activations += logit_rows * model.vocab_size * 4 * (4 if draft_tokens else 2)
+    reserve = CUDA_RESERVE_BYTES if cfg.device != "cpu" else 0
+    avail = available_memory(cfg) if available is None else available
+    room = avail - weights - activations - reserve
+    if cfg.kv_capacity is not None:
+        tokens = -(-cfg.kv_capacity // cfg.block_size) * cfg.block_size
+    else:
+        tokens = max(0, room) // per_token // cfg.block_size * cfg.block_size
+        if cfg.device == "cpu":
+            tokens = min(tokens, max(CPU_AUTO_KV_TOKENS, max_model_len + draft_tokens)
+                         // cfg.block_size * cfg.block_size + cfg.block_size)
+    plan = MemoryPlan(avail, weights, activations, reserve, per_token, tokens, tokens // cfg.block_size)
+    if tokens < cfg.block_size or plan.kv_bytes > room:
+        asked = f"kv_capacity={cfg.kv_capacity}" if cfg.kv_capacity is not None else "an automatic KV capacity"
+        raise CapacityError(
+            f"{asked} does not fit: needs {plan.describe()} -- {(plan.kv_bytes - room) / GiB:.2f} GiB short. "
+            f"Lower kv_capacity, prefill_chunk or max_batch, use kv_dtype=int8, or add tensor parallelism.")
+    return plan

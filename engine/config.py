@@ -1,0 +1,161 @@
+"""Configuration dataclasses, validated once at the edge (constructors), trusted afterwards."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import InvalidArgumentError, ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Qwen3-family checkpoint (Hugging Face `config.json` fields)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    # Number of MTP (multi-token prediction) layers the checkpoint declares; 0 = none.
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen3"
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
+        heads = int(hf["num_attention_heads"])
+        if not eos_token_ids:
+            eos = hf.get("eos_token_id")
+            eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_hidden_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers", 0) or 0),
+            eos_token_ids=tuple(int(e) for e in eos_token_ids),
+            model_type=model_type,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The `config.json` a Hugging Face loader reads for this architecture."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"], "model_type": self.model_type,
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers, "hidden_act": "silu",
+            "attention_bias": False, "eos_token_id": list(self.eos_token_ids) or None,
+            "bos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
+        }
+
+    def num_params(self, include_mtp: bool = True) -> int:
+        h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
+        layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + 2 * d
+        n = self.num_hidden_layers * layer + self.vocab_size * h + h
+        if not self.tie_word_embeddings:
+            n += self.vocab_size * h
+        if include_mtp:
+            n += self.mtp_num_hidden_layers * (layer + 2 * h * h + 3 * h)
+        return n
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the weights. Field names follow vLLM's flags."""
+
+    model: str | None = None                # HF directory; None = the embedded default model
+    device: str = "cpu"                     # "cpu" or "cuda[:N]"
+    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
+    kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
+    block_size: int = 16                    # tokens per KV page
+    prefill_chunk: int = 2048               # tokens per prefill step of the one prefill lane
+    kv_capacity: int | None = None          # tokens of KV; None = derived from free memory
+    memory_utilization: float = 0.90        # share of device memory the engine may take
+    draft_tokens: int = 0                   # MTP draft tokens per round (k); 0 = no speculation
+    max_batch: int = 64                     # running requests in the decode batch
+    max_pending: int = 256                  # queued requests before new ones are refused
+    pending_timeout_ms: int = 60_000        # a request queued longer fails with a queue timeout
+    prefix_reuse: bool = True               # share full KV blocks of identical prefixes
+    max_model_len: int | None = None        # context limit; None = the model's
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False             # no CUDA graphs
+    draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
+    stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidArgumentError("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype not in ("auto", "int8", *DTYPES):
+            raise InvalidArgumentError("kv_dtype", f"must be auto, int8 or a float dtype, got {self.kv_dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise InvalidArgumentError("device", f"must be cpu or cuda[:N], got {self.device!r}")
+        _require_int("block_size", self.block_size, 1, 1024)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidArgumentError("block_size", f"must be a power of two, got {self.block_size}")
+        _require_int("prefill_chunk", self.prefill_chunk, 16, 1 << 20)
+        _require_int("draft_tokens", self.draft_tokens, 0, 8)
+        _require_int("max_batch", self.max_batch, 1, 4096)
+        _require_int("max_pending", self.max_pending, 0, 1 << 20)
+        _require_int("pending_timeout_ms", self.pending_timeout_ms, 1, 1 << 40)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        _require_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
+        if self.kv_capacity is not None:
+            _require_int("kv_capacity", self.kv_capacity, 1, 1 << 40)
+        if self.max_model_len is not None:
+            _require_int("max_model_len", self.max_model_len, 1, 1 << 40)
+        if not (0.0 < self.memory_utilization <= 1.0):
+            raise InvalidArgumentError("memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
+        if not (self.stats_interval_s > 0 and math.isfinite(self.stats_interval_s)):
+            raise InvalidArgumentError("stats_interval_s", "must be a positive number")
+
+    @property
+    def torch_dtype_name(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.torch_dtype_name if self.kv_dtype == "auto" else self.kv_dtype
+
+
+def _require_int(name: str, value: Any, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(name, f"must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise InvalidArgumentError(name, f"must be in [{lo}, {hi}], got {value}")

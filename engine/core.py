@@ -1,0 +1,194 @@
+"""The engine core: one model, one scheduler, one step at a time. Not thread-safe; `engine.loop`
+drives it from its own thread, `LLM.generate` from the caller's."""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+
+from engine.capacity import plan_memory
+from engine.config import EngineConfig
+from engine.default_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
+from engine.errors import InvalidArgumentError, ModelLoadError
+from engine.kv_cache import KVCacheManager
+from engine.loader import MTP_PREFIX, check_tensors, read_model_dir
+from engine.metrics import EngineMetrics, request_stats
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.request import FinishReason, PhaseTimes, Request, SpecStats
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stats: dict[str, Any] | None = None          # set when finished
+    text: str | None = None                      # final text when a stop string ended it
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        if config.model is None:
+            self.model_name = DEFAULT_MODEL_NAME
+            model_config, weights, self.tokenizer = DEFAULT_CONFIG, build_default_weights(), build_default_tokenizer()
+        else:
+            md = read_model_dir(config.model)
+            self.model_name = md.path.name
+            model_config, weights = md.config, md.weights
+            self.tokenizer = Tokenizer.from_file(md.tokenizer_file, model_config.eos_token_ids)
+        self.model_config = model_config
+        found = weights.shapes()
+        has_mtp = any(n.startswith(MTP_PREFIX) for n in found)
+        k = config.draft_tokens
+        if k > 0 and not has_mtp:
+            log.warning("speculation_off", reason="checkpoint has no mtp.* weights", draft_tokens=k)
+            k = 0
+        if not has_mtp or k == 0:
+            weights = weights.without(MTP_PREFIX)
+            found = weights.shapes()
+        self.draft_tokens = k
+        with torch.device("meta"):
+            expected = Qwen3ForCausalLM(model_config, with_mtp=k > 0).checkpoint_shapes()
+        check_tensors(expected, found, self.model_name)
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if config.draft_vocab > model_config.vocab_size:
+            raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
+        self.memory = plan_memory(config, model_config, k, self.max_model_len)
+        log.info("memory_plan", plan=self.memory.describe(), model=self.model_name, draft_tokens=k)
+        self.runner = ModelRunner(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
+        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.prefix_reuse)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_batch=config.max_batch, max_pending=config.max_pending,
+            pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
+            draft_tokens=k, max_model_len=self.max_model_len,
+            lease_s=float(config.extra.get("lease_s", 60.0))), self.kv, clock)
+        self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
+        self._stops: dict[str, IncrementalDetokenizer] = {}
+        self._stop_text: dict[str, str] = {}
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    park_after_prefill: bool = False, arrival: float | None = None) -> Request:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidArgumentError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgumentError("prompt_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        k_r = self.draft_tokens if params.draft_tokens is None else min(params.draft_tokens, self.draft_tokens)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.model_config.eos_token_ids)
+        req = Request(
+            request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling=params,
+            seed=params.seed if params.seed is not None else secrets.randbits(63),
+            times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
+            draft_tokens=k_r, park_after_prefill=park_after_prefill,
+            spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
+            stop_token_ids=frozenset(stop_ids))
+        self.scheduler.add_request(req)
+        if params.stop:
+            self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+        return req
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
+        req = self.scheduler.finish(request_id, reason)
+        return self._finished_output(req, [])
+
+    def resume(self, request_id: str) -> Request:
+        return self.scheduler.resume(request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def expire(self) -> list[RequestOutput]:
+        """Finish requests past the pending timeout or their lease (also called by an idle loop)."""
+        return [self._finished_output(r, []) for r in self.scheduler.expire()]
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.expire()
+        sched = self.scheduler.schedule()
+        prefilling = self.scheduler.prefilling
+        result = self.runner.execute(sched) if not sched.empty else ModelOutput()
+        events = self.scheduler.update(sched, result)
+        self._record(sched, prefilling, events)
+        for ev in events:
+            tokens = self._apply_stop_strings(ev.request, ev.new_token_ids)
+            req = ev.request
+            outputs.append(self._finished_output(req, tokens) if req.finished else
+                           RequestOutput(req.request_id, tokens, False))
+        return outputs
+
+    def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:
+        detok = self._stops.get(req.request_id)
+        if detok is None or not tokens:
+            return tokens
+        for i, tok in enumerate(tokens):
+            before = len(detok.text)
+            detok.push([tok])
+            cut = find_stop(detok.text, req.sampling.stop, before)
+            if cut is not None:
+                kept = tokens[:i + 1]
+                del req.output_token_ids[len(req.output_token_ids) - len(tokens) + i + 1:]
+                self._stop_text[req.request_id] = detok.text[:cut]
+                if not req.finished:
+                    self.scheduler.finish(req.request_id, FinishReason.STOP)
+                else:
+                    req.finish_reason = FinishReason.STOP
+                return kept
+        return tokens
+
+    def _finished_output(self, req: Request, tokens: list[int]) -> RequestOutput:
+        self._stops.pop(req.request_id, None)
+        stats = request_stats(req, self.config.prefill_chunk)
+        self.metrics.record_request(stats)
+        return RequestOutput(req.request_id, tokens, True, req.finish_reason.value, stats,
+                             self._stop_text.pop(req.request_id, None))
+
+    def _record(self, sched, prefilling: Request | None, events) -> None:
+        prefill = len(sched.prefill.token_ids) if sched.prefill else 0
+        first_chunk = (prefilling is not None and prefilling.num_preemptions == 0
+                       and sched.prefill.start == prefilling.num_cached_tokens)
+        hits = prefilling.num_cached_tokens if first_chunk else 0
+        decoding = {w.request_id for w in sched.decode}
+        decode = sum(len(ev.new_token_ids) for ev in events if ev.request.request_id in decoding)
+        if prefill or decode:
+            self.metrics.record_step(self.clock(), prefill, decode, hits)
+
+    def snapshot(self) -> dict[str, Any]:
+        kv = {"num_blocks": self.kv.num_blocks, "free_blocks": self.kv.num_free_blocks,
+              "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
+              "usage": self.kv.usage}
+        s = self.scheduler
+        queue = {"waiting": len(s.waiting), "prefilling": int(s.prefilling is not None),
+                 "running": len(s.running), "parked": len(s.parked)}
+        return self.metrics.snapshot(self.clock(), kv, queue)
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        return {"model": self.model_name, "device": c.device, "dtype": c.torch_dtype_name,
+                "kv_dtype": c.kv_dtype_name, "draft_tokens": self.draft_tokens, "prefill_chunk": c.prefill_chunk,
+                "max_model_len": self.max_model_len, "kv_capacity_tokens": self.kv.capacity_tokens,
+                "block_size": c.block_size, "tensor_parallel_size": c.tensor_parallel_size}

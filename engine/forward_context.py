@@ -1,0 +1,90 @@
+"""The one typed carrier of paged-attention metadata from the runner to the attention layers.
+
+The model's signature stays `(input_ids, positions) -> hidden`; attention layers read the context
+of the forward in flight. A prefill chunk, a decode step and a verify pass are the same thing here:
+B sequences each add `query_len` new tokens after `seq_len - query_len` tokens already in the KV.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    # [T] int64: the KV slot (block_id * block_size + offset) each new token writes; -1 = none.
+    slot_mapping: torch.Tensor
+    # [B + 1] int32: where each sequence's new tokens start in the flat batch of T tokens.
+    query_start_loc: torch.Tensor
+    # [B] int32: tokens of each sequence in the KV once this forward has written its new ones.
+    seq_lens: torch.Tensor
+    # [B, max_blocks] int32: each sequence's KV pages in position order (unused entries: 0).
+    block_tables: torch.Tensor
+    # Host copies that size kernels and drive the CPU path without a device read.
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    # Set when every sequence has the same number of new tokens (decode and verify rounds); lets
+    # CUDA-graph captured kernels take a fixed grid.
+    uniform_query_len: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+
+_current: ForwardContext | None = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside a forward context")
+    return _current
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                          block_size: int, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
+    """Positions [T] and context for sequences whose new tokens sit at [seq_len - query_len, seq_len)."""
+    q = torch.tensor(query_lens, dtype=torch.int64)
+    s = torch.tensor(seq_lens, dtype=torch.int64)
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    tables = torch.zeros(len(block_tables), width, dtype=torch.int64)
+    for i, t in enumerate(block_tables):
+        tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(query_lens)), q)       # [T]
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(q, 0)
+    offset_in_seq = torch.arange(int(starts[-1])) - starts[seq_of_token]
+    positions = (s - q)[seq_of_token] + offset_in_seq                              # [T]
+    slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    uniform = query_lens[0] if query_lens and all(n == query_lens[0] for n in query_lens) else None
+    ctx = ForwardContext(
+        slot_mapping=slots.to(device, non_blocking=True),
+        query_start_loc=starts.to(torch.int32).to(device, non_blocking=True),
+        seq_lens=s.to(torch.int32).to(device, non_blocking=True),
+        block_tables=tables.to(torch.int32).to(device, non_blocking=True),
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+        uniform_query_len=uniform,
+    )
+    return positions.to(device, non_blocking=True), ctx

@@ -1,0 +1,131 @@
+"""Hugging Face checkpoint directories: config, tokenizer, and safetensors weights (single or sharded).
+
+Tensor names and shapes are checked from the safetensors headers before any weight is read, so a
+wrong checkpoint fails with one error naming every problem and nothing half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.errors import ModelLoadError
+
+MTP_PREFIX = "mtp."
+
+
+class CheckpointWeights:
+    """Tensors of one checkpoint, read lazily file by file."""
+
+    def __init__(self, files: dict[str, Path]):
+        self._file_of = files                        # tensor name -> file
+
+    @classmethod
+    def from_dir(cls, path: Path) -> "CheckpointWeights":
+        index = path / "model.safetensors.index.json"
+        single = path / "model.safetensors"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: path / fname for name, fname in weight_map.items()}
+            absent = sorted({str(f.name) for f in files.values() if not f.exists()})
+            if absent:
+                raise ModelLoadError(f"{path}: index names missing shard files: {', '.join(absent)}")
+            return cls(files)
+        if single.exists():
+            with safe_open(single, "pt") as f:
+                return cls({name: single for name in f.keys()})
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for file, names in self._by_file().items():
+            with safe_open(file, "pt") as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise ModelLoadError(f"{file.name}: the index lists {name} but the file lacks it")
+                    out[name] = tuple(f.get_slice(name).get_shape())
+        return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file, names in self._by_file().items():
+            with safe_open(file, "pt") as f:
+                for name in names:
+                    yield name, f.get_tensor(name)
+
+    def without(self, prefix: str) -> "CheckpointWeights":
+        return CheckpointWeights({n: f for n, f in self._file_of.items() if not n.startswith(prefix)})
+
+    def _by_file(self) -> dict[Path, list[str]]:
+        grouped: dict[Path, list[str]] = {}
+        for name, file in self._file_of.items():
+            grouped.setdefault(file, []).append(name)
+        return grouped
+
+
+class TensorWeights:
+    """Weights held in memory (the embedded default model, random benchmark weights)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in self._tensors.items()}
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._tensors.items())
+
+    def without(self, prefix: str) -> "TensorWeights":
+        return TensorWeights({n: t for n, t in self._tensors.items() if not n.startswith(prefix)})
+
+
+@dataclass
+class ModelDir:
+    path: Path
+    config: ModelConfig
+    tokenizer_file: Path
+    weights: CheckpointWeights
+
+
+def read_model_dir(path: str | Path) -> ModelDir:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelLoadError(f"{path}: no config.json")
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({e})") from None
+    eos: tuple[int, ...] = ()
+    gen = path / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        eos = tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
+    config = ModelConfig.from_hf(hf, eos)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ModelLoadError(f"{path}: no tokenizer.json")
+    return ModelDir(path, config, tokenizer_file, CheckpointWeights.from_dir(path))
+
+
+def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where: str) -> None:
+    """One error naming every missing, unexpected and wrongly shaped tensor."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(n for n in set(found) - set(expected) if not n.endswith("rotary_emb.inv_freq"))
+    wrong = sorted(f"{n} {list(found[n])} (expected {list(expected[n])})"
+                   for n in set(expected) & set(found) if tuple(found[n]) != tuple(expected[n]))
+    problems = []
+    for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            problems.append(f"{label} tensors ({len(names)}): {shown}")
+    if problems:
+        raise ModelLoadError(f"{where}: " + "; ".join(problems))

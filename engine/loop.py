@@ -1,0 +1,194 @@
+"""The engine loop: one thread owns the `EngineCore` and steps it; other threads talk to it through
+commands and read per-request streams. This is the API the services use.
+
+    loop = EngineLoop(EngineCore(config)); loop.start()
+    stream = loop.submit(prompt_ids, SamplingParams(...))      # validated at once, then queued
+    for out in stream: ...                                     # RequestOutput deltas, last one finished
+    loop.abort(stream.request_id)                              # from any thread
+
+A prefill/decode split: `submit(..., park_after_prefill=True)`, read the first output (the first
+token), later `resume(request_id)` returns the same stream, now decoding.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import structlog
+
+from engine.core import EngineCore, RequestOutput
+from engine.errors import EngineDeadError, QueueTimeoutError, RequestNotFoundError
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked requests checks timeouts
+
+
+class RequestStream:
+    """Outputs of one request, in order. Iterating blocks; the final output has `finished` set."""
+
+    def __init__(self, request_id: str, loop: "EngineLoop"):
+        self.request_id = request_id
+        self._loop = loop
+        self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self.finished = False
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._outputs.put(item)
+
+    def next(self, timeout: float | None = None) -> RequestOutput:
+        """The next output; raises `queue.Empty` after `timeout`, the engine's error if it died,
+        `QueueTimeoutError` if the request timed out in the queue."""
+        item = self._outputs.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+            if item.finish_reason == FinishReason.QUEUE_TIMEOUT.value:
+                raise QueueTimeoutError(
+                    f"request waited longer than pending_timeout_ms={self._loop.core.config.pending_timeout_ms}")
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while not self.finished:
+            yield self.next()
+
+    def abort(self) -> None:
+        self._loop.abort(self.request_id)
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, clock: Callable[[], float] = time.monotonic):
+        self.core = core
+        self.clock = clock
+        # (work, future of its result or None): run on the engine thread between steps
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future | None]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._run, name="ninfer-engine", daemon=True)
+        self._stop = threading.Event()
+        self.dead: BaseException | None = None
+        self.steps = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    # -- commands (any thread) ------------------------------------------------------------------
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+               park_after_prefill: bool = False) -> RequestStream:
+        """Admit a request; raises the engine's validation and queue errors synchronously."""
+        arrival = self.clock()
+
+        def add() -> RequestStream:
+            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival)
+            stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
+            return stream
+        return self._call(add)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """End a request wherever it is; its stream gets a final output. Unknown ids are ignored."""
+        def do() -> None:
+            try:
+                self._deliver(self.core.abort(request_id, reason))
+            except RequestNotFoundError:
+                pass
+        self._commands.put((do, None))
+
+    def resume(self, request_id: str) -> RequestStream:
+        """Attach to a parked (prefilled) request: it joins the decode batch; returns its stream."""
+        def do() -> RequestStream:
+            self.core.resume(request_id)
+            return self._streams[request_id]
+        return self._call(do)
+
+    def snapshot(self) -> dict[str, Any]:
+        return self._call(self.core.snapshot)
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Run `fn(core)` on the engine thread between steps (inspection, tests)."""
+        return self._call(lambda: fn(self.core))
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if not self.alive:
+            raise EngineDeadError(f"the engine loop is not running ({self.dead or 'stopped'})")
+        done: Future = Future()
+        self._commands.put((fn, done))
+        return done.result()
+
+    # -- the thread -----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain(block=not self.core.has_work)
+                if self.core.has_work:
+                    for out in self.core.step():
+                        self._deliver(out)
+                    self.steps += 1
+        except BaseException as e:  # noqa: BLE001 - the engine is dead; every stream learns why
+            log.exception("engine_loop_died")
+            self.dead = e
+            for stream in list(self._streams.values()):
+                stream._put(EngineDeadError(f"engine stopped: {e!r}"))
+            self._streams.clear()
+            self._fail_pending_commands(e)
+
+    def _drain(self, block: bool) -> None:
+        timeout = IDLE_TICK_S if (self.core.scheduler.parked or self.core.scheduler.waiting) else 0.5
+        try:
+            item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            if block:
+                for out in self.core.expire():
+                    self._deliver(out)
+            return
+        while True:
+            fn, done = item
+            try:
+                result = fn()
+                if done is not None:
+                    done.set_result(result)
+            except Exception as e:  # noqa: BLE001 - a caller's error goes back to that caller
+                if done is None:
+                    raise
+                done.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        stream._put(out)
+        if out.finished:
+            del self._streams[out.request_id]
+
+    def _fail_pending_commands(self, error: BaseException) -> None:
+        while True:
+            try:
+                _, done = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if done is not None:
+                done.set_exception(EngineDeadError(f"engine stopped: {error!r}"))

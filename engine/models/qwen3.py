@@ -1,0 +1,205 @@
+"""Qwen3 and its MTP draft module as plain modules: (input_ids, positions) -> hidden.
+
+Paged-attention metadata reaches the attention layers through the forward context; tensor
+parallelism lives in the layers (one all-reduce after attention, one after the MLP).
+
+Attention layers are numbered 0 .. L-1 for the main model and L .. L+M-1 for the MTP layers: the
+runner binds KV pages by that index, and all of them share one block table per sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import PagedAttention
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                  RowParallelLinear)
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import SINGLE_RANK, TPGroup
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, hidden] -> [T, hidden]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(o.flatten(1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Qwen3Attention(cfg, rotary, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = Qwen3MLP(cfg, tp)
+
+    def forward(self, positions, x, residual):
+        # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T] -> final-normed hidden [T, hidden]
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+class MTPModule(nn.Module):
+    """The multi-token-prediction head of `models/tiny-qwen3-mtp/README.md`.
+
+        u_t = fc( concat( pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t) ) )
+        g_t = norm( layers[0](u_t) )        # RoPE position t, causal over the MTP layer's own KV
+
+    `h_t` is the target's final-normed hidden state at t (or the previous draft step's `g`), and
+    `lm_head(g_t)` drafts x_{t+2}. Embedding and lm_head are the main model's.
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+        super().__init__()
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.fc = ReplicatedLinear(2 * h, h, tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp) for _ in range(cfg.mtp_num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        return self.norm(x, residual)[0]
+
+
+# Checkpoint name fragment -> (fused parameter fragment, shard id)
+_FUSED = {
+    ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"), ".v_proj.": (".qkv_proj.", "v"),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
+                 max_position: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings, cfg.rope_theta)
+        self.model = Qwen3Model(cfg, self.rotary, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = MTPModule(cfg, self.rotary, tp) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
+        # hidden: [N, hidden] -> logits [N, vocab] (or [N, num_rows] over the first ids)
+        return self.lm_head(hidden, num_rows)
+
+    def draft_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # next_ids: x_{t+1} [T]; hidden: h_t [T, hidden]; positions: t [T] -> g_t [T, hidden]
+        return self.mtp(self.model.embed_tokens(next_ids), hidden, positions)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """Main layers first, then MTP layers: the index is the KV pool's layer index."""
+        layers = list(self.model.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
+        return [layer.self_attn.attn for layer in layers]
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must provide, by its Hugging Face name, unsharded."""
+        cfg, h, d = self.cfg, self.cfg.hidden_size, self.cfg.head_dim
+        q, kv, f = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+
+        def layer(prefix: str) -> dict[str, tuple[int, ...]]:
+            return {
+                f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,),
+                f"{prefix}.self_attn.q_proj.weight": (q, h), f"{prefix}.self_attn.k_proj.weight": (kv, h),
+                f"{prefix}.self_attn.v_proj.weight": (kv, h), f"{prefix}.self_attn.o_proj.weight": (h, q),
+                f"{prefix}.self_attn.q_norm.weight": (d,), f"{prefix}.self_attn.k_norm.weight": (d,),
+                f"{prefix}.mlp.gate_proj.weight": (f, h), f"{prefix}.mlp.up_proj.weight": (f, h),
+                f"{prefix}.mlp.down_proj.weight": (h, f),
+            }
+
+        shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+        if not cfg.tie_word_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        for i in range(cfg.num_hidden_layers):
+            shapes.update(layer(f"model.layers.{i}"))
+        if self.mtp is not None:
+            shapes.update({"mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
+                           "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)})
+            for i in range(cfg.mtp_num_hidden_layers):
+                shapes.update(layer(f"mtp.layers.{i}"))
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (names already checked by the loader) into this rank's parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            shard_id = None
+            for part, (fused, sid) in _FUSED.items():
+                if part in name:
+                    name, shard_id = name.replace(part, fused), sid
+                    break
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            tensor = tensor.to(device=param.device, dtype=param.dtype)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard_id)

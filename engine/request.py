@@ -1,0 +1,91 @@
+"""A request's state as the scheduler sees it. No torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"          # in the FIFO pending queue
+    PREFILLING = "prefilling"    # in the prefill lane
+    PARKED = "parked"            # prefilled; KV held under a handle until a decode attaches
+    RUNNING = "running"          # in the decode batch
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"                # EOS, a stop token id or a stop string
+    LENGTH = "length"            # max_tokens reached
+    ABORT = "abort"              # cancelled by the caller
+    QUEUE_TIMEOUT = "queue_timeout"
+    LEASE_EXPIRED = "lease_expired"
+
+
+@dataclass
+class PhaseTimes:
+    """Wall-clock instants (monotonic seconds) of one request's phases."""
+
+    arrival: float
+    prefill_start: float | None = None      # first chunk scheduled: the queue wait ends here
+    first_token: float | None = None        # first token sampled: prefill ends here
+    decode_start: float | None = None       # decode begins (= first_token unless parked)
+    finish: float | None = None
+
+
+@dataclass
+class SpecStats:
+    """Speculative counts of one request; see `engine.sampler.verify` for the definitions."""
+
+    draft_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    seed: int                                # resolved: the caller's or a random one
+    times: PhaseTimes
+    draft_tokens: int = 0                    # this request's k (<= the engine's)
+    park_after_prefill: bool = False
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Tokens whose target-model KV is final, and positions whose MTP-layer KV is final.
+    num_computed_tokens: int = 0
+    num_mtp_computed: int = 0
+    num_cached_tokens: int = 0               # prompt tokens taken from the prefix cache
+    computed_prefill_tokens: int = 0         # prompt tokens this request's prefill computed
+    # Tokens the current prefill covers: the prompt, or prompt + outputs after a preemption.
+    num_prefill_tokens: int = 0
+    num_preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)
+    stop_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prefill_tokens

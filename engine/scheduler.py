@@ -1,0 +1,322 @@
+"""FIFO admission, one prefill lane, a continuous decode batch. Pure Python: counts tokens, not phases.
+
+Every request wants its KV to catch up with its tokens: `num_tokens - num_computed_tokens` new
+tokens, plus `k` draft slots while it decodes. A prefill chunk and a decode round are that one
+thing at two sizes. The single asymmetry is the lane: one request at a time prefills, at most
+`prefill_chunk` tokens per step, while every running request advances one round per step, so a
+long prompt never stalls running streams for more than one chunk.
+
+Out of KV mid-decode: the newest running request is preempted (its blocks are freed, it goes back
+to the head of the queue and is recomputed from prompt + outputs when blocks free up); streams
+never see it except as a pause. A request alone always fits: admission refuses at the door any
+prompt + max_tokens that exceeds the context limit or the whole KV capacity.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
+from engine.kv_cache import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int
+    max_pending: int
+    pending_timeout_s: float
+    prefill_chunk: int
+    draft_tokens: int              # engine-wide k; 0 = no speculation
+    max_model_len: int
+    lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
+
+
+@dataclass
+class PrefillWork:
+    """One chunk of one request's prefill: the tokens at positions [start, start + len(token_ids))."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    # Tokens at positions start+1 .. : the MTP pass reads x_{t+1} for position t. One shorter than
+    # token_ids when the chunk ends the prefill (that token is sampled by this very step).
+    next_token_ids: list[int]
+    block_ids: list[int]
+    sample: bool                   # the chunk ends the prefill: sample a token
+    output_index: int              # index of that token among the request's outputs (RNG counter)
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class DecodeWork:
+    """One round for one running request: verify x_{n-1} plus k drafts, emit 1..k+1 tokens."""
+
+    request_id: str
+    last_token_id: int             # x_{n-1}, the one token whose target KV is not written yet
+    num_tokens: int                # n
+    num_mtp_computed: int          # m0: first MTP position whose entry is recomputed this round
+    mtp_token_ids: list[int]       # x_{m0+1} .. x_{n-1}: the next token of each position recomputed
+    block_ids: list[int]
+    draft_tokens: int              # this request's k (<= the engine's)
+    output_index: int
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass
+class SchedulerOutput:
+    prefill: PrefillWork | None
+    decode: list[DecodeWork]
+    # Requests that left since the previous step: the runner drops any state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill is None and not self.decode
+
+
+@dataclass
+class ModelOutput:
+    # request id -> tokens this step produced (prefill: the first one; decode: accepted drafts + 1)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestEvent:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.prefilling: Request | None = None
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._lease_deadline: dict[str, float] = {}
+
+    # -- the door -------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        n = len(req.prompt_token_ids)
+        total = n + req.sampling.max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidArgumentError(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) = {total} exceeds "
+                f"the context limit of {self.config.max_model_len} tokens")
+        if total + self.config.draft_tokens > self.kv.capacity_tokens:
+            raise InvalidArgumentError(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) + draft slots "
+                f"({self.config.draft_tokens}) exceeds the KV capacity of {self.kv.capacity_tokens} tokens")
+        if req.request_id in self.requests:
+            raise InvalidArgumentError("request_id", f"{req.request_id!r} is already in use")
+        if len(self.waiting) >= self.config.max_pending:
+            raise QueueFullError(f"the pending queue is full ({self.config.max_pending} requests)")
+        req.num_prefill_tokens = n
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def expire(self) -> list[Request]:
+        """Finish queued requests past the pending timeout and parked ones past their lease."""
+        now = self.clock()
+        done = [r for r in self.waiting if now - r.times.arrival > self.config.pending_timeout_s]
+        for req in done:
+            self.waiting.remove(req)
+            self._finish(req, FinishReason.QUEUE_TIMEOUT)
+        for rid, deadline in list(self._lease_deadline.items()):
+            if now > deadline:
+                done.append(self.parked[rid])
+                self._finish(self.parked[rid], FinishReason.LEASE_EXPIRED)
+        return done
+
+    def schedule(self) -> SchedulerOutput:
+        k = self.config.draft_tokens
+        decode: list[DecodeWork] = []
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:      # preempted earlier in this loop
+                continue
+            while not self.kv.allocate(req, req.num_tokens + k):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                decode.append(self._decode_work(req))
+        if self.prefilling is None:
+            self._admit()
+        prefill = self._prefill_work(self.prefilling) if self.prefilling is not None else None
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(prefill=prefill, decode=decode, finished_request_ids=finished)
+
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestEvent]:
+        now = self.clock()
+        events: list[RequestEvent] = []
+        spec = self.config.draft_tokens > 0
+        if out.prefill is not None:
+            req = self.requests[out.prefill.request_id]
+            end = out.prefill.start + len(out.prefill.token_ids)
+            if req.num_preemptions == 0:
+                req.computed_prefill_tokens += len(out.prefill.token_ids)
+            req.num_computed_tokens = end
+            req.num_mtp_computed = min(end, req.num_prefill_tokens - 1) if spec else 0
+            if out.prefill.sample:
+                self.prefilling = None
+                if req.times.first_token is None:
+                    req.times.first_token = now
+                if req.park_after_prefill and req.num_preemptions == 0:
+                    req.status = RequestStatus.PARKED
+                    self.parked[req.request_id] = req
+                    self._lease_deadline[req.request_id] = now + self.config.lease_s
+                else:
+                    req.status = RequestStatus.RUNNING
+                    self.running.append(req)
+                    if req.times.decode_start is None:
+                        req.times.decode_start = now
+                events.append(self._append(req, result.sampled[req.request_id], now))
+            self._register(req, spec)
+        for work in out.decode:
+            req = self.requests[work.request_id]
+            tokens = result.sampled[work.request_id]
+            if spec:
+                accepted = len(tokens) - 1
+                s = req.spec
+                s.rounds += 1
+                s.drafted += work.draft_tokens
+                s.accepted += accepted
+                for i in range(accepted):
+                    s.accepted_per_position[i] += 1
+                req.num_mtp_computed = req.num_tokens - 1
+            req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
+            events.append(self._append(req, tokens, now))
+            if not req.finished:
+                self._register(req, spec)
+        return events
+
+    # -- caller actions -------------------------------------------------------------------------
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request:
+        """End a request in any state (abort, stop string); its blocks are freed once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"no request {request_id!r}")
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    def resume(self, request_id: str) -> Request:
+        """Move a parked request into the decode batch."""
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, attached or expired)")
+        del self._lease_deadline[request_id]
+        req.status = RequestStatus.RUNNING
+        req.times.decode_start = self.clock()
+        self.running.append(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Move the queue's head into the prefill lane if its blocks are free (FIFO: no overtaking)."""
+        if not self.waiting or len(self.running) + len(self.parked) >= self.config.max_batch:
+            return
+        req = self.waiting[0]
+        hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
+                            req.num_prefill_tokens + self.config.draft_tokens)
+        if hit is None:
+            return
+        self.waiting.popleft()
+        req.num_computed_tokens = req.num_mtp_computed = hit.num_tokens
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = hit.num_tokens
+        if req.times.prefill_start is None:
+            req.times.prefill_start = self.clock()
+        req.status = RequestStatus.PREFILLING
+        self.prefilling = req
+
+    def _prefill_work(self, req: Request) -> PrefillWork:
+        start = req.num_computed_tokens
+        end = min(start + self.config.prefill_chunk, req.num_prefill_tokens)
+        tokens = req.all_token_ids
+        sample = end == req.num_prefill_tokens
+        return PrefillWork(
+            request_id=req.request_id, token_ids=tokens[start:end], start=start,
+            next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
+            sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed)
+
+    def _decode_work(self, req: Request) -> DecodeWork:
+        return DecodeWork(
+            request_id=req.request_id, last_token_id=req.all_token_ids[-1], num_tokens=req.num_tokens,
+            num_mtp_computed=req.num_mtp_computed,
+            mtp_token_ids=req.all_token_ids[req.num_mtp_computed + 1:] if self.config.draft_tokens else [],
+            block_ids=list(req.block_ids),
+            draft_tokens=req.draft_tokens, output_index=req.num_output_tokens,
+            sampling=req.sampling, seed=req.seed)
+
+    def _append(self, req: Request, tokens: list[int], now: float) -> RequestEvent:
+        """Append tokens one by one, stopping at EOS / a stop token id / max_tokens."""
+        taken: list[int] = []
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            taken.append(tok)
+            if tok in req.stop_token_ids:
+                self._finish(req, FinishReason.STOP, now)
+                break
+            if req.num_output_tokens >= req.sampling.max_tokens:
+                self._finish(req, FinishReason.LENGTH, now)
+                break
+        return RequestEvent(req, taken, req.finished)
+
+    def _register(self, req: Request, spec: bool) -> None:
+        final = min(req.num_computed_tokens, req.num_mtp_computed) if spec else req.num_computed_tokens
+        self.kv.register_blocks(req, final)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_mtp_computed = 0
+        req.num_prefill_tokens = req.num_tokens
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._finished_ids.append(req.request_id)        # the runner's per-request state is stale
+
+    def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.PARKED:
+            self.parked.pop(req.request_id, None)
+            self._lease_deadline.pop(req.request_id, None)
+        elif req.status is RequestStatus.PREFILLING:
+            self.prefilling = None
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.times.finish = self.clock() if now is None else now
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)

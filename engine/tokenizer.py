@@ -1,0 +1,84 @@
+"""Tokenizer (Hugging Face `tokenizers`) and incremental detokenization that never splits a character."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, inner: HFTokenizer, eos_token_ids: tuple[int, ...] = ()):
+        self.inner = inner
+        self.eos_token_ids = eos_token_ids
+        self.special_ids = {i for i, tok in inner.get_added_tokens_decoder().items() if tok.special}
+
+    @classmethod
+    def from_file(cls, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
+        return cls(HFTokenizer.from_file(str(path)), eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int | None:
+        return self.inner.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:
+        """ChatML, the Qwen family's format: <|im_start|>role\\ncontent<|im_end|>\\n ..."""
+        text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Byte-level tokens can end inside a multi-byte character; text that ends in U+FFFD is held back
+    until the following tokens complete it. Only a short window of tokens is re-decoded per step.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(context_ids or [])[-6:]   # decoding context for leading spaces
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (possibly empty)."""
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if full.endswith(REPLACEMENT_CHAR) or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is held back, replacement characters included."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        delta = full[len(prefix):] if len(full) > len(prefix) else ""
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+def find_stop(text: str, stops: list[str], new_from: int) -> int | None:
+    """Index where the earliest stop string starts, looking only at matches that end in text[new_from:]."""
+    best = None
+    for stop in stops:
+        i = text.find(stop, max(0, new_from - len(stop) + 1))
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

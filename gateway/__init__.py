@@ -1,0 +1,1 @@
+"""ninfer's public side: the gRPC gateway, its client and the `ninfer` command line."""
