@@ -17,9 +17,10 @@ from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
 from engine.errors import InvalidArgumentError, ModelLoadError
 from engine.kv_cache import KVCacheManager
-from engine.loader import MTP_PREFIX, check_tensors, read_model_dir
+from engine.loader import MTP_PREFIX, RandomWeights, check_tensors, read_model_dir
 from engine.metrics import EngineMetrics, request_stats
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.presets import PREFIX as PRESET_PREFIX, preset
 from engine.request import FinishReason, PhaseTimes, Request, SpecStats
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -48,6 +49,14 @@ class EngineCore:
         if config.model is None:
             self.model_name = DEFAULT_MODEL_NAME
             model_config, weights, self.tokenizer = DEFAULT_CONFIG, build_default_weights(), build_default_tokenizer()
+        elif config.model.startswith(PRESET_PREFIX):
+            # a reference shape with random weights, made on the device (benchmarks)
+            self.model_name = config.model[len(PRESET_PREFIX):]
+            model_config = preset(config.model)
+            with torch.device("meta"):
+                shapes = Qwen3ForCausalLM(model_config, with_mtp=True).checkpoint_shapes()
+            weights = RandomWeights(shapes, "cpu" if config.device == "cpu" else config.device)
+            self.tokenizer = build_default_tokenizer()
         else:
             md = read_model_dir(config.model)
             self.model_name = md.path.name

@@ -85,6 +85,30 @@ class TensorWeights:
         return TensorWeights({n: t for n, t in self._tensors.items() if not n.startswith(prefix)})
 
 
+class RandomWeights:
+    """Seeded random tensors made on the target device, one at a time (benchmarks of large shapes:
+    speed does not depend on the values). Norm weights are ones; matrices have std 1/sqrt(fan_in)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: str = "cpu", seed: int = 0):
+        self._shapes, self.device, self.seed = shapes, device, seed
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        gen = torch.Generator(self.device).manual_seed(self.seed)
+        for name, shape in sorted(self._shapes.items()):
+            if len(shape) == 1:
+                yield name, torch.ones(shape, device=self.device)
+            else:
+                t = torch.randn(shape, generator=gen, device=self.device, dtype=torch.bfloat16)
+                yield name, t.mul_(shape[1] ** -0.5)
+
+    def without(self, prefix: str) -> "RandomWeights":
+        return RandomWeights({n: s for n, s in self._shapes.items() if not n.startswith(prefix)},
+                             self.device, self.seed)
+
+
 @dataclass
 class ModelDir:
     path: Path

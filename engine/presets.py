@@ -1,0 +1,32 @@
+"""Reference shapes (BENCH.md) that the benchmark builds with random weights: `model="preset:NAME"`."""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.default_model import DEFAULT_CONFIG
+
+QWEN3_EOS = (151645, 151643)
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        max_position_embeddings=262144, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        eos_token_ids=QWEN3_EOS),
+    "qwen3-32b": ModelConfig(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
+        max_position_embeddings=262144, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        eos_token_ids=QWEN3_EOS),
+    "tiny": DEFAULT_CONFIG,
+}
+
+PREFIX = "preset:"
+
+
+def preset(name: str) -> ModelConfig:
+    key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    if key not in PRESETS:
+        from engine.errors import ModelLoadError
+        raise ModelLoadError(f"unknown preset {key!r}; known: {', '.join(sorted(PRESETS))}")
+    return PRESETS[key]
