@@ -92,6 +92,26 @@ class EngineCore:
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
 
+    def warmup(self) -> dict[str, Any]:
+        """Run one short request end to end (compiles kernels), then capture the decode graphs.
+
+        Services report NOT_SERVING until this returns. Leaves no trace in metrics or the prefix cache."""
+        start = time.perf_counter()
+        if self.has_work:
+            raise RuntimeError("warm up before serving requests")
+        prompt = list(range(1, min(self.max_model_len - 8, 2 * self.config.block_size + 3) + 1))
+        self.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), request_id="warmup")
+        while self.has_work:
+            self.step()
+        graph_s = 0.0
+        if self.runner.device.type == "cuda" and not self.config.enforce_eager:
+            from engine.cuda_graphs import GraphedRounds, default_buckets
+            self.runner.graphs = GraphedRounds(default_buckets(self.config.max_batch))
+            graph_s = self.runner.graphs.capture(self.runner)
+        self.kv.reset_prefix_cache()
+        self.metrics = EngineMetrics(interval_s=self.config.stats_interval_s)
+        return {"seconds": time.perf_counter() - start, "graph_capture_seconds": graph_s}
+
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

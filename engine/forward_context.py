@@ -21,26 +21,23 @@ class ForwardContext:
     query_start_loc: torch.Tensor
     # [B] int32: tokens of each sequence in the KV once this forward has written its new ones.
     seq_lens: torch.Tensor
-    # [B, max_blocks] int32: each sequence's KV pages in position order (unused entries: 0).
+    # [B, max_blocks] int32: each sequence's KV pages in position order (unused entries: any block).
     block_tables: torch.Tensor
-    # Host copies that size kernels and drive the CPU path without a device read.
-    query_lens_host: list[int]
-    seq_lens_host: list[int]
-    # Set when every sequence has the same number of new tokens (decode and verify rounds); lets
-    # CUDA-graph captured kernels take a fixed grid.
+    # Host bounds that pick and size kernels without reading the device: the longest run of new
+    # tokens, and an upper bound of seq_lens (exact when eager; the context limit in CUDA graphs).
+    max_query_len: int
+    max_seq_len: int
+    # Set when every sequence adds the same number of tokens (decode and verify rounds).
     uniform_query_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+        return self.seq_lens.shape[0]
 
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_host, default=0)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_host, default=0)
+    def host_lens(self) -> tuple[list[int], list[int]]:
+        """(query lengths, sequence lengths) on the host; a device read, for the CPU path only."""
+        starts = self.query_start_loc.tolist()
+        return [b - a for a, b in zip(starts, starts[1:])], self.seq_lens.tolist()
 
 
 _current: ForwardContext | None = None
@@ -83,8 +80,8 @@ def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tabl
         query_start_loc=starts.to(torch.int32).to(device, non_blocking=True),
         seq_lens=s.to(torch.int32).to(device, non_blocking=True),
         block_tables=tables.to(torch.int32).to(device, non_blocking=True),
-        query_lens_host=list(query_lens),
-        seq_lens_host=list(seq_lens),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
         uniform_query_len=uniform,
     )
     return positions.to(device, non_blocking=True), ctx

@@ -1,13 +1,12 @@
 """Turns scheduler output into tensors, runs the model, samples and verifies. One host read per step.
 
-A decode round with k drafts (see `engine.models.qwen3.MTPModule` for the MTP formulas):
-  1. MTP step 1 recomputes, from the target's real hidden states, the MTP entries of the positions
-     m0 .. n-2 that the last target forward finalised (1 to k+1 of them; padded to k+1 so the
-     shape is fixed) and drafts d_1 from the last of them;
-  2. MTP steps 2..k each feed (g, d_{j-1}) at the next position and draft d_j;
-  3. the target verifies [x_{n-1}, d_1 .. d_k] in one forward, and `sampler.verify` keeps the
-     accepted drafts plus one bonus token.
-The target hidden states of that forward are kept per request for the next round's step 1.
+Prefill chunks run eagerly (one request per step: the lane). Decode rounds run through
+`engine.decode_round.run_round`, replayed from a CUDA graph of the smallest batch bucket that
+fits when graphs are captured (`engine.cuda_graphs`), eagerly otherwise.
+
+Each request holding KV also holds a row of the hidden-state pool: the target hidden states of the
+positions whose MTP entries the next round recomputes. Row `max_batch` is scratch for the padded
+rows of a graph bucket, and so is the extra KV block at the end of the pool.
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from engine import sampler
 from engine.config import EngineConfig, ModelConfig
+from engine.decode_round import RoundInputs, pack_round, run_round
 from engine.forward_context import build_forward_context, forward_context
 from engine.layers.attention import LayerKV
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.parallel import SINGLE_RANK, TPGroup
-from engine import sampler
 from engine.scheduler import DecodeWork, ModelOutput, PrefillWork, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -52,7 +52,7 @@ def allocate_kv(num_layers: int, num_blocks: int, block_size: int, kv_heads: int
 
 @dataclass
 class PromptLogits:
-    """Logits at every prompt position, collected chunk by chunk (for scoring and tests)."""
+    """Logits at every prompt position, collected chunk by chunk (scoring and tests)."""
 
     chunks: list[torch.Tensor]
 
@@ -65,34 +65,41 @@ class ModelRunner:
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.block_size = config.block_size
         self.k = draft_tokens
-        self.vocab_size = model_config.vocab_size
+        self.max_batch = config.max_batch
         self.draft_vocab = config.draft_vocab or None
+        # the context limit plus draft slots, in positions and in blocks per sequence
+        self.max_seq_len = max_model_len + draft_tokens + 1
+        self.max_blocks = -(-self.max_seq_len // self.block_size)
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_config, tp, with_mtp=draft_tokens > 0,
-                                          max_position=max_model_len + draft_tokens + 1)
+                                          max_position=self.max_seq_len)
         self.model.load_weights(weights)
         self.model.eval()
         kv_dtype = torch.int8 if config.kv_dtype_name == "int8" else getattr(torch, config.kv_dtype_name)
         layers = self.model.attention_layers()
-        attn = layers[0]
-        self.kv = allocate_kv(len(layers), num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
-                              kv_dtype, self.device)
+        self.null_block = num_blocks                     # scratch block for padded rows
+        self.kv = allocate_kv(len(layers), num_blocks + 1, self.block_size, layers[0].num_kv_heads,
+                              layers[0].head_dim, kv_dtype, self.device)
         for layer, kv in zip(layers, self.kv):
             layer.kv = kv
-        # request id -> target hidden states [k+1, hidden] of the positions MTP step 1 recomputes
-        self._mtp_hidden: dict[str, torch.Tensor] = {}
-        # request id -> prompt logits being collected
+        self.hidden_pool = (torch.zeros(self.max_batch + 1, draft_tokens + 1, model_config.hidden_size,
+                                        dtype=self.dtype, device=self.device) if draft_tokens > 0 else None)
+        self._pool_row: dict[str, int] = {}
+        self._free_rows = list(range(self.max_batch - 1, -1, -1))
+        self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         for rid in out.finished_request_ids:
-            self._mtp_hidden.pop(rid, None)
+            row = self._pool_row.pop(rid, None)
+            if row is not None:
+                self._free_rows.append(row)
         result = ModelOutput()
         if out.prefill is not None:
             self._prefill(out.prefill, result)
         if out.decode:
-            (self._decode_speculative if self.k > 0 else self._decode)(out.decode, result)
+            self._decode(out.decode, result)
         return result
 
     # -- prefill --------------------------------------------------------------------------------
@@ -105,84 +112,37 @@ class ModelRunner:
             hidden = self.model(ids, positions)                                      # [n, hidden]
             if self.k > 0:
                 # MTP entries of this chunk's positions; the last prompt position waits for the
-                # sampled token (round 1, step 1). Its slot gets a placeholder that step 1 overwrites.
+                # sampled token (round 1, step 1), which overwrites the placeholder written here.
                 nxt = torch.zeros(n, dtype=torch.int64)
                 nxt[:len(w.next_token_ids)] = torch.tensor(w.next_token_ids, dtype=torch.int64)
-                self.model.draft_hidden(nxt.to(self.device), hidden, positions)
+                self.model.draft_hidden(nxt.to(self.device, non_blocking=True), hidden, positions)
         collect = self.prompt_logits.get(w.request_id)
         if collect is not None:
             collect.chunks.append(self.model.compute_logits(hidden).float().cpu())
-        if w.sample:
-            s = sampler.SamplingBatch.build([w.sampling], [w.seed], [w.output_index], self.device)
-            token = sampler.sample(self.model.compute_logits(hidden[-1:]), s)
-            if self.k > 0:
-                rows = torch.zeros(self.k + 1, hidden.shape[-1], dtype=hidden.dtype, device=self.device)
-                rows[0] = hidden[-1]
-                self._mtp_hidden[w.request_id] = rows
-            result.sampled[w.request_id] = token.tolist()
+        if not w.sample:
+            return
+        s = sampler.SamplingBatch.build([w.sampling], [w.seed], [w.output_index], self.device)
+        token = sampler.sample(self.model.compute_logits(hidden[-1:]), s)
+        if self.k > 0:
+            row = self._pool_row.get(w.request_id)
+            if row is None:
+                row = self._pool_row[w.request_id] = self._free_rows.pop()
+            self.hidden_pool[row, 0] = hidden[-1]
+        result.sampled[w.request_id] = token.tolist()
 
     # -- decode ---------------------------------------------------------------------------------
 
-    def _sampling(self, works: list[DecodeWork]) -> sampler.SamplingBatch:
-        return sampler.SamplingBatch.build([w.sampling for w in works], [w.seed for w in works],
-                                           [w.output_index for w in works], self.device)
-
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
-        positions, ctx = build_forward_context([1] * len(works), [w.num_tokens for w in works],
-                                               [w.block_ids for w in works], self.block_size, self.device)
-        ids = torch.tensor([w.last_token_id for w in works], dtype=torch.int64).to(self.device)
-        with forward_context(ctx):
-            logits = self.model.compute_logits(self.model(ids, positions))
-        tokens = sampler.sample(logits, self._sampling(works)).tolist()
-        for w, t in zip(works, tokens):
-            result.sampled[w.request_id] = [t]
-
-    def _decode_speculative(self, works: list[DecodeWork], result: ModelOutput) -> None:
-        k, bsz, dev = self.k, len(works), self.device
-        tables = [w.block_ids for w in works]
-        s = self._sampling(works)
-        draft_tokens, draft_probs = [], []
-
-        # Step 1: k+1 slots per request at positions m0 .. m0+k; the first `count` are real.
-        counts = [w.num_tokens - 1 - w.num_mtp_computed for w in works]
-        step1_ids = torch.zeros(bsz, k + 1, dtype=torch.int64)
-        for i, w in enumerate(works):
-            step1_ids[i, :counts[i]] = torch.tensor(w.mtp_token_ids, dtype=torch.int64)
-        hidden_in = torch.stack([self._mtp_hidden[w.request_id] for w in works])          # [B, k+1, H]
-        positions, ctx = build_forward_context([k + 1] * bsz, [w.num_mtp_computed + k + 1 for w in works],
-                                               tables, self.block_size, dev)
-        with forward_context(ctx):
-            g = self.model.draft_hidden(step1_ids.to(dev).flatten(), hidden_in.flatten(0, 1), positions)
-        last = torch.tensor(counts, device=dev) - 1
-        g = g.view(bsz, k + 1, -1)[torch.arange(bsz, device=dev), last]                   # [B, H]
-
-        # Steps 1..k: draft from g, then feed (g, d_j) at the next position.
-        for j in range(k):
-            d, q = sampler.draft(self.model.compute_logits(g, self.draft_vocab), s.shifted(j), self.vocab_size)
-            draft_tokens.append(d)
-            draft_probs.append(q)
-            if j == k - 1:
-                break
-            positions, ctx = build_forward_context([1] * bsz, [w.num_tokens + j for w in works], tables,
-                                                   self.block_size, dev)
-            with forward_context(ctx):
-                g = self.model.draft_hidden(d, g, positions)
-
-        # Verify [x_{n-1}, d_1 .. d_k] at positions n-1 .. n-1+k.
-        drafts = torch.stack(draft_tokens, dim=1)                                           # [B, k]
-        last_ids = torch.tensor([w.last_token_id for w in works], dtype=torch.int64).to(dev)
-        verify_ids = torch.cat([last_ids.unsqueeze(1), drafts], dim=1)                       # [B, k+1]
-        positions, ctx = build_forward_context([k + 1] * bsz, [w.num_tokens + k for w in works], tables,
-                                               self.block_size, dev)
-        with forward_context(ctx):
-            hidden = self.model(verify_ids.flatten(), positions)                             # [B(k+1), H]
-        logits = self.model.compute_logits(hidden).view(bsz, k + 1, -1)
-        q = None if s.all_greedy else torch.stack(draft_probs, dim=1)
-        num_drafts = torch.tensor([w.draft_tokens for w in works], device=dev)
-        out, _ = sampler.verify(logits, drafts, q, num_drafts, s)
-        hidden = hidden.view(bsz, k + 1, -1)
-        for i, w in enumerate(works):
-            self._mtp_hidden[w.request_id] = hidden[i]
-        for w, row in zip(works, out.tolist()):
+        all_greedy = all(w.sampling.greedy for w in works)
+        any_filter = any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works)
+        if self.graphs is not None and self.graphs.fits(len(works)):
+            tokens, _ = self.graphs.replay(self, works, all_greedy, any_filter)
+        else:
+            width = max(len(w.block_ids) for w in works)
+            packed = pack_round(works, len(works), width, self.k, self.null_block, self.max_batch, self._pool_row)
+            inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
+            max_len = max(w.num_tokens for w in works) + self.k
+            tokens, _ = run_round(self.model, self.hidden_pool, inp, self.k, self.block_size, max_len,
+                                  all_greedy, any_filter, self.draft_vocab)
+        for w, row in zip(works, tokens.tolist()):
             result.sampled[w.request_id] = [t for t in row if t >= 0]
-

@@ -111,7 +111,7 @@ def probabilities(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
         sorted_x = sorted_x.masked_fill(beyond_k, float("-inf"))
         p_sorted = sorted_x.softmax(-1)
         # keep the smallest head whose mass reaches top_p: a token stays if the mass before it is short
-        beyond_p = (p_sorted.cumsum(-1) - p_sorted) >= s.top_p.unsqueeze(1)
+        beyond_p = ((p_sorted.cumsum(-1) - p_sorted) >= s.top_p.unsqueeze(1)) & (s.top_p.unsqueeze(1) < 1.0)
         sorted_x = sorted_x.masked_fill(beyond_p, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(-1, order, sorted_x)
     return torch.where(greedy.unsqueeze(1), greedy_rows, x.softmax(-1))

@@ -68,7 +68,8 @@ def paged_attention_reference(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext,
     block_size = kv.k.shape[1]
     group = q.shape[1] // kv.k.shape[2]
     start = 0
-    for i, (n_q, n_kv) in enumerate(zip(ctx.query_lens_host, ctx.seq_lens_host)):
+    query_lens, seq_lens = ctx.host_lens()
+    for i, (n_q, n_kv) in enumerate(zip(query_lens, seq_lens)):
         if n_q == 0:
             continue
         table = ctx.block_tables[i, :-(-n_kv // block_size)].long()

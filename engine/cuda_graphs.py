@@ -1,0 +1,91 @@
+"""CUDA graphs of the decode round, one per (batch bucket, sampling variant), captured at warm-up.
+
+A replay costs three host-to-device copies (packed inputs from pinned staging buffers), one
+graph launch and the one device-to-host read of the tokens. Variants exist because the sampling
+code differs in shape of work, not in values: all-greedy rounds skip probabilities entirely, and
+only rounds with a top-k/top-p row sort the vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from engine.decode_round import RoundInputs, pack_round, run_round
+
+log = structlog.get_logger(__name__)
+
+# (all_greedy, any_filter)
+VARIANTS = ((True, False), (False, False), (False, True))
+
+
+def default_buckets(max_batch: int) -> list[int]:
+    buckets, b = [], 1
+    while b < max_batch:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_batch]
+
+
+class _Captured:
+    def __init__(self, batch: int, runner):
+        k, dev = runner.k, runner.device
+        self.batch = batch
+        pin = dict(pin_memory=True)
+        self.host = (torch.zeros(9 * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
+                     torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
+                     torch.zeros(batch, runner.max_blocks, dtype=torch.int32, **pin).numpy())
+        self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
+        self.inputs = RoundInputs.from_packed(*self.device, k=k)
+        self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def load(self, runner, works) -> None:
+        pack_round(works, self.batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch,
+                   runner._pool_row, out=self.host)
+        for dst, src in zip(self.device, self.host):
+            dst.copy_(torch.from_numpy(src), non_blocking=True)
+
+
+class GraphedRounds:
+    def __init__(self, buckets: list[int]):
+        self.buckets = sorted(buckets)
+        self._by_batch: dict[int, _Captured] = {}
+
+    def fits(self, n: int) -> bool:
+        return n <= self.buckets[-1]
+
+    @torch.inference_mode()
+    def capture(self, runner) -> float:
+        """Capture every bucket and variant (largest first, sharing one memory pool). -> seconds."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for batch in reversed(self.buckets):
+            cap = self._by_batch[batch] = _Captured(batch, runner)
+            cap.load(runner, [])                                 # all rows padding
+            for variant in VARIANTS:
+                args = (runner.model, runner.hidden_pool, cap.inputs, runner.k, runner.block_size,
+                        runner.max_seq_len, *variant, runner.draft_vocab)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        run_round(*args)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    tokens, num_accepted = run_round(*args)
+                cap.graphs[variant] = (graph, tokens)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        log.info("cuda_graphs_captured", buckets=self.buckets, variants=len(VARIANTS), seconds=round(seconds, 2))
+        return seconds
+
+    def replay(self, runner, works, all_greedy: bool, any_filter: bool):
+        batch = next(b for b in self.buckets if b >= len(works))
+        cap = self._by_batch[batch]
+        cap.load(runner, works)
+        graph, tokens = cap.graphs[(True, False) if all_greedy else (False, any_filter)]
+        graph.replay()
+        return tokens, None

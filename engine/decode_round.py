@@ -1,0 +1,155 @@
+"""One decode round as a pure device function: no host reads, fixed shapes, so it can be captured
+in a CUDA graph per batch-size bucket and replayed (`engine.cuda_graphs`). The CPU runs the very
+same function eagerly.
+
+With k drafts (MTP formulas in `engine.models.qwen3.MTPModule`):
+  1. MTP step 1 recomputes from real target hidden states the MTP entries of positions
+     m0 .. n-2 that the last target forward finalised (1 to k+1 of them, padded to k+1 so the shape
+     is fixed; padded rows write slots that later steps overwrite before anything reads them) and
+     drafts d_1 from the last real one;
+  2. MTP steps 2..k feed (g, d_{j-1}) at positions n-1, n, ... and draft d_j;
+  3. the target verifies [x_{n-1}, d_1 .. d_k] at positions n-1 .. n-1+k in one forward, and
+     `sampler.verify` keeps the accepted drafts plus one bonus token;
+  4. that forward's hidden states go back to the request's row of the hidden pool for the next
+     round's step 1.
+With k = 0 a round is one target forward and one sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine import sampler
+from engine.forward_context import ForwardContext, forward_context
+from engine.models.qwen3 import Qwen3ForCausalLM
+
+
+@dataclass
+class RoundInputs:
+    """Device tensors of one round for B requests (a graph's static buffers when graphed)."""
+
+    last_ids: torch.Tensor        # [B] int64: x_{n-1}, the token whose target KV is not written yet
+    num_tokens: torch.Tensor      # [B] int64: n
+    mtp_start: torch.Tensor       # [B] int64: m0, first position whose MTP entry step 1 recomputes
+    mtp_counts: torch.Tensor      # [B] int64: n - 1 - m0, in 1 .. k+1
+    mtp_ids: torch.Tensor         # [B, k+1] int64: x_{m0+1} .. x_{n-1}, zero-padded
+    pool_rows: torch.Tensor       # [B] int64: each request's row in the hidden-state pool
+    block_tables: torch.Tensor    # [B, W] int32
+    temperature: torch.Tensor     # [B] float32
+    top_k: torch.Tensor           # [B] int64
+    top_p: torch.Tensor           # [B] float32
+    seeds: torch.Tensor           # [B] int64
+    output_index: torch.Tensor    # [B] int64: index of x_n among the request's outputs
+    num_drafts: torch.Tensor      # [B] int64: each request's own k (<= k)
+
+    @classmethod
+    def from_packed(cls, ints: torch.Tensor, floats: torch.Tensor, tables: torch.Tensor, k: int) -> "RoundInputs":
+        """Views into three flat buffers (one host-to-device copy each):
+        ints [9 * B + B * (k+1)] int64, floats [2 * B] float32, tables [B, W] int32."""
+        bsz = tables.shape[0]
+        i = ints[:9 * bsz].view(9, bsz)
+        f = floats.view(2, bsz)
+        return cls(last_ids=i[0], num_tokens=i[1], mtp_start=i[2], mtp_counts=i[3],
+                   mtp_ids=ints[9 * bsz:].view(bsz, k + 1), pool_rows=i[4], block_tables=tables,
+                   temperature=f[0], top_k=i[5], top_p=f[1], seeds=i[6], output_index=i[7], num_drafts=i[8])
+
+    def sampling(self, all_greedy: bool, any_filter: bool) -> sampler.SamplingBatch:
+        return sampler.SamplingBatch(self.temperature, self.top_k, self.top_p, self.seeds, self.output_index,
+                                     all_greedy=all_greedy, any_filter=any_filter)
+
+
+def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Tensor, block_size: int,
+                    max_seq_len: int) -> tuple[torch.Tensor, ForwardContext]:
+    """B sequences each adding `query_len` tokens at positions start .. start+query_len-1.
+
+    start: [B] int64 -> positions [B * query_len] and the context, computed on the device."""
+    bsz = start.shape[0]
+    offsets = torch.arange(query_len, device=start.device)
+    positions = (start.unsqueeze(1) + offsets).flatten()                                # [B * q]
+    rows = torch.arange(bsz, device=start.device).repeat_interleave(query_len)
+    blocks = block_tables[rows, positions // block_size].to(torch.int64)
+    ctx = ForwardContext(
+        slot_mapping=blocks * block_size + positions % block_size,
+        query_start_loc=(torch.arange(bsz + 1, device=start.device) * query_len).to(torch.int32),
+        seq_lens=(start + query_len).to(torch.int32),
+        block_tables=block_tables,
+        max_query_len=query_len,
+        max_seq_len=max_seq_len,
+        uniform_query_len=query_len,
+    )
+    return positions, ctx
+
+
+@torch.inference_mode()
+def run_round(model: Qwen3ForCausalLM, hidden_pool: torch.Tensor | None, inp: RoundInputs, k: int,
+              block_size: int, max_seq_len: int, all_greedy: bool, any_filter: bool,
+              draft_vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> tokens [B, k+1] (accepted drafts, bonus, then -1) and num_accepted [B].
+
+    hidden_pool: [rows, k+1, hidden], updated in place with this round's target hidden states."""
+    s = inp.sampling(all_greedy, any_filter)
+    tables = inp.block_tables
+    if k == 0:
+        positions, ctx = uniform_context(inp.num_tokens - 1, 1, tables, block_size, max_seq_len)
+        with forward_context(ctx):
+            logits = model.compute_logits(model(inp.last_ids, positions))
+        tokens = sampler.sample(logits, s).unsqueeze(1)
+        return tokens, torch.zeros_like(inp.num_tokens)
+
+    bsz = inp.last_ids.shape[0]
+    rows = torch.arange(bsz, device=inp.last_ids.device)
+    vocab = model.cfg.vocab_size
+    positions, ctx = uniform_context(inp.mtp_start, k + 1, tables, block_size, max_seq_len)
+    with forward_context(ctx):
+        g = model.draft_hidden(inp.mtp_ids.flatten(), hidden_pool[inp.pool_rows].flatten(0, 1), positions)
+    g = g.view(bsz, k + 1, -1)[rows, inp.mtp_counts - 1]                                # [B, hidden]
+
+    drafts, draft_probs = [], []
+    for j in range(k):
+        d, q = sampler.draft(model.compute_logits(g, draft_vocab), s.shifted(j), vocab)
+        drafts.append(d)
+        draft_probs.append(q)
+        if j + 1 < k:
+            positions, ctx = uniform_context(inp.num_tokens - 1 + j, 1, tables, block_size, max_seq_len)
+            with forward_context(ctx):
+                g = model.draft_hidden(d, g, positions)
+
+    draft_tokens = torch.stack(drafts, dim=1)                                            # [B, k]
+    verify_ids = torch.cat([inp.last_ids.unsqueeze(1), draft_tokens], dim=1)             # [B, k+1]
+    positions, ctx = uniform_context(inp.num_tokens - 1, k + 1, tables, block_size, max_seq_len)
+    with forward_context(ctx):
+        hidden = model(verify_ids.flatten(), positions)                                  # [B(k+1), hidden]
+    logits = model.compute_logits(hidden).view(bsz, k + 1, -1)
+    q = None if all_greedy else torch.stack(draft_probs, dim=1)
+    tokens, num_accepted = sampler.verify(logits, draft_tokens, q, inp.num_drafts, s)
+    hidden_pool[inp.pool_rows] = hidden.view(bsz, k + 1, -1)
+    return tokens, num_accepted
+
+
+def pack_round(works: list, batch: int, width: int, k: int, null_block: int, scratch_row: int,
+               pool_row: dict[str, int], out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+    """Host arrays of a round for `batch` rows (rows past len(works) are padding that writes only
+    the scratch block and the scratch pool row). `out` reuses (pinned) staging arrays."""
+    ints, floats, tables = out if out is not None else (
+        np.zeros(9 * batch + batch * (k + 1), np.int64), np.zeros(2 * batch, np.float32),
+        np.zeros((batch, width), np.int32))
+    i = ints[:9 * batch].reshape(9, batch)
+    mtp = ints[9 * batch:].reshape(batch, k + 1)
+    f = floats.reshape(2, batch)
+    i[:] = 0
+    i[1], i[3], i[4] = 1, 1, scratch_row            # padding: n = 1, one MTP row, scratch pool row
+    mtp[:] = 0
+    f[0], f[1] = 0.0, 1.0
+    tables[:] = null_block
+    for r, w in enumerate(works):
+        i[:, r] = (w.last_token_id, w.num_tokens, w.num_mtp_computed, w.num_tokens - 1 - w.num_mtp_computed,
+                   pool_row.get(w.request_id, scratch_row), w.sampling.top_k, w.seed, w.output_index,
+                   w.draft_tokens)
+        f[:, r] = (w.sampling.temperature, w.sampling.top_p)
+        if k > 0:
+            mtp[r, :len(w.mtp_token_ids)] = w.mtp_token_ids
+        tables[r, :len(w.block_ids)] = w.block_ids
+    return ints, floats, tables
