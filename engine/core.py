@@ -22,7 +22,7 @@ from engine.metrics import EngineMetrics, request_stats
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.presets import PREFIX as PRESET_PREFIX, preset
 from engine.request import FinishReason, PhaseTimes, Request, SpecStats
-from engine.runner import ModelRunner
+from engine.executor import Executor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
@@ -81,7 +81,7 @@ class EngineCore:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
         self.memory = plan_memory(config, model_config, k, self.max_model_len)
         log.info("memory_plan", plan=self.memory.describe(), model=self.model_name, draft_tokens=k)
-        self.runner = ModelRunner(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
+        self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
         self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.prefix_reuse)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch=config.max_batch, max_pending=config.max_pending,
@@ -104,10 +104,10 @@ class EngineCore:
         while self.has_work:
             self.step()
         graph_s = 0.0
-        if self.runner.device.type == "cuda" and not self.config.enforce_eager:
-            from engine.cuda_graphs import GraphedRounds, default_buckets
-            self.runner.graphs = GraphedRounds(default_buckets(self.config.max_batch))
-            graph_s = self.runner.graphs.capture(self.runner)
+        if self.executor.driver.device.type == "cuda" and not self.config.enforce_eager:
+            from engine.cuda_graphs import default_buckets
+            buckets = default_buckets(self.config.max_batch)
+            graph_s = max(self.executor.run_all(lambda runner: runner.capture_graphs(buckets)))
         self.kv.reset_prefix_cache()
         self.metrics = EngineMetrics(interval_s=self.config.stats_interval_s)
         return {"seconds": time.perf_counter() - start, "graph_capture_seconds": graph_s}
@@ -160,7 +160,7 @@ class EngineCore:
         outputs = self.expire()
         sched = self.scheduler.schedule()
         prefilling = self.scheduler.prefilling
-        result = self.runner.execute(sched) if not sched.empty else ModelOutput()
+        result = self.executor.execute(sched) if not sched.empty else ModelOutput()
         events = self.scheduler.update(sched, result)
         self._record(sched, prefilling, events)
         for ev in events:

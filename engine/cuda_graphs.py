@@ -49,8 +49,10 @@ class _Captured:
 
 
 class GraphedRounds:
-    def __init__(self, buckets: list[int]):
+    def __init__(self, buckets: list[int], thread_local: bool = False):
         self.buckets = sorted(buckets)
+        # ranks of one process capture at once, each on its own thread
+        self.capture_mode = "thread_local" if thread_local else "global"
         self._by_batch: dict[int, _Captured] = {}
 
     def fits(self, n: int) -> bool:
@@ -74,7 +76,7 @@ class GraphedRounds:
                         run_round(*args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
                     tokens, num_accepted = run_round(*args)
                 cap.graphs[variant] = (graph, tokens)
         torch.cuda.synchronize()

@@ -7,6 +7,7 @@ B sequences each add `query_len` new tokens after `seq_len - query_len` tokens a
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -40,23 +41,24 @@ class ForwardContext:
         return [b - a for a, b in zip(starts, starts[1:])], self.seq_lens.tolist()
 
 
-_current: ForwardContext | None = None
+# Per thread: with tensor parallelism in one process, each rank's thread runs its own forward.
+_local = threading.local()
 
 
 def get_forward_context() -> ForwardContext:
-    if _current is None:
+    ctx = getattr(_local, "ctx", None)
+    if ctx is None:
         raise RuntimeError("attention ran outside a forward context")
-    return _current
+    return ctx
 
 
 @contextmanager
 def forward_context(ctx: ForwardContext):
-    global _current
-    previous, _current = _current, ctx
+    previous, _local.ctx = getattr(_local, "ctx", None), ctx
     try:
         yield ctx
     finally:
-        _current = previous
+        _local.ctx = previous
 
 
 def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],

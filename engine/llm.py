@@ -59,10 +59,14 @@ class LLM:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill."""
         from engine.runner import PromptLogits
         req = self.engine.add_request(prompt, SamplingParams(max_tokens=1))
-        self.engine.runner.prompt_logits[req.request_id] = collect = PromptLogits([])
+        runners = self.engine.executor.runners         # every rank runs the same collectives
+        collectors = [PromptLogits([]) for _ in runners]
+        for runner, c in zip(runners, collectors):
+            runner.prompt_logits[req.request_id] = c
         try:
             while not req.finished:
                 self.engine.step()
         finally:
-            self.engine.runner.prompt_logits.pop(req.request_id, None)
-        return torch.cat(collect.chunks)[-len(req.prompt_token_ids):]
+            for runner in runners:
+                runner.prompt_logits.pop(req.request_id, None)
+        return torch.cat(collectors[0].chunks)[-len(req.prompt_token_ids):]

@@ -104,6 +104,10 @@ class RandomWeights:
                 t = torch.randn(shape, generator=gen, device=self.device, dtype=torch.bfloat16)
                 yield name, t.mul_(shape[1] ** -0.5)
 
+    def on(self, device) -> "RandomWeights":
+        """The same tensors, made on another device (each tensor-parallel rank makes its own)."""
+        return RandomWeights(self._shapes, str(device), self.seed)
+
     def without(self, prefix: str) -> "RandomWeights":
         return RandomWeights({n: s for n, s in self._shapes.items() if not n.startswith(prefix)},
                              self.device, self.seed)

@@ -55,7 +55,7 @@ class LocalCommunicator:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
-        self._barrier = threading.Barrier(world_size)
+        self._barrier = threading.Barrier(world_size, timeout=600)   # a dead rank must not hang the rest
         self._slots: list[torch.Tensor | None] = [None] * world_size
 
     def _exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:

@@ -59,9 +59,11 @@ class PromptLogits:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, num_blocks: int,
-                 draft_tokens: int, max_model_len: int, tp: TPGroup = SINGLE_RANK):
+                 draft_tokens: int, max_model_len: int, tp: TPGroup = SINGLE_RANK,
+                 device: torch.device | None = None):
         self.config = config
-        self.device = torch.device(config.device)
+        self.tp = tp
+        self.device = device or torch.device(config.device)
         self.dtype = getattr(torch, config.torch_dtype_name)
         self.block_size = config.block_size
         self.k = draft_tokens
@@ -73,7 +75,7 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_config, tp, with_mtp=draft_tokens > 0,
                                           max_position=self.max_seq_len)
-        self.model.load_weights(weights)
+        self.model.load_weights(weights.on(self.device) if hasattr(weights, "on") else weights)
         self.model.eval()
         kv_dtype = torch.int8 if config.kv_dtype_name == "int8" else getattr(torch, config.kv_dtype_name)
         layers = self.model.attention_layers()
@@ -88,6 +90,11 @@ class ModelRunner:
         self._free_rows = list(range(self.max_batch - 1, -1, -1))
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
+
+    def capture_graphs(self, buckets: list[int]) -> float:
+        from engine.cuda_graphs import GraphedRounds
+        self.graphs = GraphedRounds(buckets, thread_local=self.tp.size > 1)
+        return self.graphs.capture(self)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelOutput:

@@ -1,0 +1,108 @@
+"""Runs every step on all tensor-parallel ranks of this process.
+
+With one rank the executor calls its runner directly. With several, each rank's `ModelRunner`
+(its model shard, its KV pages and graphs on its own device) lives on its own thread: a step is
+handed to every thread, the ranks meet in their collectives, and rank 0's result is returned (all
+ranks sample the same tokens from the same gathered logits). CUDA graphs are captured by every
+rank's thread at once, with thread-local capture so that ranks do not disturb each other.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.parallel import SINGLE_RANK, LocalCommunicator, TPGroup
+from engine.runner import ModelRunner
+from engine.scheduler import ModelOutput, SchedulerOutput
+
+
+def rank_devices(config: EngineConfig) -> list[torch.device]:
+    tp = config.tensor_parallel_size
+    if config.device == "cpu":
+        return [torch.device("cpu")] * tp
+    first = torch.device(config.device).index or 0
+    if tp > 1 and torch.cuda.device_count() < first + tp:
+        from engine.errors import InvalidArgumentError
+        raise InvalidArgumentError("tensor_parallel_size",
+                                   f"{tp} ranks need cuda:{first}..cuda:{first + tp - 1}, "
+                                   f"but {torch.cuda.device_count()} GPUs are visible")
+    return [torch.device("cuda", first + r) for r in range(tp)]
+
+
+def make_groups(config: EngineConfig, devices: list[torch.device]) -> list[TPGroup]:
+    if len(devices) == 1:
+        return [SINGLE_RANK]
+    if devices[0].type == "cpu":
+        return LocalCommunicator(len(devices)).groups()
+    from engine.parallel_cuda import make_communicator
+    kind = config.extra.get("tp_comm", "auto")
+    return make_communicator(kind, [d.index for d in devices]).groups()
+
+
+class Executor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, num_blocks: int,
+                 draft_tokens: int, max_model_len: int):
+        self.devices = rank_devices(config)
+        groups = make_groups(config, self.devices)
+        # built one after the other on this thread: construction touches process-wide defaults
+        self.runners = [ModelRunner(config, model_config, weights, num_blocks, draft_tokens, max_model_len,
+                                    tp=g, device=d) for g, d in zip(groups, self.devices)]
+        self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
+
+    @property
+    def driver(self) -> ModelRunner:
+        """Rank 0: its results are the step's results."""
+        return self.runners[0]
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.run_all(lambda runner: runner.execute(out))[0]
+
+    def run_all(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
+        """fn(runner) on every rank at once (each on its thread); results in rank order."""
+        if not self._workers:
+            return [fn(self.runners[0])]
+        for worker, runner in zip(self._workers, self.runners):
+            worker.submit(lambda r=runner: fn(r))
+        return [worker.result() for worker in self._workers]
+
+    def shutdown(self) -> None:
+        for w in self._workers:
+            w.stop()
+
+
+class _RankThread:
+    """A thread bound to one device that runs the calls it is given, one at a time."""
+
+    def __init__(self, rank: int, device: torch.device):
+        self.device = device
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"ninfer-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        self._calls.put(fn)
+
+    def result(self) -> Any:
+        ok, value = self._results.get()
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while (fn := self._calls.get()) is not None:
+            try:
+                self._results.put((True, fn()))
+            except BaseException as e:  # noqa: BLE001 - re-raised on the engine thread
+                self._results.put((False, e))
