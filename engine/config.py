@@ -45,6 +45,12 @@ class ModelConfig:
         if missing:
             raise ModelLoadError(f"config.json lacks {', '.join(missing)}")
         heads = int(hf["num_attention_heads"])
+        # transformers 5 writes RoPE settings under `rope_parameters` (older configs: top-level
+        # `rope_theta`, optional `rope_scaling`); only the default (unscaled) RoPE is implemented.
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ModelLoadError(f"unsupported rope_type {rope_type!r}; supported: default")
         if not eos_token_ids:
             eos = hf.get("eos_token_id")
             eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -56,7 +62,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            rope_theta=float(hf.get("rope_theta", 1_000_000.0)),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 1_000_000.0))),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
