@@ -1,0 +1,105 @@
+"""The engine process: one EngineLoop behind PrefillService, DecodeService and EngineInfoService.
+
+    host = EngineHost(EngineConfig(...), ServerOptions(listen="127.0.0.1:50052")).start()   # NOT_SERVING
+    host.load()                   # build the engine, warm it up through the split path -> SERVING
+    host.drain(); host.stop()     # SIGTERM: new prefills UNAVAILABLE, admitted requests finish
+
+The server starts before the model loads so that health probes see NOT_SERVING (not a refused
+connection) while weights load and the warm-up runs.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.loop import EngineLoop
+from engine.sampling_params import SamplingParams
+from ninfer.v1 import decode_pb2, decode_pb2_grpc, engine_info_pb2, engine_info_pb2_grpc, prefill_pb2, \
+    prefill_pb2_grpc
+from services.decode import DecodeServicer
+from services.engine_info import EngineInfoServicer, model_info
+from services.lifecycle import ServingState
+from services.prefill import PrefillServicer
+from services.prometheus import EnginePrometheus, serve_metrics
+from services.server import GrpcServer, ServerOptions
+
+log = structlog.get_logger(__name__)
+SERVICE_NAMES = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
+                 decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
+                 engine_info_pb2.DESCRIPTOR.services_by_name["EngineInfoService"].full_name]
+DEFAULT_LEASE_S = 60.0
+
+
+class EngineHost:
+    def __init__(self, config: EngineConfig, options: ServerOptions, registry: CollectorRegistry | None = None):
+        self.config = config
+        self.options = options
+        self.lease_seconds = float(config.extra.get("lease_s", DEFAULT_LEASE_S))
+        self.loop: EngineLoop | None = None
+        self.model_info = None
+        self.state = ServingState(SERVICE_NAMES, not_ready_reason="loading the model")
+        self.tracer = options.tracer_provider.get_tracer("ninfer.engine")
+        self.registry = registry or CollectorRegistry()
+        self.metrics = EnginePrometheus(self.registry, self._snapshot_if_loaded)
+        self._grpc = GrpcServer(options, self.state, "ninfer-engine-rpc")
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self._grpc.server)
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._grpc.server)
+        engine_info_pb2_grpc.add_EngineInfoServiceServicer_to_server(EngineInfoServicer(self), self._grpc.server)
+        self._metrics_server = None
+        self.metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return self._grpc.address
+
+    def start(self) -> "EngineHost":
+        self._grpc.start(SERVICE_NAMES)
+        if self.options.metrics_listen:
+            self._metrics_server, self.metrics_port = serve_metrics(self.options.metrics_listen, self.registry)
+        log.info("engine_listening", address=self.address, metrics_port=self.metrics_port)
+        return self
+
+    def load(self) -> "EngineHost":
+        """Build the engine and warm it up; health turns SERVING after the warm-up request."""
+        self.loop = EngineLoop(EngineCore(self.config)).start()
+        self.model_info = model_info(self.loop.core, self.lease_seconds)
+        warm_up(self.loop)
+        self.state.set_serving()
+        log.info("engine_serving", address=self.address, **self.loop.core.describe())
+        return self
+
+    def drain(self) -> bool:
+        """Refuse new prefills; wait (at most the drain timeout) until every admitted request is done."""
+        self.state.drain()
+        log.info("engine_draining", address=self.address)
+        return self.state.wait_idle(self.options.drain_timeout_s, busy=self._has_requests)
+
+    def stop(self) -> None:
+        self._grpc.stop(0)
+        if self.loop is not None:
+            self.loop.shutdown()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        log.info("engine_stopped", address=self.address)
+
+    def _has_requests(self) -> bool:
+        return self.loop is not None and self.loop.alive and self.loop.call(lambda core: core.scheduler.num_unfinished) > 0
+
+    def _snapshot_if_loaded(self):
+        return self.loop.snapshot() if self.loop is not None and self.loop.alive else None
+
+
+def warm_up(loop: EngineLoop) -> None:
+    """One request through the prefill/decode split: every code path a served request takes runs once."""
+    ids = loop.core.tokenizer.encode("warm up") or [0]
+    stream = loop.submit(ids, SamplingParams(max_tokens=2, ignore_eos=True), f"warmup-{uuid.uuid4().hex}",
+                         park_after_prefill=True)
+    stream.next()
+    for _ in loop.resume(stream.request_id):
+        pass

@@ -1,0 +1,102 @@
+"""Exceptions -> gRPC status, in one table (DESIGN.md, "Error model"), and the interceptor that applies it.
+
+Servicers raise domain errors (engine.errors) or `RpcAbort`; they never call `context.abort`. The
+gateway passes an engine's status through unchanged, retry pushback included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from engine.errors import (EngineDeadError, InvalidArgumentError, QueueFullError, QueueTimeoutError,
+                           RequestNotFoundError)
+
+log = structlog.get_logger(__name__)
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"     # gRPC's retry-throttling trailer (A6 retry design)
+
+
+class RpcAbort(Exception):
+    """End the call with this status (not ready, draining, cancelled, no engine...)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class RpcStatus:
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str], ...] = ()
+
+
+def status_for(exc: BaseException, retry_pushback_ms: int) -> RpcStatus:
+    """The status a client sees for `exc`."""
+    if isinstance(exc, RpcAbort):
+        return RpcStatus(exc.code, exc.details)
+    if isinstance(exc, InvalidArgumentError):
+        return RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, (QueueFullError, QueueTimeoutError)):
+        return RpcStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
+                         ((RETRY_PUSHBACK_KEY, str(retry_pushback_ms)),))
+    if isinstance(exc, RequestNotFoundError):
+        return RpcStatus(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return RpcStatus(grpc.StatusCode.UNAVAILABLE, str(exc))
+    if isinstance(exc, grpc.FutureCancelledError):
+        return RpcStatus(grpc.StatusCode.CANCELLED, "cancelled")
+    if isinstance(exc, GeneratorExit):                  # the server dropped a stream: the client left
+        return RpcStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):   # an upstream call: pass it on
+        pushback = tuple((m.key, m.value) for m in (exc.trailing_metadata() or ()) if m.key == RETRY_PUSHBACK_KEY)
+        return RpcStatus(exc.code(), exc.details() or "", pushback)
+    return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """Turns what a servicer raises into its status (and trailing metadata); logs the unexpected."""
+
+    def __init__(self, retry_pushback_ms: int):
+        self.retry_pushback_ms = retry_pushback_ms
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+        return handler
+
+    def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
+        def unary(request, context):
+            try:
+                return behavior(request, context)
+            except Exception as e:  # noqa: BLE001 - every error becomes a status
+                self._abort(context, e, method)
+        return unary
+
+    def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
+        def stream(request, context) -> Iterator:
+            try:
+                yield from behavior(request, context)
+            except Exception as e:  # noqa: BLE001 - every error becomes a status
+                self._abort(context, e, method)
+        return stream
+
+    def _abort(self, context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+        if type(exc) is Exception and context.code() is not None:    # context.abort() was called already
+            raise exc
+        status = status_for(exc, self.retry_pushback_ms)
+        if status.code is grpc.StatusCode.INTERNAL:
+            log.error("rpc_failed", method=method, exc_info=exc)
+        if status.trailing_metadata:
+            context.set_trailing_metadata(status.trailing_metadata)
+        context.abort(status.code, status.details)

@@ -1,0 +1,69 @@
+"""What the engine process and the gateway share: server options, and a gRPC server with the
+interceptor chain (tracing, auth, error mapping), health and optional reflection."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import filters, server_interceptor
+from opentelemetry.sdk.trace import TracerProvider
+
+from services.address import join_host_port, split_host_port
+from services.auth import BearerTokenInterceptor
+from services.errors import ErrorMappingInterceptor
+from services.lifecycle import ServingState
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024     # gRPC's default receive limit
+
+
+@dataclass
+class ServerOptions:
+    """Flags every ninfer server takes (see gateway/cli.py for their spelling)."""
+
+    listen: str                                     # HOST:PORT; port 0 = any free port
+    metrics_listen: str | None = None               # HOST:PORT of /metrics; None = off
+    api_key: str | None = None                      # bearer token every call but health must present
+    enable_reflection: bool = False
+    max_workers: int = 256                          # threads: one per open stream
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    retry_pushback_ms: int = 1000                   # grpc-retry-pushback-ms on RESOURCE_EXHAUSTED
+    drain_timeout_s: float = 30.0                   # grace for streams in flight on SIGTERM
+    tracer_provider: TracerProvider = field(default_factory=TracerProvider)
+
+
+class GrpcServer:
+    """A started-later gRPC server bound to `options.listen`, with health registered."""
+
+    def __init__(self, options: ServerOptions, state: ServingState, name: str):
+        # Health probes and reflection are not traced: a span per probe would bury the requests.
+        interceptors = [server_interceptor(tracer_provider=options.tracer_provider,
+                                           filter_=filters.negate(filters.service_prefix("grpc.")))]
+        if options.api_key:
+            interceptors.append(BearerTokenInterceptor(options.api_key))
+        interceptors.append(ErrorMappingInterceptor(options.retry_pushback_ms))
+        self.server = grpc.server(
+            ThreadPoolExecutor(options.max_workers, thread_name_prefix=name), interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", options.max_message_bytes),
+                     ("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(state.health, self.server)
+        host, _ = split_host_port(options.listen)
+        try:
+            self.port = self.server.add_insecure_port(options.listen)
+        except RuntimeError as e:                 # grpc's "Failed to bind to address"
+            raise OSError(f"cannot listen on {options.listen}: {e}") from None
+        self.address = join_host_port(host, self.port)
+        self._options = options
+        self._state = state
+
+    def start(self, service_full_names: list[str]) -> None:
+        if self._options.enable_reflection:
+            reflection.enable_server_reflection(
+                [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.server.start()
+
+    def stop(self, grace_s: float | None = None) -> None:
+        self.server.stop(grace_s).wait()
