@@ -1,0 +1,67 @@
+"""The gateway process: the public Gateway service in front of one or more engine processes.
+
+    gw = GatewayServer(["127.0.0.1:50052"], ServerOptions(listen="127.0.0.1:50051")).start()
+    ...                           # health SERVING once an engine serves (the router polls them)
+    gw.drain(); gw.stop()         # SIGTERM: new calls UNAVAILABLE, streams in flight finish
+"""
+
+from __future__ import annotations
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from ninfer.v1 import gateway_pb2, gateway_pb2_grpc
+from services.lifecycle import ServingState
+from services.prometheus import GatewayPrometheus, serve_metrics
+from services.server import GrpcServer, ServerOptions
+from gateway.router import EngineRouter
+from gateway.servicer import GatewayServicer
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+
+
+class GatewayServer:
+    def __init__(self, engines: list[str], options: ServerOptions, engine_api_key: str | None = None,
+                 registry: CollectorRegistry | None = None, poll_interval_s: float = 0.5):
+        self.options = options
+        self.state = ServingState([SERVICE_NAME], not_ready_reason="no engine is serving")
+        self.router = EngineRouter(engines, options.tracer_provider, engine_api_key, poll_interval_s,
+                                   on_change=self._engines_changed)
+        self.tracer = options.tracer_provider.get_tracer("ninfer.gateway")
+        self.registry = registry or CollectorRegistry()
+        self.metrics = GatewayPrometheus(self.registry, self.router.loads)
+        self._grpc = GrpcServer(options, self.state, "ninfer-gateway-rpc")
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self), self._grpc.server)
+        self._metrics_server = None
+        self.metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return self._grpc.address
+
+    def start(self) -> "GatewayServer":
+        self._grpc.start([SERVICE_NAME])
+        if self.options.metrics_listen:
+            self._metrics_server, self.metrics_port = serve_metrics(self.options.metrics_listen, self.registry)
+        self.router.start()
+        log.info("gateway_listening", address=self.address, engines=[e.address for e in self.router.engines],
+                 metrics_port=self.metrics_port)
+        return self
+
+    def drain(self) -> bool:
+        """Refuse new calls; wait (at most the drain timeout) for the streams in flight."""
+        self.state.drain()
+        log.info("gateway_draining", address=self.address, in_flight=self.state.in_flight)
+        return self.state.wait_idle(self.options.drain_timeout_s)
+
+    def stop(self) -> None:
+        self._grpc.stop(0)
+        self.router.stop()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        log.info("gateway_stopped", address=self.address)
+
+    def _engines_changed(self, any_serving: bool) -> None:
+        self.state.set_serving(any_serving and self.router.model is not None, "no engine is serving")

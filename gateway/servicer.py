@@ -1,0 +1,210 @@
+"""Gateway.Generate: one client stream = a Prefill call and a Decode stream on one engine.
+
+    client --Generate--> [validate, tokenize] --Prefill(ids)--> engine: handle, first token
+                         [detokenize]         --Decode(handle)--> engine: tokens ... final stats
+
+The client's deadline goes to both calls (what is left of it); a client that goes away cancels the
+engine call in flight (the engine aborts within one step), or releases a handle no decode took.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import grpc
+import structlog
+from opentelemetry.propagate import inject
+from opentelemetry.trace import SpanKind
+from structlog.contextvars import bound_contextvars
+
+from ninfer.v1 import common_pb2, decode_pb2, engine_info_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
+from services.convert import stats_from_proto
+from services.errors import RpcAbort, status_for
+from gateway.prepare import prepare
+from gateway.report import RequestRecord, report
+from gateway.router import Engine
+from gateway.text import StreamingText
+
+if TYPE_CHECKING:
+    from gateway.server import GatewayServer
+
+log = structlog.get_logger(__name__)
+DECODE_METHOD = "/ninfer.v1.DecodeService/Decode"
+NO_DEADLINE_S = 1e8           # grpc reports ~forever when the client set no deadline
+
+
+class CallCanceller:
+    """Termination callback of the client's call: cancels whichever engine call is in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.Future | grpc.Call | None = None
+        self._terminated = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            self._terminated = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def watch(self, call) -> None:
+        with self._lock:
+            self._call = call
+            terminated = self._terminated
+        if terminated:
+            call.cancel()
+
+
+def time_left(context: grpc.ServicerContext) -> float | None:
+    """The client's remaining deadline in seconds, for the next engine call (None: no deadline)."""
+    left = context.time_remaining()
+    if left is None or left > NO_DEADLINE_S:
+        return None
+    if left <= 0:
+        raise RpcAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
+    return left
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, server: "GatewayServer"):
+        self.server = server
+        self.router = server.router
+        self.tracer = server.tracer
+
+    def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext):
+        record = RequestRecord(request_id=uuid.uuid4().hex, received=time.monotonic())
+        with bound_contextvars(request_id=record.request_id), \
+                self.tracer.start_as_current_span("generate", attributes={"ninfer.request_id": record.request_id}) as span:
+            try:
+                with self.server.state.admit():
+                    yield from self._generate(request, context, record)
+                record.status = grpc.StatusCode.OK
+            except BaseException as e:        # GeneratorExit too: the client went away
+                record.status = status_for(e, 0).code
+                raise
+            finally:
+                report(record, span, self.server.metrics)
+
+    def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord):
+        model = self.router.model
+        if model is None:
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "no engine has reported its model yet")
+        record.model = model.info.model
+        record.sampling = request.sampling
+        prepared = prepare(request, model)
+        record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
+        record.tokenize_s = time.monotonic() - record.received
+        text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)
+        canceller = CallCanceller()
+        if not context.add_callback(canceller):
+            raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
+        engine, first = self._prefill(request, prepared.prompt_ids, context, record, canceller)
+        record.engine = engine.address
+        handle = None if first.finished else first.handle        # a handle no decode owns yet
+        try:
+            opts = request.stream_options
+            if first.finished:
+                yield self._final(record, text.push(list(first.token_ids), final=True), first.token_ids,
+                                  first.stats, opts)
+                return
+            if not context.is_active():
+                raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away after the prefill")
+            with self.tracer.start_as_current_span(DECODE_METHOD, kind=SpanKind.CLIENT, attributes={
+                    "rpc.system": "grpc", "rpc.service": "ninfer.v1.DecodeService", "rpc.method": "Decode"}) as span:
+                carrier: dict[str, str] = {}
+                inject(carrier)                                   # W3C traceparent to the engine
+                call = engine.decode.Decode(decode_pb2.DecodeRequest(handle=handle), timeout=time_left(context),
+                                            metadata=(*self.router.metadata, *carrier.items()))
+                canceller.watch(call)
+                handle = None                                     # the decode stream owns it now
+                record.token_sent(len(first.token_ids), self.server.metrics)
+                yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
+                for msg in call:
+                    delta = text.push(list(msg.token_ids), final=msg.finished)
+                    record.token_sent(len(msg.token_ids), self.server.metrics)
+                    if msg.finished:
+                        yield self._final(record, delta, msg.token_ids, msg.stats, opts)
+                        return
+                    if delta or opts.include_token_ids or opts.continuous_usage_stats:
+                        yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
+                span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.UNKNOWN.value[0])
+                raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
+        finally:
+            self.router.release(engine)
+            if handle is not None:
+                self._release_handle(engine, handle)
+
+    def _prefill(self, request, prompt_ids: list[int], context, record: RequestRecord,
+                 canceller: CallCanceller) -> tuple[Engine, prefill_pb2.PrefillResponse]:
+        """Prefill on the least-loaded engine; an engine that turns out UNAVAILABLE (down, draining)
+        is skipped for the next one, since nothing ran there."""
+        tried: tuple[Engine, ...] = ()
+        message = prefill_pb2.PrefillRequest(request_id=record.request_id, prompt_token_ids=prompt_ids,
+                                             sampling=request.sampling)
+        while True:
+            engine = self.router.acquire(exclude=tried)
+            start = time.monotonic()
+            future = engine.prefill.Prefill.future(message, timeout=time_left(context), metadata=self.router.metadata)
+            canceller.watch(future)
+            try:
+                response = future.result()
+            except grpc.RpcError as e:
+                self.router.release(engine)
+                if e.code() is grpc.StatusCode.UNAVAILABLE and context.is_active():
+                    self.router.mark_unavailable(engine)
+                    tried += (engine,)
+                    log.warning("engine_unavailable", engine=engine.address, details=e.details())
+                    continue
+                raise
+            except BaseException:
+                self.router.release(engine)
+                raise
+            record.prefill_call_s = time.monotonic() - start
+            return engine, response
+
+    def _release_handle(self, engine: Engine, handle: str) -> None:
+        try:
+            engine.prefill.Release(prefill_pb2.ReleaseRequest(handle=handle), timeout=5.0,
+                                   metadata=self.router.metadata)
+        except grpc.RpcError as e:        # expired or the engine is gone: the lease frees it anyway
+            log.warning("release_failed", engine=engine.address, code=e.code().name, details=e.details())
+
+    def _chunk(self, record: RequestRecord, text: str, token_ids, usage: common_pb2.Usage,
+               opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:
+        msg = gateway_pb2.GenerateResponse(request_id=record.request_id, text=text)
+        if opts.include_token_ids:
+            msg.token_ids.extend(token_ids)
+        if opts.continuous_usage_stats:
+            msg.usage.CopyFrom(usage)
+            msg.usage.completion_tokens = record.completion_tokens
+        return msg
+
+    def _final(self, record: RequestRecord, text: str, token_ids, stats: common_pb2.RequestStats,
+               opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:
+        if record.first_token_at is None:           # the prefill's token was the only one
+            record.token_sent(len(token_ids), self.server.metrics)
+        record.stats = stats_from_proto(stats)
+        record.result = gateway_pb2.GenerateResult(stats=stats, gateway_timings=record.gateway_timings(),
+                                                   model=record.model, engine=record.engine)
+        msg = gateway_pb2.GenerateResponse(request_id=record.request_id, text=text, usage=stats.usage,
+                                           result=record.result)
+        if opts.include_token_ids:
+            msg.token_ids.extend(token_ids)
+        return msg
+
+    def GetEngineMetrics(self, request, context: grpc.ServicerContext):
+        entries = []
+        for engine in self.router.engines:
+            entry = gateway_pb2.EngineMetricsEntry(engine=engine.address, serving=engine.serving,
+                                                   in_flight=engine.in_flight)
+            try:
+                entry.metrics.CopyFrom(engine.info.GetMetrics(engine_info_pb2.GetMetricsRequest(), timeout=5.0,
+                                                              metadata=self.router.metadata))
+            except grpc.RpcError as e:
+                log.warning("engine_metrics_failed", engine=engine.address, code=e.code().name)
+            entries.append(entry)
+        return gateway_pb2.GetEngineMetricsResponse(engines=entries)
