@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(json_logs: bool = False, level: str = "info") -> None:
+def configure_logging(json_logs: bool = False, level: str = "info", stream: TextIO | None = None) -> None:
+    """Request-scoped fields (request_id) bound with structlog.contextvars appear on every line."""
     renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[
@@ -19,6 +21,6 @@ def configure_logging(json_logs: bool = False, level: str = "info") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )

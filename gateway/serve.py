@@ -26,7 +26,7 @@ class ServeStack:
     def __init__(self, config: EngineConfig, options: ServerOptions, engine_options: ServerOptions | None = None):
         """`options` configure the public gateway; the engine gets loopback defaults unless given."""
         self.registry = CollectorRegistry()
-        engine_key = secrets.token_urlsafe(24)
+        self.engine_api_key = engine_key = secrets.token_urlsafe(24)
         engine_options = engine_options or replace(options, listen="127.0.0.1:0", enable_reflection=False)
         self.engine = EngineHost(config, replace(engine_options, metrics_listen=None, api_key=engine_key),
                                  registry=self.registry)

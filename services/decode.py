@@ -45,11 +45,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                     yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
                     continue
                 guard.disarm()
-                if out.finish_reason == "abort":
-                    raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
                 stats = out.stats
                 span.set_attributes(stats_attributes(stats))
                 host.metrics.observe_finished(stats)
                 log.info("engine_request_done", **stats_attributes(stats))
+                if out.finish_reason == "abort":          # the call ended (cancel, deadline): no one listens
+                    raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
                 yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
                                                 stats=stats_to_proto(stats))

@@ -1,0 +1,137 @@
+"""Streams through a real gateway and engine on 127.0.0.1 (`ninfer serve`'s stack): the same tokens
+and text as LLM.generate, stop strings, the three prompt inputs, stream options, the final result."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM
+from engine.config import EngineConfig
+from gateway.client import GatewayClient, SamplingParams
+from gateway.serve import ServeStack
+from ninfer.v1 import common_pb2, gateway_pb2
+from services.convert import sampling_from_proto, stats_from_proto
+from services.server import ServerOptions
+
+KV = 4096
+
+
+def start_stack(model: str | None = None, **engine_args) -> ServeStack:
+    return ServeStack(EngineConfig(model=model, kv_capacity=KV, dtype="float32", **engine_args),
+                      ServerOptions(listen="127.0.0.1:0")).start()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = start_stack()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with GatewayClient(stack.address) as c:
+        c.wait_until_serving(timeout_s=60)
+        yield c
+
+
+def collect(messages) -> tuple[str, list[int], object]:
+    """(text, token ids, last message) of a whole stream."""
+    text, ids, last = "", [], None
+    for last in messages:
+        text += last.text
+        ids += list(last.token_ids)
+    return text, ids, last
+
+
+CASES = [SamplingParams(max_tokens=20), SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7),
+         SamplingParams(max_tokens=20, temperature=1.0, top_k=20, seed=11, ignore_eos=True)]
+
+
+def assert_matches_llm_generate(client: GatewayClient, llm: LLM, prompts: list[str]) -> None:
+    for prompt in prompts:
+        for sampling in CASES:
+            (ref,) = llm.generate(prompt, sampling_from_proto(sampling))       # one at a time: batch-1 numerics
+            text, ids, last = collect(client.generate(prompt, sampling=sampling, include_token_ids=True))
+            assert ids == ref.token_ids, (prompt, sampling)
+            assert text == ref.text, (prompt, sampling)
+            assert stats_from_proto(last.result.stats)["finish_reason"] == ref.finish_reason
+
+
+def test_stream_equals_llm_generate_embedded_model(client):
+    assert_matches_llm_generate(client, LLM(kv_capacity=KV, dtype="float32"),
+                                ["The quick brown fox", "Hello, wörld 世界"])
+
+
+def test_stream_equals_llm_generate_shared_model_with_mtp(shared_model):
+    stack = start_stack(shared_model, draft_tokens=2)
+    try:
+        with GatewayClient(stack.address) as c:
+            c.wait_until_serving(timeout_s=60)
+            llm = LLM(shared_model, kv_capacity=KV, dtype="float32", draft_tokens=2)
+            assert_matches_llm_generate(c, llm, ["def fibonacci(n):\n    if n < 2:", "A fortune for today:"])
+            *_, last = c.generate("1. item 1\n2. item 2\n3.", sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+            spec = last.result.stats.speculative
+            assert spec.draft_tokens == 2 and spec.rounds > 0 and len(spec.accepted_per_position) == 2
+            assert spec.accepted > 0, "the trained MTP head accepts drafts on an enumeration"
+    finally:
+        stack.stop()
+
+
+def test_the_final_message_carries_usage_timings_rates_and_gateway_timings(client, stack):
+    text, _, last = collect(client.generate("Tell me", sampling=SamplingParams(max_tokens=12, ignore_eos=True)))
+    r = last.result
+    u, t, rates = r.stats.usage, r.stats.timings, r.stats.rates
+    assert last.usage == u and u.prompt_tokens == 7 and u.completion_tokens == 12
+    assert u.computed_prefill_tokens + u.cached_tokens == u.prompt_tokens
+    assert rates.decode_tok_s == pytest.approx((u.completion_tokens - 1) / t.decode_seconds)
+    assert rates.prefill_tok_s == pytest.approx(u.computed_prefill_tokens / t.prefill_seconds)
+    assert t.total_seconds >= t.ttft_seconds > 0 and r.stats.prefill_chunk == 2048
+    assert r.model == "ninfer-embedded-tiny" and r.engine == stack.engine.address
+    g = r.gateway_timings
+    assert g.total_seconds >= g.ttft_seconds >= g.prefill_call_seconds > 0 and g.inter_token_seconds > 0
+    assert g.ttft_seconds >= t.ttft_seconds, "the gateway's time to first token contains the engine's"
+    assert last.request_id and len(text) > 0
+
+
+def test_a_stop_string_ends_the_text_before_it(client):
+    sampling = SamplingParams(max_tokens=30, ignore_eos=True)
+    full, _, _ = collect(client.generate("Once upon", sampling=sampling))
+    stop = full[10:12]
+    expected = full[:full.index(stop)]
+    sampling.stop.append(stop)
+    deltas = [m.text for m in client.generate("Once upon", sampling=sampling)]
+    assert "".join(deltas) == expected
+    *_, last = client.generate("Once upon", sampling=sampling)
+    assert last.result.stats.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert last.result.stats.usage.completion_tokens < 30
+
+
+def test_chat_messages_and_token_ids_are_prompts_too(client, stack):
+    tokenizer = stack.engine.loop.core.tokenizer
+    messages = [("system", "Be brief."), ("user", "Hi")]
+    sampling = SamplingParams(max_tokens=5)
+    chat_text, chat_ids, chat_last = collect(client.generate(messages=messages, sampling=sampling,
+                                                             include_token_ids=True))
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    assert chat_last.result.stats.usage.prompt_tokens == len(ids)
+    text, token_ids, _ = collect(client.generate(prompt_token_ids=ids, sampling=sampling, include_token_ids=True))
+    assert (text, token_ids) == (chat_text, chat_ids)
+
+
+def test_stream_options(client):
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    plain = list(client.generate("abc", sampling=sampling))
+    assert all(not m.token_ids for m in plain) and all(not m.HasField("usage") for m in plain[:-1])
+    counted = list(client.generate("abc", sampling=sampling, include_token_ids=True, continuous_usage_stats=True))
+    running = [m.usage.completion_tokens for m in counted]
+    assert running == sorted(running) and running[-1] == 6
+    assert [len(m.token_ids) for m in counted] and sum(len(m.token_ids) for m in counted) == 6
+
+
+def test_get_engine_metrics_through_the_gateway(client, stack):
+    list(client.generate("metrics", sampling=SamplingParams(max_tokens=3)))
+    (entry,) = client.stub.GetEngineMetrics(gateway_pb2.GetEngineMetricsRequest()).engines
+    assert entry.engine == stack.engine.address and entry.serving and entry.in_flight == 0
+    assert entry.metrics.kv.num_blocks == KV // 16 and sum(entry.metrics.history.prefill_tokens) > 0
+    assert entry.metrics.performance.requests["length"] >= 1
