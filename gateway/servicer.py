@@ -123,16 +123,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 handle = None                                     # the decode stream owns it now
                 record.token_sent(len(first.token_ids), self.server.metrics)
                 yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
-                for msg in call:
+                for msg in call:               # read to the stream's end, so that it ends OK, not cancelled
                     delta = text.push(list(msg.token_ids), final=msg.finished)
                     record.token_sent(len(msg.token_ids), self.server.metrics)
                     if msg.finished:
                         yield self._final(record, delta, msg.token_ids, msg.stats, opts)
-                        return
-                    if delta or opts.include_token_ids or opts.continuous_usage_stats:
+                    elif delta or opts.include_token_ids or opts.continuous_usage_stats:
                         yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
-                span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.UNKNOWN.value[0])
-                raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
+                if record.result is None:
+                    span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.UNKNOWN.value[0])
+                    raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
         finally:
             self.router.release(engine)
             if handle is not None:

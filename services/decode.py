@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import queue
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
 from structlog.contextvars import bound_contextvars
 
+from engine.loop import RequestStream
 from ninfer.v1 import decode_pb2, decode_pb2_grpc
 from services.convert import stats_to_proto
 from services.errors import RpcAbort
@@ -16,9 +18,12 @@ from services.prefill import AbortOnTermination
 from services.telemetry import stats_attributes
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from services.engine_host import EngineHost
 
 log = structlog.get_logger(__name__)
+FINAL_OUTPUT_WAIT_S = 10.0       # an aborted request's final output comes within one engine step
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
@@ -35,21 +40,43 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # Cancelled or past its deadline: the request is aborted before the next engine step.
             guard = AbortOnTermination.register(context, loop, request.handle)
             span.set_attribute("ninfer.request_id", request.handle)
-            last = time.monotonic()
-            for out in stream:
-                now = time.monotonic()
-                if out.new_token_ids:
-                    host.metrics.observe_tokens(now - last, len(out.new_token_ids))
-                last = now
-                if not out.finished:
-                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
-                    continue
-                guard.disarm()
-                stats = out.stats
-                span.set_attributes(stats_attributes(stats))
-                host.metrics.observe_finished(stats)
-                log.info("engine_request_done", **stats_attributes(stats))
-                if out.finish_reason == "abort":          # the call ended (cancel, deadline): no one listens
-                    raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
-                yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
-                                                stats=stats_to_proto(stats))
+            try:
+                last = time.monotonic()
+                for out in stream:
+                    now = time.monotonic()
+                    if out.new_token_ids:
+                        host.metrics.observe_tokens(now - last, len(out.new_token_ids))
+                    last = now
+                    if not out.finished:
+                        yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                        continue
+                    guard.disarm()
+                    self._report(out.stats, span)
+                    if out.finish_reason == "abort":      # the call ended (cancel, deadline): no one listens
+                        raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
+                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
+                                                    stats=stats_to_proto(out.stats))
+            except GeneratorExit:                          # gRPC dropped the stream: the client is gone
+                if not stream.finished:
+                    guard()
+                    final = _final_output(stream)
+                    if final is not None:
+                        self._report(final.stats, span)
+                raise
+
+    def _report(self, stats: dict[str, Any], span: "Span") -> None:
+        span.set_attributes(stats_attributes(stats))
+        self.host.metrics.observe_finished(stats)
+        log.info("engine_request_done", **stats_attributes(stats))
+
+
+def _final_output(stream: RequestStream):
+    """Read an aborted stream up to its final output (its stats); None if it does not come."""
+    try:
+        while True:
+            out = stream.next(timeout=FINAL_OUTPUT_WAIT_S)
+            if out.finished:
+                return out
+    except queue.Empty:
+        log.warning("final_output_missing", request_id=stream.request_id)
+        return None
