@@ -63,10 +63,14 @@ class LLM:
         collectors = [PromptLogits([]) for _ in runners]
         for runner, c in zip(runners, collectors):
             runner.prompt_logits[req.request_id] = c
+        # a cached prefix would skip the logits of its positions: compute every position
+        kv = self.engine.kv
+        reuse, kv.prefix_reuse = kv.prefix_reuse, False
         try:
             while not req.finished:
                 self.engine.step()
         finally:
+            kv.prefix_reuse = reuse
             for runner in runners:
                 runner.prompt_logits.pop(req.request_id, None)
         return torch.cat(collectors[0].chunks)[-len(req.prompt_token_ids):]

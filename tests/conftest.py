@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# The test models are tiny: one intra-op thread is as fast as two on an idle 2-core CI machine, and
+# tens of times faster when another process holds a core (OpenMP threads spin at every barrier).
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 # The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (DESIGN.md).
 SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared/models/tiny-qwen3-mtp"

@@ -1,0 +1,92 @@
+"""The engine on CUDA: speculative decoding stays lossless, graphs equal eager, int8 KV, TP=2.
+
+Marked `gpu` / `multi_gpu`; skipped where no CUDA device is present (CI). Run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+MODEL = Path(__file__).resolve().parents[1] / ".models" / "tiny-qwen3-mtp"
+if not MODEL.exists():
+    MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-qwen3-mtp"
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_model = pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")
+pytestmark = [pytest.mark.gpu, needs_gpu, needs_model]
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    '{"order_id": "ORD-381901", "item": "printer", "quantity": 8}, {"order_id": "ORD-381902",',
+    "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:",
+    "The interpreter reads the source file and",
+]
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+
+
+def _generate(**kw) -> list[list[int]]:
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, **kw)
+    llm.engine.warmup()
+    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    llm.engine.executor.shutdown()
+    return outs
+
+
+@pytest.fixture(scope="module")
+def fp32_k0():
+    return _generate(dtype="float32", draft_tokens=0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_equals_k0_fp32(fp32_k0, k):
+    assert _generate(dtype="float32", draft_tokens=k) == fp32_k0
+
+
+def test_cuda_graphs_equal_eager_fp32(fp32_k0):
+    assert _generate(dtype="float32", draft_tokens=0, enforce_eager=True) == fp32_k0
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of tokens equal up to each pair's first divergence, over all tokens."""
+    same = 0
+    for x, y in zip(a, b):
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), len(x))
+        same += n
+    return same / sum(len(x) for x in a)
+
+
+def test_bf16_speculative_agrees_with_k0():
+    base = _generate(dtype="bfloat16", draft_tokens=0)
+    spec = _generate(dtype="bfloat16", draft_tokens=3)
+    rate = _agreement(base, spec)
+    print(f"bf16 k=3 vs k=0 agreement before first divergence: {rate:.3f}")
+    assert rate >= 0.9
+
+
+def test_int8_kv_agrees_with_bf16_kv():
+    base = _generate(dtype="bfloat16", draft_tokens=0)
+    int8 = _generate(dtype="bfloat16", kv_dtype="int8", draft_tokens=0)
+    rate = _agreement(base, int8)
+    print(f"int8 KV vs bf16 KV agreement before first divergence: {rate:.3f}")
+    assert rate >= 0.7
+
+
+def test_sampled_decoding_is_reproducible_on_gpu():
+    params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)] * 2
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, draft_tokens=3)
+    llm.engine.warmup()
+    first = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+    second = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+    assert first == second
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_equals_tp1_fp32(fp32_k0):
+    assert _generate(dtype="float32", draft_tokens=0, tensor_parallel_size=2) == fp32_k0
+    assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2) == fp32_k0
