@@ -78,7 +78,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext):
         record = RequestRecord(request_id=uuid.uuid4().hex, received=time.monotonic())
         with bound_contextvars(request_id=record.request_id), \
-                self.tracer.start_as_current_span("generate", attributes={"ninfer.request_id": record.request_id}) as span:
+                self.tracer.start_as_current_span("generate") as span:
             try:
                 with self.server.state.admit():
                     yield from self._generate(request, context, record)

@@ -39,9 +39,10 @@ class GrpcServer:
     """A started-later gRPC server bound to `options.listen`, with health registered."""
 
     def __init__(self, options: ServerOptions, state: ServingState, name: str):
-        # Health probes and reflection are not traced: a span per probe would bury the requests.
-        interceptors = [server_interceptor(tracer_provider=options.tracer_provider,
-                                           filter_=filters.negate(filters.service_prefix("grpc.")))]
+        # Only the request path is traced: a span per health probe, reflection or Get* (model info,
+        # metrics) call would bury the requests.
+        untraced = filters.any_of(filters.service_prefix("grpc."), filters.method_prefix("Get"))
+        interceptors = [server_interceptor(tracer_provider=options.tracer_provider, filter_=filters.negate(untraced))]
         if options.api_key:
             interceptors.append(BearerTokenInterceptor(options.api_key))
         interceptors.append(ErrorMappingInterceptor(options.retry_pushback_ms))

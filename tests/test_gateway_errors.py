@@ -106,9 +106,18 @@ def test_bad_inputs_are_counted_by_status(stack):
     assert value >= len(BAD_SAMPLING) + len(BAD_PROMPTS)
 
 
-def test_a_bearer_token_is_required_when_configured():
-    stack = ServeStack(EngineConfig(kv_capacity=KV), ServerOptions(listen="127.0.0.1:0", api_key="s3cret")).start()
+def test_a_bearer_token_is_required_when_configured_and_reflection_is_behind_a_flag(stack):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    with grpc.insecure_channel(stack.address) as channel:       # the module's stack: reflection off
+        with pytest.raises(grpc.RpcError) as e:
+            ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert e.value.code() is grpc.StatusCode.UNIMPLEMENTED
+    stack = ServeStack(EngineConfig(kv_capacity=KV),
+                       ServerOptions(listen="127.0.0.1:0", api_key="s3cret", enable_reflection=True)).start()
     try:
+        with grpc.insecure_channel(stack.address) as channel:   # reflection, like health, needs no token
+            services = ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert {"ninfer.v1.Gateway", "grpc.health.v1.Health"} <= set(services)
         for key in (None, "wrong"):
             with GatewayClient(stack.address, api_key=key) as c:
                 c.wait_until_serving(timeout_s=60)            # health needs no token
