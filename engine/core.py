@@ -160,14 +160,17 @@ class EngineCore:
         outputs = self.expire()
         sched = self.scheduler.schedule()
         prefilling = self.scheduler.prefilling
-        result = self.executor.execute(sched) if not sched.empty else ModelOutput()
+        # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
+        result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids
+                  else ModelOutput())
         events = self.scheduler.update(sched, result)
+        for ev in events:                # tokens past a stop string are neither delivered nor counted
+            ev.new_token_ids = self._apply_stop_strings(ev.request, ev.new_token_ids)
         self._record(sched, prefilling, events)
         for ev in events:
-            tokens = self._apply_stop_strings(ev.request, ev.new_token_ids)
             req = ev.request
-            outputs.append(self._finished_output(req, tokens) if req.finished else
-                           RequestOutput(req.request_id, tokens, False))
+            outputs.append(self._finished_output(req, ev.new_token_ids) if req.finished else
+                           RequestOutput(req.request_id, ev.new_token_ids, False))
         return outputs
 
     def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:

@@ -133,7 +133,9 @@ class Scheduler:
     def expire(self) -> list[Request]:
         """Finish queued requests past the pending timeout and parked ones past their lease."""
         now = self.clock()
-        done = [r for r in self.waiting if now - r.times.arrival > self.config.pending_timeout_s]
+        # only requests that never started: a preempted one is back in the queue but was admitted
+        done = [r for r in self.waiting
+                if r.times.prefill_start is None and now - r.times.arrival > self.config.pending_timeout_s]
         for req in done:
             self.waiting.remove(req)
             self._finish(req, FinishReason.QUEUE_TIMEOUT)

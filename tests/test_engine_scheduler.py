@@ -1,0 +1,225 @@
+"""The scheduler: FIFO admission through one prefill lane, the pending queue's limit and timeout,
+admission refusals at the door, and aborts in every state -- after each of which, at idle, every KV
+block is free and every block reference taken was dropped once.
+
+The first half drives the real Scheduler and KVCacheManager with factory requests (the model's
+tokens are supplied by the test: the scheduler never sees tensors); the second half drives a real
+EngineCore on the embedded default model with an injected clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FakeClock, assert_kv_idle, make_request, make_scheduler, run_to_idle, runner_of
+from engine import EngineConfig, InvalidArgumentError, QueueFullError, SamplingParams
+from engine.core import EngineCore
+from engine.request import FinishReason, RequestStatus
+from engine.scheduler import ModelOutput
+
+
+def model_step(sched, out) -> list:
+    """Play the model: the prefill's sampled token and one token per decode round (k = 0)."""
+    result = ModelOutput()
+    if out.prefill is not None and out.prefill.sample:
+        result.sampled[out.prefill.request_id] = [7]
+    for w in out.decode:
+        result.sampled[w.request_id] = [7]
+    return sched.update(out, result)
+
+
+def step(sched) -> list:
+    sched.expire()
+    return model_step(sched, sched.schedule())
+
+
+def kv_idle(sched) -> bool:
+    return sched.kv.num_free_blocks == sched.kv.num_blocks and sched.kv.refs_taken == sched.kv.refs_dropped
+
+
+# -- FIFO -------------------------------------------------------------------------------------------
+
+def test_requests_enter_the_lane_in_arrival_order():
+    sched = make_scheduler(prefill_chunk=16)
+    reqs = [make_request(prompt=n, max_tokens=3) for n in (40, 5, 17, 1, 33)]
+    for r in reqs:
+        sched.add_request(r)
+    lane_order = []
+    while sched.has_work:
+        out = sched.schedule()
+        if out.prefill is not None and (not lane_order or lane_order[-1] != out.prefill.request_id):
+            lane_order.append(out.prefill.request_id)
+        assert out.prefill is None or out.prefill.token_ids and len(out.prefill.token_ids) <= 16
+        model_step(sched, out)
+    assert lane_order == [r.request_id for r in reqs]
+    assert all(r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 3 for r in reqs)
+    assert kv_idle(sched)
+
+
+def test_head_of_queue_is_not_overtaken_while_it_waits_for_blocks():
+    clock = FakeClock(0.0)
+    sched = make_scheduler(num_blocks=8, block_size=16, prefill_chunk=256, clock=clock)
+    big = make_request(prompt=90, max_tokens=30)           # 6 blocks, runs
+    head = make_request(prompt=60, max_tokens=4)           # 4 blocks: waits for big
+    small = make_request(prompt=5, max_tokens=2)           # 1 block: would fit, must wait behind head
+    for r in (big, head, small):
+        sched.add_request(r)
+    step(sched)                                            # big prefills and starts decoding
+    for _ in range(5):
+        clock.advance(1.0)
+        step(sched)
+        assert head.status is RequestStatus.WAITING and small.status is RequestStatus.WAITING
+        assert list(sched.waiting) == [head, small]
+    while sched.has_work:
+        clock.advance(1.0)
+        step(sched)
+    assert head.times.prefill_start < small.times.prefill_start
+    assert kv_idle(sched)
+
+
+# -- the queue's limit and timeout -------------------------------------------------------------------
+
+def test_queue_full_is_refused_at_once():
+    sched = make_scheduler(max_pending=2)
+    a, b = make_request(), make_request()
+    sched.add_request(a)
+    sched.add_request(b)
+    c = make_request()
+    with pytest.raises(QueueFullError, match=r"pending queue is full \(2 requests\)"):
+        sched.add_request(c)
+    assert c.request_id not in sched.requests and list(sched.waiting) == [a, b]
+    sched.schedule()                                       # a moves into the lane: room again
+    sched.add_request(c)
+    assert list(sched.waiting) == [b, c]
+
+
+def test_pending_timeout_finishes_queued_requests_only():
+    clock = FakeClock(0.0)
+    sched = make_scheduler(clock=clock, max_batch=1, pending_timeout_s=1.0)
+    runner, queued = make_request(max_tokens=50, arrival=0.0), make_request(arrival=0.0)
+    sched.add_request(runner)
+    sched.add_request(queued)
+    step(sched)
+    clock.advance(0.9)
+    assert sched.expire() == []
+    clock.advance(0.2)
+    assert sched.expire() == [queued]
+    assert queued.finish_reason is FinishReason.QUEUE_TIMEOUT and not queued.block_ids
+    assert runner.status is RequestStatus.RUNNING
+    while sched.has_work:
+        step(sched)
+    assert runner.finish_reason is FinishReason.LENGTH and kv_idle(sched)
+
+
+def test_a_preempted_request_is_not_timed_out_as_if_queued():
+    """Preemption sends a running request back to the queue; it was admitted long ago, and its
+    stream must see only a pause (scheduler docstring), not a queue timeout."""
+    clock = FakeClock(0.0)
+    sched = make_scheduler(clock=clock, num_blocks=6, block_size=16, pending_timeout_s=1.0)
+    a, b = make_request(prompt=30, max_tokens=60, arrival=0.0), make_request(prompt=30, max_tokens=60, arrival=0.0)
+    sched.add_request(a)
+    sched.add_request(b)
+    preempted_at = None
+    while sched.has_work:
+        clock.advance(0.1)                                 # every step takes 0.1 s: 5 s in all
+        step(sched)
+        if preempted_at is None and b.num_preemptions:
+            preempted_at = clock.t
+    assert preempted_at is not None and preempted_at > 1.0       # preempted after the pending timeout
+    assert a.finish_reason is FinishReason.LENGTH and b.finish_reason is FinishReason.LENGTH
+    assert len(b.output_token_ids) == 60 and kv_idle(sched)
+
+
+# -- the door ------------------------------------------------------------------------------------------
+
+def test_admission_refuses_what_can_never_fit():
+    sched = make_scheduler(num_blocks=8, block_size=16, max_model_len=100, draft_tokens=2)
+    with pytest.raises(InvalidArgumentError, match=r"= 101 exceeds the context limit of 100") as e:
+        sched.add_request(make_request(prompt=60, max_tokens=41))
+    assert e.value.field == "max_tokens"
+    sched = make_scheduler(num_blocks=8, block_size=16, max_model_len=1000, draft_tokens=2)
+    with pytest.raises(InvalidArgumentError, match=r"KV capacity of 128 tokens") as e:
+        sched.add_request(make_request(prompt=60, max_tokens=67))
+    assert e.value.field == "max_tokens"
+    sched.add_request(make_request(prompt=60, max_tokens=66))             # 126 + 2 draft slots fit
+    assert not sched.kv.refs_taken and len(sched.waiting) == 1
+
+
+# -- aborts on a real engine -----------------------------------------------------------------------------
+
+@pytest.fixture
+def core():
+    return EngineCore(EngineConfig(kv_capacity=1024, prefill_chunk=16, draft_tokens=2, max_batch=4),
+                      clock=FakeClock(0.0))
+
+
+def test_abort_while_queued(core):
+    a = core.add_request(list(range(1, 50)), SamplingParams(max_tokens=5))
+    out = core.abort(a.request_id)
+    assert out.finished and out.finish_reason == "abort" and out.stats["completion_tokens"] == 0
+    assert_kv_idle(core)
+    assert run_to_idle(core) == []
+
+
+def test_abort_mid_prefill(core):
+    a = core.add_request(list(range(1, 100)), SamplingParams(max_tokens=5))
+    core.step()
+    core.step()
+    assert core.scheduler.prefilling is a and a.num_computed_tokens == 32 and a.block_ids
+    core.abort(a.request_id)
+    assert core.scheduler.prefilling is None
+    assert_kv_idle(core)
+    b = core.add_request(list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    run_to_idle(core)
+    assert b.finish_reason is FinishReason.LENGTH and len(b.output_token_ids) == 3
+    assert_kv_idle(core)
+
+
+def test_abort_during_decode_with_others_running(core):
+    a = core.add_request(list(range(1, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
+    b = core.add_request(list(range(31, 60)), SamplingParams(max_tokens=20, ignore_eos=True))
+    while len(b.output_token_ids) < 3:
+        core.step()
+    assert a.status is RequestStatus.RUNNING
+    core.abort(a.request_id)
+    run_to_idle(core)
+    assert a.finish_reason is FinishReason.ABORT and b.finish_reason is FinishReason.LENGTH
+    assert_kv_idle(core)
+    with pytest.raises(KeyError):
+        core.abort(a.request_id)                           # gone: RequestNotFoundError
+
+
+def test_abort_of_a_parked_request(core):
+    a = core.add_request(list(range(1, 30)), SamplingParams(max_tokens=5), park_after_prefill=True)
+    out = run_to_idle(core)
+    assert a.status is RequestStatus.PARKED and [o.new_token_ids for o in out] == [a.output_token_ids]
+    core.abort(a.request_id)
+    assert_kv_idle(core)
+
+
+def ids(n: int, stride: int = 1) -> list[int]:
+    return [(i * stride) % 379 + 1 for i in range(n)]
+
+
+def test_finished_requests_release_their_hidden_state_rows(core):
+    """Each request decoding with MTP holds a row of the runner's hidden-state pool (max_batch rows).
+    A request that ends while nothing else can run -- here a parked request holds most of the KV and
+    the next prompt must wait for it -- must still give its row back; otherwise, a few such endings
+    later, a prefill finds no row at all."""
+    runner = runner_of(core)
+    rows = len(runner._free_rows)
+    for i in range(rows + 2):
+        parked = core.add_request(ids(700), SamplingParams(max_tokens=2), park_after_prefill=True)
+        run_to_idle(core)
+        short = core.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        run_to_idle(core)                              # finishes; its id waits for the runner
+        big = core.add_request(ids(400, stride=7), SamplingParams(max_tokens=2, ignore_eos=True))
+        core.step()                                    # nothing can run: the parked prefill holds the KV
+        assert big.status is RequestStatus.WAITING
+        core.abort(parked.request_id)
+        run_to_idle(core)
+        assert short.finish_reason is FinishReason.LENGTH and big.finish_reason is FinishReason.LENGTH, i
+        assert_kv_idle(core)
+    core.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_to_idle(core)
+    core.step()                                        # the next step hands the last ending to the runner
+    assert len(runner._free_rows) == rows and not runner._pool_row
