@@ -1,0 +1,175 @@
+"""The CUDA communicators (engine/parallel_cuda.py) against a reference sum, one thread per rank.
+
+GPU tests need two CUDA devices and CuPy and are skipped elsewhere with the reason; the checks
+themselves live in tools/comm_check.py, which runs them (and the timings) on the GPU machine.
+Two tests run on any machine: the module imports without CuPy, and the kernel source compiles
+for sm_90 where nvcc exists.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.parallel_cuda import KERNEL_SOURCE, gathered_to_last_dim, make_communicator  # noqa: E402
+
+
+def _gpu_skip_reason() -> str | None:
+    if torch.cuda.device_count() < 2:
+        return f"needs 2 CUDA devices (torch sees {torch.cuda.device_count()})"
+    if importlib.util.find_spec("cupy") is None:
+        return "needs CuPy (pip install 'ninfer[gpu]')"
+    return None
+
+
+_REASON = _gpu_skip_reason()
+
+
+def multi_gpu(test):
+    """Marked multi_gpu, and skipped with the reason where two GPUs or CuPy are missing."""
+    return pytest.mark.multi_gpu(pytest.mark.skipif(_REASON is not None, reason=_REASON or "")(test))
+
+
+# --------------------------------------------------------------------------------- any machine
+
+def test_imports_without_cupy_and_says_what_is_missing():
+    code = (
+        "import sys; sys.modules['cupy'] = None\n"
+        "import engine.parallel_cuda as m\n"
+        "for make in (lambda: m.NcclCommunicator([0, 1]), lambda: m.P2PCommunicator([0, 1])):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except RuntimeError as e:\n"
+        "        assert 'CuPy' in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError('constructed without CuPy')\n"
+        "try:\n"
+        "    m.make_communicator('fast', [0, 1])\n"
+        "except ValueError as e:\n"
+        "    assert 'fast' in str(e)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_gathered_to_last_dim_matches_cat():
+    parts = [torch.randn(2, 3, 5) for _ in range(3)]
+    assert torch.equal(gathered_to_last_dim(torch.stack(parts)), torch.cat(parts, dim=-1))
+    flat = [torch.randn(7) for _ in range(2)]
+    assert torch.equal(gathered_to_last_dim(torch.stack(flat)), torch.cat(flat, dim=-1))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
+def test_kernel_source_compiles_for_sm90_without_spills(tmp_path):
+    src = tmp_path / "one_shot.cu"
+    src.write_text(KERNEL_SOURCE)
+    out = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                          "-o", str(tmp_path / "one_shot.cubin"), str(src)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("Compiling entry function") == 6, out.stderr
+    spills = [line for line in out.stderr.splitlines() if "spill stores" in line]
+    assert len(spills) == 6 and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
+
+
+# --------------------------------------------------------------------------------- two GPUs
+
+@pytest.fixture(scope="module")
+def comms():
+    from engine.parallel_cuda import NcclCommunicator, P2PCommunicator
+    nccl = NcclCommunicator([0, 1])
+    p2p = P2PCommunicator([0, 1], fallback=nccl, timeout_s=30.0)
+    yield {"nccl": nccl, "p2p": p2p}
+    p2p.close()
+    nccl.close()
+
+
+def _failures(records):
+    assert records, "no checks ran"
+    return [r for r in records if not r["ok"]]
+
+
+@multi_gpu
+@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_all_reduce_eager_from_rank_threads(comms, kind, dtype):
+    from tools.comm_check import check_all_reduce_eager
+    sizes = (1, 3, 2048, 4096, 4097, 12345, 32768, 262144, 262145, 524288)
+    assert not _failures(check_all_reduce_eager(comms[kind], dtype, sizes=sizes, rounds=3))
+
+
+@multi_gpu
+@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+def test_all_reduce_fp16(comms, kind):
+    from tools.comm_check import check_all_reduce_eager
+    assert not _failures(check_all_reduce_eager(comms[kind], torch.float16, sizes=(7, 4096, 32768), rounds=1))
+
+
+@multi_gpu
+@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+def test_dependent_chain_reuses_buffers_correctly(comms, kind):
+    from tools.comm_check import check_chain
+    assert not _failures(check_chain(comms[kind], steps=300))
+
+
+@multi_gpu
+@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_cuda_graph_per_rank_follows_new_inputs(comms, kind, dtype):
+    from tools.comm_check import check_graph
+    assert not _failures(check_graph(comms[kind], dtype, replays=4))
+
+
+@multi_gpu
+@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+def test_all_gather_concatenates_last_dim(comms, kind):
+    from tools.comm_check import check_all_gather
+    assert not _failures(check_all_gather(comms[kind]))
+
+
+@multi_gpu
+def test_groups_route_to_the_communicator(comms):
+    from tools.comm_check import run_ranks
+    groups = comms["p2p"].groups()
+    assert [(g.rank, g.size, g.comm) for g in groups] == [(0, 2, comms["p2p"]), (1, 2, comms["p2p"])]
+
+    def body(rank, barrier):
+        x = torch.full((4096,), float(rank + 1), dtype=torch.bfloat16, device=f"cuda:{rank}")
+        y = groups[rank].all_reduce(x)
+        torch.cuda.synchronize()
+        return bool((y == 3).all()) and y is x
+
+    assert run_ranks([0, 1], body) == [True, True]
+
+
+@multi_gpu
+def test_wrong_device_is_refused(comms):
+    with pytest.raises(ValueError, match="cuda:1"):
+        comms["nccl"].all_reduce(1, torch.ones(4, device="cuda:0"))
+
+
+@multi_gpu
+def test_make_communicator_auto_prefers_p2p_where_peer_access_works():
+    comm = make_communicator("auto", [0, 1], timeout_s=30.0)
+    try:
+        peer = all(torch.cuda.can_device_access_peer(i, j) for i, j in ((0, 1), (1, 0)))
+        assert comm.kind == ("p2p" if peer else "nccl")
+    finally:
+        comm.close()
+
+
+def test_nvls_variables_are_forced_off_by_the_check_tool():
+    code = ("import os; os.environ['NCCL_NVLS_ENABLE'] = '1'\n"
+            "import tools.comm_check as c\n"
+            "c.assert_nvls_off()\n"
+            "assert os.environ['NCCL_NVLS_ENABLE'] == '0'\n")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
