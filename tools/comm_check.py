@@ -604,7 +604,7 @@ def main() -> int:
         if p2p is not None:
             report.data["p2p_kernels"] = _phase(report, "p2p kernels", p2p.kernel_attributes) or {}
             ok = _phase(report, "p2p checks", lambda: _checks(report, p2p))
-            if ok:
+            if ok is not None:                  # wrong sums are still worth timing; a crash is not
                 _phase(report, "p2p timings", lambda: _timings(report, p2p, "p2p"))
                 p128 = _phase(report, "p2p/t128 init", lambda: P2PCommunicator(
                     devices, fallback=nccl, threads=128, timeout_s=20.0))
