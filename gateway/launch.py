@@ -4,7 +4,8 @@
         engine.address                    # from the `engine_listening` event (--listen 127.0.0.1:0)
         engine.terminate(); engine.wait() # SIGTERM: drain, then exit 0
 
-The tools and the multi-process tests use it; every line the child logs is kept in `events`.
+The tools and the multi-process tests use it; every line the child logs is kept in `events` (so the
+child must log at info level: that is where it says where it listens).
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
 def serve_metrics(listen: str, registry: CollectorRegistry):
     """Start the /metrics HTTP endpoint; returns (server, port). The caller shuts it down."""
     host, port = split_host_port(listen)
-    server, _ = start_http_server(port, host, registry=registry)
+    try:
+        server, _ = start_http_server(port, host, registry=registry)
+    except OSError as e:
+        raise OSError(f"cannot serve metrics on {listen} (--metrics-listen): {e.strerror or e}") from None
     return server, server.server_port
 
 
