@@ -8,6 +8,7 @@ only rounds with a top-k/top-p row sort the vocabulary.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import structlog
@@ -16,6 +17,11 @@ import torch
 from engine.decode_round import RoundInputs, pack_round, run_round
 
 log = structlog.get_logger(__name__)
+
+# Ranks of one process capture one at a time: entering a capture synchronizes and trims the
+# allocator, which must not happen under another rank's capture in progress. Warm-up runs (which
+# meet in collectives) stay concurrent.
+_CAPTURE_LOCK = threading.Lock()
 
 # (all_greedy, any_filter)
 VARIANTS = ((True, False), (False, False), (False, True))
@@ -76,7 +82,7 @@ class GraphedRounds:
                         run_round(*args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
+                with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
                     tokens, num_accepted = run_round(*args)
                 cap.graphs[variant] = (graph, tokens)
         torch.cuda.synchronize()
