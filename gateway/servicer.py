@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 DECODE_METHOD = "/ninfer.v1.DecodeService/Decode"
+DECODE_SPAN_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "ninfer.v1.DecodeService", "rpc.method": "Decode",
+                          "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]}
 NO_DEADLINE_S = 1e8           # grpc reports ~forever when the client set no deadline
 
 
@@ -113,25 +115,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return
             if not context.is_active():
                 raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away after the prefill")
-            with self.tracer.start_as_current_span(DECODE_METHOD, kind=SpanKind.CLIENT, attributes={
-                    "rpc.system": "grpc", "rpc.service": "ninfer.v1.DecodeService", "rpc.method": "Decode"}) as span:
+            # The decode stream's client span is made here: the instrumentation's stream wrapper would
+            # hide the call's cancel(). The traceparent goes in the call's metadata.
+            with self.tracer.start_as_current_span(DECODE_METHOD, kind=SpanKind.CLIENT,
+                                                   attributes=DECODE_SPAN_ATTRIBUTES) as span:
                 carrier: dict[str, str] = {}
-                inject(carrier)                                   # W3C traceparent to the engine
+                inject(carrier)
                 call = engine.decode.Decode(decode_pb2.DecodeRequest(handle=handle), timeout=time_left(context),
                                             metadata=(*self.router.metadata, *carrier.items()))
                 canceller.watch(call)
                 handle = None                                     # the decode stream owns it now
                 record.token_sent(len(first.token_ids), self.server.metrics)
                 yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
-                for msg in call:               # read to the stream's end, so that it ends OK, not cancelled
-                    delta = text.push(list(msg.token_ids), final=msg.finished)
-                    record.token_sent(len(msg.token_ids), self.server.metrics)
-                    if msg.finished:
-                        yield self._final(record, delta, msg.token_ids, msg.stats, opts)
-                    elif delta or opts.include_token_ids or opts.continuous_usage_stats:
-                        yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
+                try:
+                    for msg in call:           # read to the stream's end, so that it ends OK, not cancelled
+                        delta = text.push(list(msg.token_ids), final=msg.finished)
+                        record.token_sent(len(msg.token_ids), self.server.metrics)
+                        if msg.finished:
+                            yield self._final(record, delta, msg.token_ids, msg.stats, opts)
+                        elif delta or opts.include_token_ids or opts.continuous_usage_stats:
+                            yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
+                except grpc.RpcError as e:
+                    span.set_attribute("rpc.grpc.status_code", e.code().value[0])
+                    raise
                 if record.result is None:
-                    span.set_attribute("rpc.grpc.status_code", grpc.StatusCode.UNKNOWN.value[0])
                     raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
         finally:
             self.router.release(engine)

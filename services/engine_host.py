@@ -32,14 +32,13 @@ log = structlog.get_logger(__name__)
 SERVICE_NAMES = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
                  decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name,
                  engine_info_pb2.DESCRIPTOR.services_by_name["EngineInfoService"].full_name]
-DEFAULT_LEASE_S = 60.0
 
 
 class EngineHost:
     def __init__(self, config: EngineConfig, options: ServerOptions, registry: CollectorRegistry | None = None):
         self.config = config
         self.options = options
-        self.lease_seconds = float(config.extra.get("lease_s", DEFAULT_LEASE_S))
+        self.lease_seconds: float | None = None     # the engine's, once loaded
         self.loop: EngineLoop | None = None
         self.model_info = None
         self.state = ServingState(SERVICE_NAMES, not_ready_reason="loading the model")
@@ -67,6 +66,7 @@ class EngineHost:
     def load(self) -> "EngineHost":
         """Build the engine and warm it up; health turns SERVING after the warm-up request."""
         self.loop = EngineLoop(EngineCore(self.config)).start()
+        self.lease_seconds = self.loop.core.scheduler.config.lease_s
         self.model_info = model_info(self.loop.core, self.lease_seconds)
         warm_up(self.loop)
         self.state.set_serving()

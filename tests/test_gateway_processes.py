@@ -79,7 +79,7 @@ def test_serve_drains_on_sigterm():
     with ServerProcess.start("serve", "--kv-capacity", "4096", "--drain-timeout", "120", env=CHILD_ENV) as serve:
         with GatewayClient(serve.address) as client:
             client.wait_until_serving(timeout_s=120)
-            call = client.generate("drain", sampling=SamplingParams(max_tokens=1000, ignore_eos=True),
+            call = client.generate("drain", sampling=SamplingParams(max_tokens=400, ignore_eos=True),
                                    include_token_ids=True)
             tokens = len(next(call).token_ids)
             serve.terminate()
@@ -96,7 +96,7 @@ def test_serve_drains_on_sigterm():
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
             for msg in call:                          # the stream in flight finishes
                 tokens += len(msg.token_ids)
-            assert tokens == 1000 and stats_from_proto(msg.result.stats)["finish_reason"] == "length"
+            assert tokens == 400 and stats_from_proto(msg.result.stats)["finish_reason"] == "length"
         assert serve.wait(60) == 0
     names = [e["event"] for e in serve.events]
     assert names.index("gateway_draining") < names.index("gateway_stopped")

@@ -3,6 +3,10 @@ and text as LLM.generate, stop strings, the three prompt inputs, stream options,
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from engine import LLM
@@ -135,3 +139,14 @@ def test_get_engine_metrics_through_the_gateway(client, stack):
     assert entry.engine == stack.engine.address and entry.serving and entry.in_flight == 0
     assert entry.metrics.kv.num_blocks == KV // 16 and sum(entry.metrics.history.prefill_tokens) > 0
     assert entry.metrics.performance.requests["length"] >= 1
+
+
+def test_ninfer_generate_streams_from_the_gateway(stack):
+    out = subprocess.run([sys.executable, "-m", "gateway.cli", "generate", "--gateway", stack.address, "--prompt",
+                          "Hi there", "--max-tokens", "5", "--ignore-eos", "--json", "--wait-ready", "30"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    *deltas, final = [json.loads(line) for line in out]
+    assert sum(len(d["token_ids"]) for d in deltas) == 5 == final["stats"]["completion_tokens"]
+    assert final["finish_reason"] == "length" and final["model"] == "ninfer-embedded-tiny"
+    assert set(final["stats"]) >= {"timings_seconds", "prefill_tok_s", "decode_tok_s", "speculative"}
+    assert final["gateway_timings"]["ttft"] > 0
