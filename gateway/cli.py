@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine = sub.add_parser("engine", help="serve PrefillService and DecodeService over one engine")
     add_engine_args(engine)
-    commands.add_lease_arg(engine)
+    commands.add_engine_service_args(engine)
     commands.add_server_args(engine, commands.DEFAULT_ENGINE_LISTEN, commands.DEFAULT_ENGINE_METRICS)
     engine.set_defaults(func=commands.cmd_engine)
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="engine and gateway in one process (the embedded model unless --model)")
     add_engine_args(serve)
-    commands.add_lease_arg(serve)
+    commands.add_engine_service_args(serve)
     commands.add_server_args(serve, commands.DEFAULT_GATEWAY_LISTEN, commands.DEFAULT_GATEWAY_METRICS)
     serve.set_defaults(func=commands.cmd_serve)
     return parser

@@ -8,34 +8,18 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from ninfer.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.auth import bearer_metadata
+from services.client import ServerClient
 
 SamplingParams = common_pb2.SamplingParams
 
 
-class GatewayClient:
+class GatewayClient(ServerClient):
     def __init__(self, target: str, api_key: str | None = None):
-        self.target = target
-        self.channel = grpc.insecure_channel(target)
+        super().__init__(target, api_key)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
-        self.health = health_pb2_grpc.HealthStub(self.channel)
-        self.metadata = bearer_metadata(api_key)
-
-    def close(self) -> None:
-        self.channel.close()
-
-    def __enter__(self) -> "GatewayClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def generate(self, prompt: str | None = None, *, messages: list[tuple[str, str]] | None = None,
                  prompt_token_ids: list[int] | None = None, sampling: common_pb2.SamplingParams | None = None,
@@ -46,24 +30,6 @@ class GatewayClient:
             generate_request(prompt, messages, prompt_token_ids, sampling, include_token_ids,
                              continuous_usage_stats, model),
             timeout=timeout, metadata=self.metadata)
-
-    def serving_status(self, timeout: float = 2.0) -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
-
-    def wait_until_serving(self, timeout_s: float, poll_s: float = 0.2) -> None:
-        """Block until the gateway's health says SERVING; TimeoutError after `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        last = "no answer"
-        while time.monotonic() < deadline:
-            try:
-                status = self.serving_status(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-            except grpc.RpcError as e:
-                last = f"{e.code().name}: {e.details()}"
-            time.sleep(poll_s)
-        raise TimeoutError(f"{self.target} is not SERVING after {timeout_s:g} s (last: {last})")
 
 
 def generate_request(prompt: str | None = None, messages: list[tuple[str, str]] | None = None,

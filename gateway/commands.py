@@ -40,8 +40,6 @@ def add_server_args(p: argparse.ArgumentParser, listen: str, metrics_listen: str
     g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="largest request message accepted (larger: RESOURCE_EXHAUSTED)")
     g.add_argument("--max-workers", type=int, default=256, help="server threads (one per open stream)")
-    g.add_argument("--retry-pushback-ms", type=int, default=1000,
-                   help="grpc-retry-pushback-ms sent with RESOURCE_EXHAUSTED (queue full / queue timeout)")
     g.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds streams in flight get to finish after SIGTERM")
     g.add_argument("--otlp-endpoint", default=None,
@@ -54,9 +52,13 @@ def add_log_args(p: argparse.ArgumentParser, default_level: str) -> None:
     p.add_argument("--log-level", default=default_level, help=f"debug, info, warning or error (default {default_level})")
 
 
-def add_lease_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lease-seconds", type=float, default=60.0,
+def add_engine_service_args(p: argparse.ArgumentParser) -> None:
+    """Flags of the engine's services (not of the engine itself: those are engine.args)."""
+    g = p.add_argument_group("engine services")
+    g.add_argument("--lease-seconds", type=float, default=60.0,
                    help="how long a prefilled handle keeps its KV without a decode attaching")
+    g.add_argument("--retry-pushback-ms", type=int, default=1000,
+                   help="grpc-retry-pushback-ms sent with RESOURCE_EXHAUSTED (queue full / queue timeout)")
 
 
 def server_options(args: argparse.Namespace, service_name: str) -> ServerOptions:
@@ -65,7 +67,8 @@ def server_options(args: argparse.Namespace, service_name: str) -> ServerOptions
         listen=args.listen, metrics_listen=None if args.metrics_listen in ("", "off") else args.metrics_listen,
         api_key=args.api_key or os.environ.get("NINFER_API_KEY") or None, enable_reflection=args.enable_reflection,
         max_workers=args.max_workers, max_message_bytes=args.max_message_bytes,
-        retry_pushback_ms=args.retry_pushback_ms, drain_timeout_s=args.drain_timeout,
+        retry_pushback_ms=getattr(args, "retry_pushback_ms", ServerOptions.retry_pushback_ms),
+        drain_timeout_s=args.drain_timeout,
         tracer_provider=build_tracer_provider(service_name, args.otlp_endpoint))
 
 

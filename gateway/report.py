@@ -12,7 +12,7 @@ import structlog
 from opentelemetry.trace import Span, Status, StatusCode
 
 from ninfer.v1 import common_pb2, gateway_pb2
-from services.prometheus import GatewayPrometheus
+from services.prometheus import GatewayPrometheus, observe_per_token
 from services.telemetry import stats_attributes
 
 log = structlog.get_logger(__name__)
@@ -44,7 +44,7 @@ class RequestRecord:
         if self.first_token_at is None:
             self.first_token_at = now
         else:
-            metrics.observe_tokens(now - self.last_token_at, num_tokens)
+            observe_per_token(metrics.inter_token, now - self.last_token_at, num_tokens)
         self.last_token_at = now
         self.completion_tokens += num_tokens
 

@@ -1,5 +1,6 @@
-"""A client of one engine process: the calls the gateway makes, for tools and tests that talk to the
-engine directly (the gateway's overhead is measured against this path)."""
+"""Clients of ninfer servers: the engine's services (for tools and tests that talk to an engine
+directly; the gateway's overhead is measured against this path) and what every server shares
+(health, a bearer token). The gateway's client is gateway.client.GatewayClient."""
 
 from __future__ import annotations
 
@@ -14,24 +15,49 @@ from ninfer.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, engine_info_pb2,
 from services.auth import bearer_metadata
 
 
-class EngineClient:
-    def __init__(self, target: str, api_key: str | None = None):
+class ServerClient:
+    """A channel to one ninfer server, its health, and the metadata that carries the bearer token."""
+
+    def __init__(self, target: str, api_key: str | None = None, options: list[tuple[str, int]] | None = None):
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", -1)])
-        self.prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self.channel)
-        self.decode_stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
-        self.info_stub = engine_info_pb2_grpc.EngineInfoServiceStub(self.channel)
+        self.channel = grpc.insecure_channel(target, options=options)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = bearer_metadata(api_key)
 
     def close(self) -> None:
         self.channel.close()
 
-    def __enter__(self) -> "EngineClient":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def serving_status(self, timeout: float = 2.0) -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
+
+    def wait_until_serving(self, timeout_s: float, poll_s: float = 0.2) -> None:
+        """Block until health says SERVING; TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                status = self.serving_status(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+            time.sleep(poll_s)
+        raise TimeoutError(f"{self.target} is not SERVING after {timeout_s:g} s (last: {last})")
+
+
+class EngineClient(ServerClient):
+    def __init__(self, target: str, api_key: str | None = None):
+        super().__init__(target, api_key, options=[("grpc.max_receive_message_length", -1)])   # the tokenizer
+        self.prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self.channel)
+        self.decode_stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
+        self.info_stub = engine_info_pb2_grpc.EngineInfoServiceStub(self.channel)
 
     def prefill(self, prompt_token_ids: list[int], sampling: common_pb2.SamplingParams | None = None,
                 request_id: str = "", timeout: float | None = None) -> prefill_pb2.PrefillResponse:
@@ -52,9 +78,6 @@ class EngineClient:
 
     def model_info(self) -> engine_info_pb2.ModelInfo:
         return self.info_stub.GetModelInfo(engine_info_pb2.GetModelInfoRequest(), metadata=self.metadata)
-
-    def serving_status(self, timeout: float = 2.0) -> int:
-        return self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout).status
 
     def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.02) -> engine_info_pb2.EngineMetrics:
         """Metrics once no request is queued, prefilling, running or parked (or after `timeout_s`:

@@ -15,6 +15,7 @@ from ninfer.v1 import decode_pb2, decode_pb2_grpc
 from services.convert import stats_to_proto
 from services.errors import RpcAbort
 from services.prefill import AbortOnTermination
+from services.prometheus import observe_per_token
 from services.telemetry import stats_attributes
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 for out in stream:
                     now = time.monotonic()
                     if out.new_token_ids:
-                        host.metrics.observe_tokens(now - last, len(out.new_token_ids))
+                        observe_per_token(host.metrics.inter_token, now - last, len(out.new_token_ids))
                     last = now
                     if not out.finished:
                         yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)

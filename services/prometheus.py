@@ -20,6 +20,12 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15
                    1.0, 2.5, 5.0, 10.0, 30.0)
 
 
+def observe_per_token(histogram: Histogram, seconds: float, num_tokens: int) -> None:
+    """`num_tokens` arrived together after `seconds`: each token waited seconds / num_tokens."""
+    for _ in range(num_tokens):
+        histogram.observe(seconds / num_tokens)
+
+
 def serve_metrics(listen: str, registry: CollectorRegistry):
     """Start the /metrics HTTP endpoint; returns (server, port). The caller shuts it down."""
     host, port = split_host_port(listen)
@@ -56,10 +62,6 @@ class EnginePrometheus:
         self.queue_wait.observe(t["queue"])
         self.prefill_tokens.inc(stats["computed_prefill_tokens"])
         self.cached_tokens.inc(stats["cached_tokens"])
-
-    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
-        for _ in range(num_tokens):
-            self.inter_token.observe(seconds / num_tokens)
 
     def observe_finished(self, stats: dict[str, Any]) -> None:
         spec = stats["speculative"]
@@ -107,10 +109,6 @@ class GatewayPrometheus:
         self.prompt_tokens = Counter("ninfer_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("ninfer_gateway_completion_tokens", "Tokens streamed", registry=r)
         r.register(_EnginePoolCollector(engines))
-
-    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
-        for _ in range(num_tokens):
-            self.inter_token.observe(seconds / num_tokens)
 
 
 class _EnginePoolCollector(Collector):
