@@ -1,0 +1,184 @@
+"""ninfer's benchmark: `python -m tools.bench [--sections ...] [--model-shape qwen3-8b] [--device cuda]
+[--quick] [--out DIR]`.
+
+Measures the engine through its public API against the physical limits and the transformers peer,
+all in the same run (BENCH.md), section by section: a section that fails (OOM, exception) is
+recorded and the run goes on. Progress goes to stderr as each figure lands; results.json is
+rewritten after every figure (a run cut short keeps what it measured); summary.md and the plots
+after every section; a compact table is printed last on stdout.
+
+Resuming: `--merge OLD/results.json` keeps the sections of an earlier run that this one does not
+re-run (e.g. a 2-GPU run adding tp to a 1-GPU run); `--report-only results.json` rebuilds the
+summary, plots and table without measuring anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import secrets
+import shlex
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance"]
+NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance"}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(ORDER),
+                    help=f"comma-separated, any of {','.join(ORDER)} (run in that order; roofline is added "
+                         "when a section needs it)")
+    ap.add_argument("--model-shape", default=None, help="qwen3-8b (default on a GPU), qwen3-32b, tiny (default on CPU)")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    ap.add_argument("--quick", action="store_true", help="fewer points and repeats (~3 minutes on one H200)")
+    ap.add_argument("--out", default=None, help="output folder (default $OUT, else bench/results/<date>-<device>-<commit>/)")
+    ap.add_argument("--acceptance-model", default=None,
+                    help="the small trained model (default: .models/tiny-qwen3-mtp or ../shared/models/tiny-qwen3-mtp)")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats of every point (peak = max, and the median)")
+    ap.add_argument("--time-scale", type=float, default=1.0, help="multiply every time budget (precision for time)")
+    ap.add_argument("--budget-s", type=float, default=None, help="whole-run time budget in seconds (default per mode)")
+    ap.add_argument("--merge", action="append", default=[], help="an earlier results.json whose other sections to keep")
+    ap.add_argument("--report-only", default=None, help="rebuild summary, plots and table from this results.json")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _quiet_engine_logs() -> None:
+    """The engine logs through structlog (stdout by default): send it to stderr, so that stdout ends
+    with the final table."""
+    import structlog
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+def _report_only(args) -> int:
+    from tools.bench import derive, report
+    src = Path(args.report_only)
+    results = json.loads(src.read_text())
+    for m in args.merge:
+        _merge(results, json.loads(Path(m).read_text()), set())
+    derive.annotate(results)
+    out = Path(args.out) if args.out else src.parent
+    report.write(results, out, plots=not args.no_plots)
+    print(report.final_table(results, out))
+    return 0
+
+
+def _merge(results: dict, old: dict, running: set[str]) -> None:
+    """Keep the old run's sections that this run does not measure."""
+    results.setdefault("runs", {}).update(old.get("runs", {}))
+    for name, sec in old.get("sections", {}).items():
+        if name not in running and name not in results["sections"]:
+            results["sections"][name] = sec
+    # keep a stable section order
+    results["sections"] = {n: results["sections"][n] for n in ORDER if n in results["sections"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    _quiet_engine_logs()
+    if args.report_only:
+        return _report_only(args)
+
+    import torch
+    from tools.bench import acceptance, concurrency, decode, kv, peer, prefill, report, roofline, runinfo, tp
+    from tools.bench.context import Bench
+    from tools.bench.plan import make_plan
+    from tools.bench.progress import Budget, say
+    from tools.bench.session import free_memory
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shape = args.model_shape or ("tiny" if device == "cpu" else "qwen3-8b")
+    selected = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in selected if s not in ORDER]
+    if unknown:
+        print(f"unknown sections: {', '.join(unknown)}; known: {', '.join(ORDER)}", file=sys.stderr)
+        return 2
+    if NEEDS_ROOFLINE & set(selected) and "roofline" not in selected:
+        selected.append("roofline")
+    plan = make_plan(device, shape, args.quick, args.repeats, args.time_scale)
+    if args.budget_s:
+        plan.global_s = args.budget_s
+    info = runinfo.collect(device)
+    run_id = f"{info['date'][:10]}-{(info['git']['commit'] or 'nogit')[:8]}-{secrets.token_hex(2)}"
+    info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=selected,
+                command="python -m tools.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
+    out = Path(args.out) if args.out else runinfo.default_out_dir(info)
+    results = {"schema": "ninfer-bench/1", "run": info, "runs": {run_id: info},
+               "plan": dataclasses.asdict(plan), "sections": {}}
+    for m in args.merge:
+        _merge(results, json.loads(Path(m).read_text()), set(selected))
+    from tools.bench import shapes
+    results["shape"] = shapes.describe(shapes.model_config(shape), "bfloat16" if device != "cpu" else "float32")
+    acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
+    bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
+    modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
+               "kv": kv, "tp": tp, "acceptance": acceptance}
+
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum, frame):
+            raise SystemExit(128 + signum)
+        old_term = signal.signal(signal.SIGTERM, on_term)
+    t_start = time.monotonic()
+    deadline = t_start + plan.global_s
+    say("bench", f"{shape} on {info['device']['name']} ({plan.mode}); sections {', '.join(s for s in ORDER if s in selected)}; "
+                 f"budget {plan.global_s:.0f} s; writing {out}")
+    try:
+        for name in ORDER:
+            if name not in selected:
+                continue
+            sec = results["sections"][name] = {"run_id": run_id}
+            results["sections"] = {n: results["sections"][n] for n in ORDER if n in results["sections"]}
+            if time.monotonic() >= deadline:
+                sec.update(status="skipped", reason=f"the run's time budget ({plan.global_s:.0f} s) is spent")
+                say(name, sec["reason"])
+                continue
+            bench.budget = Budget(plan.budgets.get(name, 60.0), hard_deadline=deadline)
+            t0 = time.monotonic()
+            say(name, f"start (budget {bench.budget.left():.0f} s)")
+            try:
+                modules[name].run(bench, sec)
+                sec.setdefault("status", "ok")
+            except (KeyboardInterrupt, SystemExit):
+                sec["status"] = "interrupted"
+                sec["reason"] = "the run was stopped during this section; the figures above were kept"
+                raise
+            except Exception as e:  # noqa: BLE001 - a section's failure is a result; the run goes on
+                sec["status"] = "error"
+                sec["error"] = f"{type(e).__name__}: {e}"[:600]
+                sec["traceback"] = traceback.format_exc()[-2000:]
+                say(name, f"ERROR {sec['error'][:300]}")
+                bench.pool.close()
+                free_memory()
+            finally:
+                sec["elapsed_s"] = round(time.monotonic() - t0, 2)
+                bench.save(full=True)
+                say(name, f"done in {sec['elapsed_s']:.1f} s ({sec.get('status')})")
+    except (KeyboardInterrupt, SystemExit) as e:
+        results.setdefault("warnings", []).append(f"run interrupted ({e!r}) after {time.monotonic() - t_start:.0f} s")
+        for name in ORDER:
+            if name in selected and results["sections"].get(name, {}).get("run_id") != run_id:
+                results["sections"][name] = {"run_id": run_id, "status": "skipped", "reason": "the run was interrupted"}
+        results["sections"] = {n: results["sections"][n] for n in ORDER if n in results["sections"]}
+        say("bench", "interrupted: writing what was measured")
+    finally:
+        bench.pool.close()
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+        results["run"]["elapsed_s"] = round(time.monotonic() - t_start, 1)
+        bench.save(full=True)
+        sys.stderr.flush()
+        print(report.final_table(results, out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

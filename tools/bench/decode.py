@@ -1,0 +1,111 @@
+"""Decode sweep: draft tokens k x context, batch 1, plus the reduced draft vocabulary at one k.
+
+k is an engine setting (the runner drafts the engine's k whatever a request asks), so each k gets
+its own engine; the contexts reuse it. Requests run with `ignore_eos` and enough `max_tokens` that
+rounds dominate (sized from the warm-up's speed to about `target_decode_s`), greedy.
+
+Per request: `decode_tok_s = (completion_tokens - 1) / timings.decode` and
+`ms_per_round = timings.decode / speculative.rounds` (k = 0: rounds = completion_tokens - 1), with
+the acceptance per position `accepted_per_position[i] / rounds`. On random weights acceptance is
+near zero: the large shapes give the cost of a round, the trained small model gives acceptance
+(see `acceptance.py`, which combines the two).
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from tools.bench.progress import fmt_rate, say
+from tools.bench.session import compact, random_prompt
+from tools.bench.timing import summary
+
+
+def ms_per_round(rep: dict) -> float | None:
+    rounds = rep["rounds"] if rep["draft_tokens"] > 0 else rep["completion_tokens"] - 1
+    return rep["decode_s"] / rounds * 1e3 if rounds > 0 and rep["decode_s"] > 0 else None
+
+
+def acceptance(reps: list[dict]) -> list[float]:
+    rounds = sum(r["rounds"] for r in reps)
+    k = max((len(r["accepted_per_position"]) for r in reps), default=0)
+    totals = [sum(r["accepted_per_position"][i] for r in reps if i < len(r["accepted_per_position"]))
+              for i in range(k)]
+    return [t / rounds for t in totals] if rounds else []
+
+
+def decode_point(bench, session, context: int, repeats: int, max_tokens: int, label: str,
+                 params: dict | None = None) -> dict:
+    """`repeats` requests of a fresh `context`-token prompt decoding `max_tokens` tokens."""
+    reps = []
+    for _ in range(repeats):
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **(params or {}))
+        stats = session.generate(random_prompt(context, session.vocab), sp,
+                                 timeout=max(120.0, 10 * (bench.estimate_prefill_s(context) + max_tokens * 0.1)))
+        reps.append(compact(stats))
+        bench.note_prefill_rate("engine-with-decode", context, reps[-1]["prefill_tok_s"])
+    rates = summary([r["decode_tok_s"] for r in reps])
+    ms = [m for m in (ms_per_round(r) for r in reps) if m is not None]
+    point = {"context": context, "max_tokens": max_tokens, "draft_tokens": reps[0]["draft_tokens"],
+             "decode_tok_s_peak": rates["peak"], "decode_tok_s_median": rates["median"],
+             "ms_per_round_best": min(ms) if ms else None, "ms_per_round_median": summary(ms)["median"],
+             "acceptance_per_position": acceptance(reps), "repeats": reps, "engine": session.describe}
+    acc = "/".join(f"{a:.2f}" for a in point["acceptance_per_position"]) or "-"
+    say(label, f"ctx={context} k={point['draft_tokens']}: {fmt_rate(rates['peak'])} peak, "
+               f"{point['ms_per_round_best'] or 0:.2f} ms/round, acceptance {acc} ({len(reps)} x {max_tokens} tokens)")
+    return point
+
+
+def speed_from_warmup(stats: dict) -> float:
+    """Seconds per generated token seen in one request (a prediction for sizing requests)."""
+    rep = compact(stats)
+    n = rep["completion_tokens"] - 1
+    return rep["decode_s"] / n if n > 0 and rep["decode_s"] > 0 else 0.05
+
+
+def seconds_per_token(session, context: int) -> float:
+    """From the engine's first request when it decoded enough, else from a short request now."""
+    stats = session.warm_stats
+    if stats is None or stats["completion_tokens"] < 16:
+        stats = session.generate(random_prompt(context, session.vocab), SamplingParams(max_tokens=24, ignore_eos=True))
+    return speed_from_warmup(stats)
+
+
+def tokens_for(plan, s_per_token: float) -> int:
+    return int(min(plan.max_tokens, max(plan.min_tokens, plan.target_decode_s / max(s_per_token, 1e-6))))
+
+
+def run(bench, sec: dict) -> None:
+    plan = bench.plan.decode
+    points = sec.setdefault("points", [])
+    variants = [(k, 0) for k in plan.ks]
+    if plan.draft_vocab and plan.draft_vocab < bench.cfg.vocab_size and plan.draft_vocab_k:
+        variants.append((plan.draft_vocab_k, plan.draft_vocab))
+    for k, dv in variants:
+        contexts = plan.contexts.get(k, [])
+        label = f"k={k}" + (f" draft_vocab={dv}" if dv else "")
+        spec = bench.engine_spec(draft_tokens=k, draft_vocab=dv)
+        first = (0 if bench.pool.holds(spec) else bench.build_guess_s()) + bench.estimate_prefill_s(min(contexts))
+        if not bench.budget.allows(first):
+            for c in contexts:
+                points.append({"context": c, "draft_tokens": k, "draft_vocab": dv, "skipped": bench.budget.skip_reason(first)})
+            say("decode", f"{label}: skipped ({bench.budget.skip_reason(first)})")
+            continue
+        session, reused = bench.pool.get(spec, warm_prompt=min(contexts), warm_decode=32)
+        if not reused:
+            say("decode", f"engine {label}: {session.setup_text}")
+        s_tok = seconds_per_token(session, min(contexts))
+        for c in contexts:
+            repeats = plan.repeats.get(c, 1)
+            max_tokens = tokens_for(plan, s_tok)
+            one = bench.estimate_prefill_s(c) + max_tokens * s_tok
+            if not bench.budget.allows(one * repeats):
+                repeats = 1
+                if not bench.budget.allows(one):
+                    points.append({"context": c, "draft_tokens": k, "draft_vocab": dv,
+                                   "skipped": bench.budget.skip_reason(one)})
+                    say("decode", f"{label} ctx={c}: skipped ({bench.budget.skip_reason(one)})")
+                    continue
+            point = decode_point(bench, session, c, repeats, max_tokens, "decode")
+            point["draft_vocab"] = dv
+            points.append(point)
+            bench.save()
+    sec["status"] = "ok"

@@ -1,0 +1,214 @@
+"""Derived figures: MFU, roofline fractions, ratios, the acceptance-implied decode rates, and the
+headline with BENCH.md's targets. Pure arithmetic on the raw figures in `results`, re-run before
+every write, so a report rebuilt from merged runs derives everything the same way.
+
+A headline figure that cannot be computed is null, with the reason in `headline_detail`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tools.bench import shapes
+
+# name -> (comparison, target, what BENCH.md asks)
+TARGETS: dict[str, tuple[str | None, Any, str]] = {
+    "decode_b1_roofline_fraction": (">=", 0.85, "decode batch 1, qwen3-8b bf16, TP1: >= 0.85 x memory roofline"),
+    "prefill_4k_vs_transformers": (">=", 1.05, "prefill P=4096 chunk 4096: >= 1.05 x transformers"),
+    "prefill_4k_mfu": (">=", 0.70, "prefill P=4096 chunk 4096: MFU >= 0.70"),
+    "prefill_32k_over_4k": (">=", 0.72, "prefill at P=32768 relative to P=4096: >= 0.72"),
+    "extra_draft_cost_fraction": ("<=", 0.05, "one extra draft token: <= 5% of a k=0 step"),
+    "tp2_over_tp1_decode_b1": (">=", 1.7, "TP2 over TP1, decode batch 1: >= 1.7x"),
+    "tp2_32b_roofline_fraction": (None, None, "qwen3-32b TP2 decode batch 1 against its roofline (no target in BENCH.md)"),
+    "agg_decode_2_streams": (">=", 1.9, "aggregate decode, 2 streams: >= 1.9x one"),
+    "agg_decode_8_streams": (">=", 6.5, "aggregate decode, 8 streams: >= 6.5x one"),
+    "int8_over_bf16_kv_decode_32k": (">=", 1.10, "int8 KV vs bf16 KV, decode at 32k context: >= 1.10x"),
+    "context_192k_ok": ("==", True, "a 192k-token context on qwen3-32b int8 KV, TP2: prefill + >= 512 decoded tokens"),
+}
+
+
+def roofline_of(results: dict) -> tuple[float | None, float | None]:
+    sec = results.get("sections", {}).get("roofline", {})
+    bw = (sec.get("copy") or {}).get("bandwidth_Bps")
+    mm = (sec.get("matmul") or {}).get("flops_per_s")
+    return bw, mm
+
+
+def _cfg(results: dict, shape: str | None = None):
+    return shapes.model_config(shape or results["run"]["shape"])
+
+
+def _measured(points: list[dict]) -> list[dict]:
+    return [p for p in points if "skipped" not in p and "error" not in p]
+
+
+def _dtype(engine: dict | None) -> tuple[str, str]:
+    engine = engine or {}
+    return engine.get("dtype", "bfloat16"), engine.get("kv_dtype", engine.get("dtype", "bfloat16"))
+
+
+def decode_floor(results: dict, point: dict, shape: str | None = None) -> float | None:
+    bw, _ = roofline_of(results)
+    if bw is None or point.get("ms_per_round_best") is None:
+        return None
+    dtype, kv = _dtype(point.get("engine"))
+    tp = (point.get("engine") or {}).get("tensor_parallel_size", 1)
+    context = point["context"] + point["max_tokens"] / 2          # mean context over the request
+    return shapes.decode_floor_ms(_cfg(results, shape), context, bw, dtype, kv, tp)
+
+
+def annotate(results: dict) -> None:
+    secs = results.setdefault("sections", {})
+    bw, mm = roofline_of(results)
+    cfg = _cfg(results)
+    ref = results.get("plan", {}).get("reference", {})
+
+    if mm is not None:
+        for p in _measured(secs.get("peer", {}).get("prefill", [])):
+            p["mfu_peak"] = shapes.mfu(cfg, p["P"], p["tok_s_peak"], mm)
+    prefill = _measured(secs.get("prefill", {}).get("points", []))
+    for p in prefill:
+        if mm is not None:
+            p["mfu_peak"] = shapes.mfu(cfg, p["P"], p["prefill_tok_s_peak"], mm)
+            p["mfu_median"] = shapes.mfu(cfg, p["P"], p["prefill_tok_s_median"], mm)
+        base = [q for q in prefill if q["chunk"] == p["chunk"] and q["P"] == ref.get("prefill_P")]
+        p["relative_to_ref_P"] = p["prefill_tok_s_peak"] / base[0]["prefill_tok_s_peak"] if base else None
+
+    for name in ("decode", "kv", "tp"):
+        for p in _measured(secs.get(name, {}).get("points", [])):
+            if p.get("draft_tokens", 0) == 0 and p.get("ms_per_round_best"):
+                floor = decode_floor(results, p, p.get("shape"))
+                p["floor_ms"] = floor
+                p["roofline_fraction"] = floor / p["ms_per_round_best"] if floor else None
+
+    conc = secs.get("concurrency", {})
+    single = [p for p in _measured(conc.get("points", [])) if p["streams"] == 1]
+    for p in _measured(conc.get("points", [])):
+        p["aggregate_over_single"] = p["aggregate_tok_s"] / single[0]["aggregate_tok_s"] if single else None
+
+    acc = secs.get("acceptance", {})
+    ms = _ms_per_round_table(results, acc.get("implied_context") or ref.get("decode_context"))
+    for e in acc.get("results", []):
+        if "skipped" in e:
+            continue
+        m = ms.get(e["k"])
+        e["implied_decode_tok_s"] = e["tokens_per_round"] / m * 1e3 if m else None
+        e["implied_from_ms_per_round"] = m
+    if acc.get("results") is not None:
+        acc["k0_decode_tok_s"] = 1e3 / ms[0] if ms.get(0) else None
+
+    results["headline"], results["headline_detail"] = headline(results)
+
+
+def _ms_per_round_table(results: dict, context: int | None) -> dict[int, float]:
+    """k -> best ms_per_round at `context` (full draft vocabulary) from the decode sweep."""
+    out = {}
+    for p in _measured(results.get("sections", {}).get("decode", {}).get("points", [])):
+        if p["context"] == context and not p.get("draft_vocab") and p.get("ms_per_round_best"):
+            out[p["draft_tokens"]] = p["ms_per_round_best"]
+    return out
+
+
+def extra_draft_cost(ms: dict[int, float]) -> float | None:
+    """Mean over k >= 1 of (ms_per_round(k) - ms_per_round(0)) / (k x ms_per_round(0))."""
+    if 0 not in ms:
+        return None
+    fractions = [(m - ms[0]) / (k * ms[0]) for k, m in ms.items() if k >= 1]
+    return sum(fractions) / len(fractions) if fractions else None
+
+
+def headline(results: dict) -> tuple[dict, dict]:
+    secs = results.get("sections", {})
+    ref = results.get("plan", {}).get("reference", {})
+    values: dict[str, Any] = {}
+    why: dict[str, str] = {}
+    inputs: dict[str, dict] = {}
+
+    def missing(section: str) -> str:
+        s = secs.get(section)
+        if s is None:
+            return f"section {section} not run"
+        if s.get("status") in ("error", "skipped", "interrupted"):
+            return f"section {section} {s['status']}: {s.get('reason') or s.get('error', '')}".strip()
+        return ""
+
+    # decode batch 1, k=0, at the reference context
+    ctx = ref.get("decode_context")
+    d0 = [p for p in _measured(secs.get("decode", {}).get("points", []))
+          if p["draft_tokens"] == 0 and p["context"] == ctx and not p.get("draft_vocab")]
+    if d0 and d0[0].get("roofline_fraction") is not None:
+        values["decode_b1_roofline_fraction"] = d0[0]["roofline_fraction"]
+        inputs["decode_b1_roofline_fraction"] = {"context": ctx, "floor_ms": d0[0]["floor_ms"],
+                                                 "ms_per_token": d0[0]["ms_per_round_best"]}
+    else:
+        why["decode_b1_roofline_fraction"] = missing("decode") or (
+            "no roofline measured" if d0 else f"no k=0 decode point at context {ctx}")
+
+    # prefill at the reference P and chunk, against transformers and the matmul rate
+    P, P2, chunk = ref.get("prefill_P"), ref.get("prefill_long_P"), ref.get("prefill_chunk")
+    pre = {p["P"]: p for p in _measured(secs.get("prefill", {}).get("points", [])) if p["chunk"] == chunk}
+    peer = {p["P"]: p for p in _measured(secs.get("peer", {}).get("prefill", []))}
+    if P in pre and P in peer:
+        values["prefill_4k_vs_transformers"] = pre[P]["prefill_tok_s_peak"] / peer[P]["tok_s_peak"]
+        inputs["prefill_4k_vs_transformers"] = {"P": P, "chunk": chunk, "engine_tok_s": pre[P]["prefill_tok_s_peak"],
+                                                "transformers_tok_s": peer[P]["tok_s_peak"]}
+    else:
+        why["prefill_4k_vs_transformers"] = missing("prefill") or missing("peer") or f"no P={P} point on both sides"
+    if P in pre and pre[P].get("mfu_peak") is not None:
+        values["prefill_4k_mfu"] = pre[P]["mfu_peak"]
+        inputs["prefill_4k_mfu"] = {"P": P, "chunk": chunk, "tok_s": pre[P]["prefill_tok_s_peak"]}
+    else:
+        why["prefill_4k_mfu"] = missing("prefill") or ("no roofline measured" if P in pre else f"no P={P} point")
+    if P in pre and P2 in pre:
+        values["prefill_32k_over_4k"] = pre[P2]["prefill_tok_s_peak"] / pre[P]["prefill_tok_s_peak"]
+        inputs["prefill_32k_over_4k"] = {"P": [P, P2], "chunk": chunk}
+    else:
+        why["prefill_32k_over_4k"] = missing("prefill") or f"needs P={P} and P={P2} at chunk {chunk}"
+
+    ms = _ms_per_round_table(results, ctx)
+    cost = extra_draft_cost(ms)
+    if cost is not None:
+        values["extra_draft_cost_fraction"] = cost
+        inputs["extra_draft_cost_fraction"] = {"context": ctx, "ms_per_round": {str(k): v for k, v in sorted(ms.items())}}
+    else:
+        why["extra_draft_cost_fraction"] = missing("decode") or "needs ms_per_round at k=0 and some k>=1"
+
+    tp = secs.get("tp", {})
+    for name in ("tp2_over_tp1_decode_b1", "tp2_32b_roofline_fraction", "context_192k_ok"):
+        if tp.get(name) is not None:
+            values[name] = tp[name]
+            inputs[name] = tp.get(name + "_inputs", {})
+        else:
+            why[name] = missing("tp") or tp.get(name + "_reason") or "not measured"
+
+    conc = {p["streams"]: p for p in _measured(secs.get("concurrency", {}).get("points", []))}
+    for name, n in (("agg_decode_2_streams", ref.get("streams_small", 2)), ("agg_decode_8_streams", ref.get("streams_large", 8))):
+        if n in conc and conc[n].get("aggregate_over_single") is not None:
+            values[name] = conc[n]["aggregate_over_single"]
+            inputs[name] = {"streams": n, "aggregate_tok_s": conc[n]["aggregate_tok_s"],
+                            "single_tok_s": conc[1]["aggregate_tok_s"]}
+        else:
+            why[name] = missing("concurrency") or f"needs N=1 and N={n}"
+
+    kv = secs.get("kv", {})
+    if kv.get("int8_over_bf16") is not None:
+        values["int8_over_bf16_kv_decode_32k"] = kv["int8_over_bf16"]
+        inputs["int8_over_bf16_kv_decode_32k"] = kv.get("int8_over_bf16_inputs", {})
+    else:
+        why["int8_over_bf16_kv_decode_32k"] = missing("kv") or kv.get("int8_over_bf16_reason") or "not measured"
+
+    head, detail = {}, {}
+    for name, (op, target, text) in TARGETS.items():
+        v = values.get(name)
+        head[name] = v
+        met = ratio = None
+        if v is not None and op is not None:
+            if op == ">=":
+                met, ratio = v >= target, v / target
+            elif op == "<=":
+                met, ratio = v <= target, (target / v if v > 0 else None)
+            else:
+                met = v == target
+        detail[name] = {"value": v, "target": target, "comparison": op, "target_text": text, "met": met,
+                        "ratio_to_target": ratio, "inputs": inputs.get(name), "reason": why.get(name)}
+    return head, detail

@@ -1,0 +1,195 @@
+"""What each run measures: the sweep points, repeats and time budgets of every section, per mode.
+
+Modes: `full` and `quick` on a GPU at a reference shape (BENCH.md), and `cpu` (the tiny preset,
+small sizes: a dry run of every code path in well under a minute). Budgets are seconds of wall
+time per section; a point predicted not to fit is skipped with the reason, so a run stays bounded
+whatever the engine's speed. `--repeats` and `--time-scale` trade time for precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+K = 1024
+
+
+@dataclass
+class RooflinePlan:
+    copy_bytes: int                 # size of the source buffer (bytes moved = 2x: read + write)
+    matmul_n: int                   # n of the n x n x n matmul
+    matmul_dtype: str
+    gemv_rows: int                  # a [rows, cols] weight times one vector: the decode GEMV
+    gemv_cols: int
+    repeats: int = 20
+
+
+@dataclass
+class PeerPlan:
+    prefill_prompts: list[int]
+    prefill_repeats: int
+    decode_prompt: int
+    decode_new_tokens: int
+
+
+@dataclass
+class PrefillPlan:
+    grid: dict[int, list[int]]      # chunk -> prompt lengths P (the chunk is an engine setting)
+    repeats: dict[int, int]         # P -> repeats (peak = max, and the median)
+
+
+@dataclass
+class DecodePlan:
+    ks: list[int]
+    contexts: dict[int, list[int]]  # k -> contexts (prompt tokens before decoding)
+    repeats: dict[int, int]         # context -> repeats
+    draft_vocab: int                # the reduced draft vocabulary option, measured at k = draft_vocab_k
+    draft_vocab_k: int
+    target_decode_s: float          # aim for this much decode wall time per request ...
+    min_tokens: int                 # ... within [min_tokens, max_tokens] generated tokens
+    max_tokens: int
+
+
+@dataclass
+class ConcurrencyPlan:
+    streams: list[int]
+    context: int
+    target_decode_s: float
+    min_tokens: int
+    max_tokens: int
+    interference_prompt: int        # a long prompt arriving while a stream decodes
+
+
+@dataclass
+class KVPlan:
+    contexts: list[int]
+    repeats: int
+
+
+@dataclass
+class TPPlan:
+    context: int                    # decode batch 1 at this context
+    repeats: int
+    long_context: int               # the 192k request: prompt + decode tokens
+    long_decode_tokens: int
+    big_shape: str
+
+
+@dataclass
+class AcceptancePlan:
+    ks: list[int]
+    temperatures: list[float]
+    prompts_per_workload: int
+    max_tokens: int
+    implied_context: int            # which decode-sweep context's ms_per_round the implied rates use
+
+
+@dataclass
+class Plan:
+    mode: str
+    shape: str
+    chunk: int                      # the shared engine's prefill chunk (prefill's last, decode, concurrency)
+    kv_capacity: int                # of every engine of the main shape: the largest request fits
+    budgets: dict[str, float]
+    global_s: float
+    roofline: RooflinePlan
+    peer: PeerPlan
+    prefill: PrefillPlan
+    decode: DecodePlan
+    concurrency: ConcurrencyPlan
+    kv: KVPlan
+    tp: TPPlan
+    acceptance: AcceptancePlan
+    # The points the headline figures read (BENCH.md's: P=4096 and 32768 at chunk 4096, decode at a
+    # 512-token context, int8 KV at 32768); the CPU dry run reads its own small stand-ins.
+    reference: dict[str, int] = field(default_factory=lambda: dict(
+        prefill_P=4096, prefill_long_P=32768, prefill_chunk=4096, decode_context=512, kv_context=32768,
+        streams_small=2, streams_large=8))
+
+
+def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, time_scale: float = 1.0) -> Plan:
+    plan = _cpu(shape, quick) if device == "cpu" else (_gpu_quick(shape) if quick else _gpu_full(shape))
+    if repeats is not None:
+        plan.prefill.repeats = {p: repeats for p in plan.prefill.repeats}
+        plan.decode.repeats = {c: repeats for c in plan.decode.repeats}
+        plan.kv.repeats = plan.tp.repeats = repeats
+        plan.peer.prefill_repeats = repeats
+    if time_scale != 1.0:
+        plan.budgets = {k: v * time_scale for k, v in plan.budgets.items()}
+        plan.global_s *= time_scale
+    return plan
+
+
+def _gpu_full(shape: str) -> Plan:
+    long = [2 * K, 4 * K, 8 * K, 32 * K]
+    return Plan(
+        mode="full", shape=shape, chunk=4096, kv_capacity=131 * K + 512,
+        budgets={"roofline": 20, "peer": 60, "prefill": 150, "concurrency": 60, "decode": 170, "kv": 40,
+                 "tp": 300, "acceptance": 45},
+        global_s=510,
+        roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
+                              gemv_rows=151936, gemv_cols=4096),
+        peer=PeerPlan(prefill_prompts=[4 * K, 32 * K], prefill_repeats=3, decode_prompt=512, decode_new_tokens=32),
+        prefill=PrefillPlan(grid={1024: long, 2048: long, 4096: long + [64 * K, 128 * K]},
+                            repeats={2 * K: 3, 4 * K: 3, 8 * K: 3, 32 * K: 2, 64 * K: 1, 128 * K: 1}),
+        decode=DecodePlan(ks=[0, 1, 2, 3, 5], contexts={k: [512, 8 * K, 32 * K] for k in (0, 1, 2, 3, 5)},
+                          repeats={512: 2, 8 * K: 1, 32 * K: 1}, draft_vocab=32768, draft_vocab_k=3,
+                          target_decode_s=1.0, min_tokens=128, max_tokens=256),
+        concurrency=ConcurrencyPlan(streams=[1, 2, 4, 8], context=512, target_decode_s=2.0, min_tokens=128,
+                                    max_tokens=1024, interference_prompt=32 * K),
+        kv=KVPlan(contexts=[8 * K, 32 * K], repeats=2),
+        tp=TPPlan(context=512, repeats=2, long_context=192 * K, long_decode_tokens=512, big_shape="qwen3-32b"),
+        acceptance=AcceptancePlan(ks=[1, 2, 3, 5], temperatures=[0.0, 0.7], prompts_per_workload=3, max_tokens=192,
+                                  implied_context=512),
+    )
+
+
+def _gpu_quick(shape: str) -> Plan:
+    plan = _gpu_full(shape)
+    plan.mode = "quick"
+    plan.kv_capacity = 32 * K + 1024
+    plan.budgets = {"roofline": 12, "peer": 35, "prefill": 35, "concurrency": 30, "decode": 60, "kv": 25,
+                    "tp": 200, "acceptance": 25}
+    plan.global_s = 210
+    plan.roofline.repeats = 10
+    plan.peer.prefill_repeats = 2
+    plan.prefill = PrefillPlan(grid={4096: [4 * K, 32 * K]}, repeats={4 * K: 3, 32 * K: 2})
+    plan.decode = DecodePlan(ks=[0, 1, 3], contexts={0: [512, 32 * K], 1: [512], 3: [512]},
+                             repeats={512: 2, 32 * K: 1}, draft_vocab=32768, draft_vocab_k=3,
+                             target_decode_s=0.8, min_tokens=64, max_tokens=256)
+    plan.concurrency = ConcurrencyPlan(streams=[1, 2, 8], context=512, target_decode_s=1.0, min_tokens=64,
+                                       max_tokens=512, interference_prompt=16 * K)
+    plan.kv = KVPlan(contexts=[32 * K], repeats=1)
+    plan.acceptance = AcceptancePlan(ks=[3], temperatures=[0.0, 0.7], prompts_per_workload=2, max_tokens=128,
+                                     implied_context=512)
+    return plan
+
+
+def _cpu(shape: str, quick: bool) -> Plan:
+    plan = Plan(
+        mode="cpu-quick" if quick else "cpu", shape=shape, chunk=128, kv_capacity=1024,
+        budgets={"roofline": 10, "peer": 20, "prefill": 30, "concurrency": 30, "decode": 40, "kv": 15,
+                 "tp": 10, "acceptance": 40},
+        global_s=300,
+        roofline=RooflinePlan(copy_bytes=64 << 20, matmul_n=512, matmul_dtype="float32", gemv_rows=4096,
+                              gemv_cols=1024, repeats=5),
+        peer=PeerPlan(prefill_prompts=[128, 512], prefill_repeats=2, decode_prompt=64, decode_new_tokens=8),
+        prefill=PrefillPlan(grid={64: [128, 512], 128: [128, 512]}, repeats={128: 2, 512: 2}),
+        decode=DecodePlan(ks=[0, 1, 3], contexts={0: [64, 256], 1: [64, 256], 3: [64, 256]},
+                          repeats={64: 2, 256: 1}, draft_vocab=128, draft_vocab_k=3,
+                          target_decode_s=0.2, min_tokens=8, max_tokens=16),
+        concurrency=ConcurrencyPlan(streams=[1, 2, 4], context=64, target_decode_s=0.3, min_tokens=8,
+                                    max_tokens=64, interference_prompt=512),
+        kv=KVPlan(contexts=[256], repeats=1),
+        tp=TPPlan(context=64, repeats=1, long_context=1024, long_decode_tokens=16, big_shape="tiny"),
+        acceptance=AcceptancePlan(ks=[3], temperatures=[0.0, 0.7], prompts_per_workload=1, max_tokens=24,
+                                  implied_context=64),
+        reference=dict(prefill_P=128, prefill_long_P=512, prefill_chunk=128, decode_context=64, kv_context=256,
+                       streams_small=2, streams_large=4),
+    )
+    if quick:                       # the test's run: every code path once, few engines
+        plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 1, 512: 2})
+        plan.decode.ks = [0, 3]
+        plan.decode.contexts = {0: [64, 256], 3: [64]}
+        plan.concurrency.streams = [1, 2, 4]
+        plan.acceptance.max_tokens = 16
+    return plan

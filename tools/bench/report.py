@@ -1,0 +1,383 @@
+"""Writing a run: results.json (every figure with its parameters), summary.md (the seed-style tables
+and the headline against BENCH.md's targets), PNG plots, and the compact table printed last."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from tools.bench.derive import TARGETS
+from tools.bench.progress import fmt, si
+
+K = 1024
+
+
+def _clean(x):
+    """JSON-safe: no NaN/inf (written as null)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write(results: dict, out: Path, summary: bool = True, plots: bool = True) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(_clean(results), indent=1, sort_keys=False))
+    tmp.replace(out / "results.json")
+    if summary:
+        (out / "summary.md").write_text(markdown(results))
+    if plots:
+        try:
+            from tools.bench import plots as plotting
+            plotting.write_all(results, out)
+        except Exception as e:  # noqa: BLE001 - plots are a convenience; the JSON is the record
+            results.setdefault("warnings", []).append(f"plots not written: {e!r}")
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def _measured(points):
+    return [p for p in points or [] if "skipped" not in p and "error" not in p]
+
+
+def _ctx(n: int) -> str:
+    return f"{n // K}k" if n >= K and n % K == 0 else str(n)
+
+
+def _tab(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines + [""]
+
+
+def _target_text(name: str) -> str:
+    op, target, _ = TARGETS[name]
+    if op is None:
+        return "—"
+    if isinstance(target, bool):
+        return "yes" if target else "no"
+    return f"{op} {target:g}"
+
+
+def _skips(points, key_fn) -> list[str]:
+    return [f"- {key_fn(p)}: {p.get('skipped') or p.get('error')}" for p in points or []
+            if "skipped" in p or "error" in p]
+
+
+# -- summary.md ----------------------------------------------------------------------------------
+
+def markdown(r: dict) -> str:
+    run, secs = r["run"], r.get("sections", {})
+    dev = run["device"]
+    git = run.get("git", {})
+    v = run.get("versions", {})
+    L = [f"# ninfer benchmark — {run['shape']} on {dev['name']} ({run['mode']})", "",
+         f"- date {run['date']}, commit {(git.get('commit') or 'unknown')[:12]}{' (dirty)' if git.get('dirty') else ''}, "
+         f"run id {run['run_id']}",
+         f"- torch {v.get('torch')}, triton {v.get('triton')}, transformers {v.get('transformers')}, "
+         f"python {v.get('python')}; {dev.get('count', 0)} GPU(s)",
+         f"- command: `{run.get('command', '')}`",
+         "- rates come from each request's own phase timings (prefill_tok_s = computed_prefill_tokens / "
+         "timings.prefill; decode_tok_s = (completion_tokens - 1) / timings.decode); every prompt is fresh "
+         "random tokens (no prefix-cache hits); decode runs with ignore_eos; peak = max over repeats, "
+         "median beside it.", ""]
+    merged = [rid for rid in r.get("runs", {}) if rid != run["run_id"]]
+    if merged:
+        L += [f"- sections merged from earlier runs: {', '.join(merged)}", ""]
+
+    L += ["## Headline (targets from BENCH.md)", ""]
+    rows = []
+    for name, d in r.get("headline_detail", {}).items():
+        val = d["value"]
+        rows.append([f"`{name}`", fmt(val), _target_text(name), fmt(d.get("ratio_to_target")),
+                     "—" if d.get("met") is None else ("**yes**" if d["met"] else "no"),
+                     d.get("reason") or _inputs_text(d.get("inputs")), d["target_text"]])
+    L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "BENCH.md"], rows)
+
+    L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r)
+
+    L += ["## Sections", ""]
+    rows = [[name, s.get("status", "?"), fmt(s.get("elapsed_s")), s.get("run_id", ""),
+             (s.get("reason") or s.get("error") or "")[:200]] for name, s in secs.items()]
+    L += _tab(["section", "status", "seconds", "run", "reason / error"], rows)
+    for w in r.get("warnings", []):
+        L.append(f"- warning: {w}")
+    return "\n".join(L) + "\n"
+
+
+def _inputs_text(inputs: dict | None) -> str:
+    if not inputs:
+        return ""
+    parts = []
+    for k, v in inputs.items():
+        if isinstance(v, float):
+            parts.append(f"{k} {fmt(v)}")
+        elif isinstance(v, dict):
+            parts.append(f"{k} " + ", ".join(f"{a}: {fmt(b)}" for a, b in v.items()))
+        else:
+            parts.append(f"{k} {v}")
+    return "; ".join(parts)[:300]
+
+
+def _limits(r: dict) -> list[str]:
+    sec = r["sections"].get("roofline")
+    if not sec or "copy" not in sec:
+        return []
+    L = ["## Limits measured in this run", ""]
+    c, m, g = sec.get("copy", {}), sec.get("matmul", {}), sec.get("gemv", {})
+    L.append(f"- copy bandwidth (read + write, {c.get('buffer_bytes', 0) / 2**30:.1f} GiB buffer): "
+             f"**{si(c.get('bandwidth_Bps'), 'B/s')}** median of {c.get('repeats')}")
+    if m:
+        L.append(f"- matmul {m['n']}^3 {m['dtype']} on random data: **{si(m['flops_per_s'], 'FLOP/s')}** "
+                 f"median of {m['repeats']}")
+    if g:
+        L.append(f"- GEMV {g['shape']} bf16 (batch-1 lm_head shape): {si(g['bandwidth_Bps'], 'B/s')}")
+    floor = [p for p in _measured(r["sections"].get("decode", {}).get("points")) if p.get("floor_ms")]
+    for p in floor[:1]:
+        L.append(f"- decode floor of {r['run']['shape']} at context {p['context']} (+ half the output): "
+                 f"{p['floor_ms']:.2f} ms/token = {1e3 / p['floor_ms']:,.0f} tok/s")
+    return L + [""]
+
+
+def _peer(r: dict) -> list[str]:
+    sec = r["sections"].get("peer")
+    if not sec or "setup" not in sec:
+        return []
+    s = sec["setup"]
+    L = [f"## Peer: transformers {s['transformers']} ({s['attn_implementation']}, {s['dtype']}, random weights)", ""]
+    rows = [[str(p["P"]), fmt(p["tok_s_peak"]), fmt(p["tok_s_median"]), fmt(p.get("mfu_peak"))]
+            for p in _measured(sec.get("prefill"))]
+    L += _tab(["P", "prefill tok/s peak", "median", "MFU"], rows)
+    d = sec.get("decode") or {}
+    if "tok_s" in d:
+        L.append(f"- decode, `generate()` batch 1 ({s['decode']}), prompt {d['prompt_tokens']}, {d['new_tokens']} "
+                 f"new tokens: **{d['tok_s']:.1f} tok/s** ({d['ms_per_token']:.1f} ms/token)")
+    elif d:
+        L.append(f"- decode: {d.get('skipped') or d.get('error')}")
+    L += _skips(sec.get("prefill"), lambda p: f"prefill P={p['P']}")
+    return L + [""]
+
+
+def _prefill(r: dict) -> list[str]:
+    sec = r["sections"].get("prefill")
+    if not sec:
+        return []
+    pts = _measured(sec.get("points"))
+    peer = {p["P"]: p for p in _measured(r["sections"].get("peer", {}).get("prefill"))}
+    chunks = sorted({p["chunk"] for p in sec.get("points", [])})
+    Ps = sorted({p["P"] for p in sec.get("points", [])})
+    by = {(p["P"], p["chunk"]): p for p in pts}
+    L = ["## Prefill tok/s — P × chunk", "",
+         "Cell: peak (median) · MFU · relative to the reference P at the same chunk. k = 0 engines.", ""]
+    rows = []
+    for P in Ps:
+        row = [f"{P:,}"]
+        for c in chunks:
+            p = by.get((P, c))
+            if p is None:
+                row.append("—")
+                continue
+            cell = f"{p['prefill_tok_s_peak']:,.0f} ({p['prefill_tok_s_median']:,.0f})"
+            if p.get("mfu_peak") is not None:
+                cell += f" · MFU {p['mfu_peak']:.2f}"
+            if p.get("relative_to_ref_P") is not None:
+                cell += f" · ×{p['relative_to_ref_P']:.2f}"
+            row.append(cell)
+        row.append(f"{peer[P]['tok_s_peak']:,.0f}" if P in peer else "—")
+        rows.append(row)
+    L += _tab(["P"] + [f"chunk {c}" for c in chunks] + ["transformers"], rows)
+    L += _skips(sec.get("points"), lambda p: f"P={p['P']} chunk={p['chunk']}")
+    return L + [""]
+
+
+def _decode(r: dict) -> list[str]:
+    sec = r["sections"].get("decode")
+    if not sec:
+        return []
+    pts = _measured(sec.get("points"))
+    ctxs = sorted({p["context"] for p in sec.get("points", [])})
+    variants = sorted({(p["draft_tokens"], p.get("draft_vocab", 0)) for p in sec.get("points", [])})
+    by = {(p["draft_tokens"], p.get("draft_vocab", 0), p["context"]): p for p in pts}
+    L = [f"## Decode batch 1 — k × context ({r['run']['shape']}, random weights)", "",
+         "Cell: decode tok/s peak · ms per round (best) · roofline fraction (k = 0). Acceptance per position "
+         "is as measured on random weights (≈0: these rows are the cost of a round; the acceptance "
+         "section gives what a workload gets).", ""]
+    rows = []
+    for k, dv in variants:
+        row = [str(k), str(dv) if dv else "full"]
+        acc = ""
+        for c in ctxs:
+            p = by.get((k, dv, c))
+            if p is None:
+                row.append("—")
+                continue
+            cell = f"{p['decode_tok_s_peak']:,.1f} · {p['ms_per_round_best']:.2f} ms"
+            if p.get("roofline_fraction") is not None:
+                cell += f" · {p['roofline_fraction']:.2f}"
+            row.append(cell)
+            acc = acc or "/".join(f"{a:.2f}" for a in p["acceptance_per_position"])
+        rows.append(row + [acc or "—"])
+    L += _tab(["k", "draft vocab"] + [f"ctx {_ctx(c)}" for c in ctxs] + ["acceptance / position"], rows)
+    d = r.get("headline_detail", {}).get("extra_draft_cost_fraction", {})
+    if d.get("value") is not None:
+        L.append(f"- extra draft cost: {d['value']:.3f} of a k=0 step per draft token "
+                 f"(mean over k ≥ 1 of (ms(k) − ms(0)) / (k · ms(0)); target ≤ 0.05)")
+    base = {p["context"]: p for p in pts if p["draft_tokens"] == 0 and not p.get("draft_vocab")}
+    for p in pts:
+        if p.get("draft_vocab") and p["context"] in base:
+            b = base[p["context"]]
+            f = (p["ms_per_round_best"] - b["ms_per_round_best"]) / (p["draft_tokens"] * b["ms_per_round_best"])
+            L.append(f"- reduced draft vocabulary {p['draft_vocab']} at k={p['draft_tokens']}, ctx {p['context']}: "
+                     f"{p['ms_per_round_best']:.2f} ms/round = {f:.3f} of a k=0 step per draft token")
+    L += _skips(sec.get("points"), lambda p: f"k={p.get('draft_tokens')} ctx={p.get('context')}")
+    return L + [""]
+
+
+def _acceptance(r: dict) -> list[str]:
+    sec = r["sections"].get("acceptance")
+    if not sec:
+        return []
+    if sec.get("status") == "skipped":
+        return ["## Acceptance", "", f"- skipped: {sec.get('reason')}", ""]
+    res = [e for e in sec.get("results", []) if "skipped" not in e]
+    ref = sec.get("training_reference", {})
+    L = [f"## Acceptance per position — {Path(sec.get('model', '')).name}, and the decode rate it implies on "
+         f"{r['run']['shape']}", "",
+         f"Acceptance = accepted_per_position[i] / rounds, pooled over the workload's prompts. Implied tok/s = "
+         f"(1 + Σ acceptance) / ms_per_round(k) of the decode sweep at context {sec.get('implied_context')}.", ""]
+    rows = []
+    for e in sorted(res, key=lambda e: (list(ref).index(e["workload"]) if e["workload"] in ref else 9,
+                                         e["workload"], e["temperature"], e["k"])):
+        tr = ref.get({"enumeration": "enum"}.get(e["workload"], e["workload"]))
+        rows.append([e["workload"], f"{e['temperature']:g}", str(e["k"]),
+                     " / ".join(f"{a:.2f}" for a in e["acceptance_per_position"]),
+                     f"{e['tokens_per_round']:.2f}", fmt(e.get("implied_decode_tok_s")),
+                     " / ".join(f"{a:.2f}" for a in tr) if tr and e["k"] == 3 and e["temperature"] == 0 else ""])
+    L += _tab(["workload", "T", "k", "acceptance per position", "tokens / round",
+               f"implied tok/s ({r['run']['shape']})", "training (k=3, greedy)"], rows)
+    if sec.get("k0_decode_tok_s"):
+        L.append(f"- k = 0 on {r['run']['shape']}: {sec['k0_decode_tok_s']:,.1f} tok/s for every workload")
+    return L + [""]
+
+
+def _concurrency(r: dict) -> list[str]:
+    sec = r["sections"].get("concurrency")
+    if not sec:
+        return []
+    s = sec.get("setup", {})
+    L = [f"## Concurrency — N streams decoding together (k = 0, context {s.get('context')}, "
+         f"{s.get('max_tokens')} tokens each)", ""]
+    rows = [[str(p["streams"]), fmt(p["per_stream_tok_s_mean"]), fmt(p["aggregate_tok_s"]),
+             fmt(p.get("aggregate_over_single")), fmt(p.get("wall_aggregate_tok_s"))]
+            for p in _measured(sec.get("points"))]
+    L += _tab(["N", "per stream tok/s", "aggregate tok/s", "× one stream", "wall-clock aggregate"], rows)
+    i = sec.get("prefill_interference") or {}
+    if "max_gap_ms" in i:
+        L.append(f"- a P={i['long_prompt']:,} prompt (chunk {i['chunk']}) prefilled while a stream decoded: "
+                 f"longest gap between the stream's tokens **{i['max_gap_ms']:.1f} ms**; one chunk takes "
+                 f"{i['chunk_ms']:.1f} ms, one decode step {i['baseline_gap_ms']:.1f} ms → "
+                 f"{'within one chunk + one step' if i['ok'] else 'LONGER than one chunk + one step'}"
+                 f"{'' if i['stream_outlived_prefill'] else ' (the stream ended before the prefill did)'}")
+    elif i:
+        L.append(f"- prefill interference: {i.get('skipped') or i.get('error')}")
+    L += _skips(sec.get("points"), lambda p: f"N={p.get('streams')}")
+    return L + [""]
+
+
+def _kv(r: dict) -> list[str]:
+    sec = r["sections"].get("kv")
+    if not sec or not sec.get("ratios"):
+        return [] if not sec else ["## KV dtype", "", f"- {sec.get('int8_over_bf16_reason') or sec.get('error')}", ""]
+    L = ["## KV dtype — decode batch 1, k = 0", ""]
+    rows = [[_ctx(x["context"]), fmt(x["base_tok_s"]), fmt(x["int8_tok_s"]), f"{x['ratio']:.3f}",
+             f"{x['bytes_ratio']:.3f}"] for x in sec["ratios"]]
+    base = sec["ratios"][0]["base_kv_dtype"]
+    L += _tab(["context", f"{base} tok/s", "int8 tok/s", "int8 / " + base, "bytes bound"], rows)
+    return L
+
+
+def _tp(r: dict) -> list[str]:
+    sec = r["sections"].get("tp")
+    if not sec:
+        return []
+    if sec.get("status") == "skipped":
+        return ["## Tensor parallel", "", f"- skipped: {sec.get('reason')}", ""]
+    L = ["## Tensor parallel — decode batch 1, k = 0", ""]
+    rows = [[p.get("label", ""), p.get("shape", ""), str(p["engine"].get("tensor_parallel_size")),
+             p["engine"].get("kv_dtype", ""), str(p["context"]), fmt(p["decode_tok_s_peak"]),
+             f"{p['ms_per_round_best']:.2f}", fmt(p.get("roofline_fraction"))]
+            for p in _measured(sec.get("points"))]
+    L += _tab(["run", "shape", "TP", "KV", "context", "tok/s", "ms/token", "roofline fraction"], rows)
+    lc = sec.get("long_context")
+    if lc:
+        L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
+                 f"{'ok' if sec.get('context_192k_ok') else 'FAILED'} "
+                 f"{lc.get('error', '')}(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    return L + [""]
+
+
+# -- the table printed last ----------------------------------------------------------------------
+
+def final_table(r: dict, out: Path | None = None) -> str:
+    run, secs = r["run"], r.get("sections", {})
+    L = [f"== ninfer bench: {run['shape']} on {run['device']['name']} ({run['mode']}), "
+         f"commit {(run.get('git', {}).get('commit') or '?')[:8]}, {run['date']} =="]
+    rf = secs.get("roofline", {})
+    if "copy" in rf:
+        m = rf.get("matmul", {}).get("flops_per_s")
+        L.append(f"limits: copy {si(rf['copy']['bandwidth_Bps'], 'B/s')}" + (f", matmul {si(m, 'FLOP/s')}" if m else ""))
+    L.append(f"{'headline':<32}{'measured':>10}  {'target':<8}{'ratio':>7}  met")
+    for name, d in r.get("headline_detail", {}).items():
+        met = "-" if d.get("met") is None else ("yes" if d["met"] else "NO")
+        L.append(f"{name:<32}{fmt(d['value']):>10}  {_target_text(name):<8}{fmt(d.get('ratio_to_target')):>7}  {met}"
+                 + ("" if d["value"] is not None else f"  ({(d.get('reason') or '')[:70]})"))
+    pre = secs.get("prefill", {})
+    pts = _measured(pre.get("points"))
+    if pts:
+        chunks = sorted({p["chunk"] for p in pts})
+        Ps = sorted({p["P"] for p in pts})
+        by = {(p["P"], p["chunk"]): p["prefill_tok_s_peak"] for p in pts}
+        L.append("prefill tok/s peak   " + "".join(f"{_ctx(P):>9}" for P in Ps))
+        for c in chunks:
+            L.append(f"  chunk {c:<13}" + "".join(f"{fmt(by.get((P, c))):>9}" for P in Ps))
+        peer = {p["P"]: p["tok_s_peak"] for p in _measured(secs.get("peer", {}).get("prefill"))}
+        if peer:
+            L.append(f"  {'transformers':<19}" + "".join(f"{fmt(peer.get(P)):>9}" for P in Ps))
+    dec = _measured(secs.get("decode", {}).get("points"))
+    if dec:
+        ctxs = sorted({p["context"] for p in dec})
+        L.append("decode tok/s | ms/round " + "".join(f"{'ctx ' + _ctx(c):>17}" for c in ctxs))
+        for k, dv in sorted({(p["draft_tokens"], p.get("draft_vocab", 0)) for p in dec}):
+            by = {p["context"]: p for p in dec if p["draft_tokens"] == k and p.get("draft_vocab", 0) == dv}
+            label = f"  k={k}" + (f" dv={dv}" if dv else "")
+            L.append(f"{label:<24}" + "".join(
+                f"{(fmt(by[c]['decode_tok_s_peak']) + ' | ' + format(by[c]['ms_per_round_best'], '.2f')) if c in by else '-':>17}"
+                for c in ctxs))
+    acc = [e for e in secs.get("acceptance", {}).get("results", []) if "skipped" not in e and e["k"] == 3]
+    if acc:
+        L.append("acceptance k=3 (per position) -> implied tok/s")
+        for e in acc:
+            L.append(f"  {e['workload']:<12} T={e['temperature']:<4g} "
+                     f"{' / '.join(f'{a:.2f}' for a in e['acceptance_per_position']):<20} "
+                     f"-> {fmt(e.get('implied_decode_tok_s'))}")
+    conc = _measured(secs.get("concurrency", {}).get("points"))
+    if conc:
+        L.append("streams aggregate tok/s (x one): " + ", ".join(
+            f"N={p['streams']} {fmt(p['aggregate_tok_s'])} (x{fmt(p.get('aggregate_over_single'))})" for p in conc))
+    i = secs.get("concurrency", {}).get("prefill_interference") or {}
+    if "max_gap_ms" in i:
+        L.append(f"prefill mid-decode: longest gap {i['max_gap_ms']:.1f} ms, chunk {i['chunk_ms']:.1f} ms -> "
+                 f"{'ok' if i['ok'] else 'TOO LONG'}")
+    L.append("sections: " + " | ".join(
+        f"{n} {s.get('status', '?')} {fmt(s.get('elapsed_s'), 2)}s" for n, s in secs.items()))
+    for n, s in secs.items():
+        if s.get("status") in ("error", "skipped", "interrupted"):
+            L.append(f"  {n}: {(s.get('error') or s.get('reason') or '')[:160]}")
+    if out is not None:
+        L.append(f"results: {out}")
+    return "\n".join(L)

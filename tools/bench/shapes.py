@@ -1,0 +1,90 @@
+"""What a shape costs: FLOPs per prefill token and bytes read per decode step (BENCH.md's formulas).
+
+Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no device.
+
+    prefill FLOPs per token = 2 x params + 4 x layers x heads x head_dim x mean causal context
+    decode bytes per step   = weight bytes read (every matrix but the embedding table, which is
+                              only gathered; lm_head included) + KV bytes at the context
+    decode floor            = bytes per step / measured copy bandwidth
+"""
+
+from __future__ import annotations
+
+from engine.config import ModelConfig
+from engine.presets import preset
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+INT8_SCALE_BYTES = 4          # one float32 scale per (token, KV head) for K and for V
+
+
+def model_config(shape: str) -> ModelConfig:
+    """A reference shape by preset name ("qwen3-8b", "qwen3-32b", "tiny")."""
+    return preset(shape)
+
+
+def params(cfg: ModelConfig) -> int:
+    """Parameters of the main model (no MTP layer), embedding and lm_head included: BENCH's 'params'."""
+    return cfg.num_params(include_mtp=False)
+
+
+def weight_bytes_per_step(cfg: ModelConfig, dtype: str = "bfloat16", tp: int = 1) -> int:
+    """Weight bytes one rank reads in a k=0 decode step: all but the embedding table (a gather of one
+    row), lm_head included; with tied embeddings the table *is* the lm_head and is read whole."""
+    n = params(cfg)
+    if not cfg.tie_word_embeddings:
+        n -= cfg.vocab_size * cfg.hidden_size
+    return n * DTYPE_BYTES[dtype] // tp
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16", tp: int = 1, mtp: bool = False) -> int:
+    """KV bytes one rank holds per token (int8 pages carry a float32 scale per token and KV head)."""
+    layers = cfg.num_hidden_layers + (cfg.mtp_num_hidden_layers if mtp else 0)
+    heads = max(1, cfg.num_key_value_heads // tp)
+    per = layers * 2 * heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+    if kv_dtype == "int8":
+        per += layers * 2 * heads * INT8_SCALE_BYTES
+    return per
+
+
+def decode_bytes_per_step(cfg: ModelConfig, context: float, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
+                          tp: int = 1) -> float:
+    """Bytes one rank reads for one k=0 decode step of one sequence at `context` tokens."""
+    return weight_bytes_per_step(cfg, dtype, tp) + context * kv_bytes_per_token(cfg, kv_dtype, tp)
+
+
+def decode_floor_ms(cfg: ModelConfig, context: float, bandwidth_Bps: float, dtype: str = "bfloat16",
+                    kv_dtype: str = "bfloat16", tp: int = 1) -> float:
+    """The memory-roofline time of one k=0 batch-1 decode step (ranks read their shares in parallel)."""
+    return decode_bytes_per_step(cfg, context, dtype, kv_dtype, tp) / bandwidth_Bps * 1e3
+
+
+def mean_causal_context(prompt_tokens: int) -> float:
+    """Token t of a causal prompt attends to t + 1 keys: the mean over the prompt is (P + 1) / 2."""
+    return (prompt_tokens + 1) / 2
+
+
+def prefill_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
+    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_causal_context(prompt_tokens)
+    return 2 * params(cfg) + attention
+
+
+def prefill_flops(cfg: ModelConfig, prompt_tokens: int) -> float:
+    return prefill_flops_per_token(cfg, prompt_tokens) * prompt_tokens
+
+
+def mfu(cfg: ModelConfig, prompt_tokens: int, tok_s: float, matmul_flops: float) -> float:
+    """Model FLOPs utilisation of a prefill at `tok_s` against the measured matmul rate."""
+    return prefill_flops_per_token(cfg, prompt_tokens) * tok_s / matmul_flops
+
+
+def describe(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
+    """The shape's numbers the report quotes."""
+    return {
+        "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "ffn": cfg.intermediate_size,
+        "vocab": cfg.vocab_size, "tied_embeddings": cfg.tie_word_embeddings,
+        "mtp_layers": cfg.mtp_num_hidden_layers, "params": params(cfg),
+        "params_with_mtp": cfg.num_params(include_mtp=True),
+        "weight_bytes_per_decode_step": weight_bytes_per_step(cfg, dtype),
+        "kv_bytes_per_token": {kv: kv_bytes_per_token(cfg, kv) for kv in (dtype, "int8")},
+    }
