@@ -125,7 +125,7 @@ def _gpu_full(shape: str) -> Plan:
         mode="full", shape=shape, chunk=4096, kv_capacity=131 * K + 512,
         budgets={"roofline": 20, "peer": 60, "prefill": 150, "concurrency": 60, "decode": 170, "kv": 40,
                  "tp": 300, "acceptance": 45},
-        global_s=510,
+        global_s=480,
         roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
                               gemv_rows=151936, gemv_cols=4096),
         peer=PeerPlan(prefill_prompts=[4 * K, 32 * K], prefill_repeats=3, decode_prompt=512, decode_new_tokens=32),

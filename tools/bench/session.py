@@ -192,6 +192,7 @@ class EnginePool:
         if self.holds(spec):
             return self.session, True
         self.close()
+        free_memory()                           # what earlier sections left in the allocator's cache
         t0 = time.perf_counter()
         self.session = EngineSession(spec)
         self.builds += 1
