@@ -64,7 +64,7 @@ class Bench:
 
     def roofline(self) -> tuple[float | None, float | None]:
         """(copy bandwidth B/s, matmul FLOP/s) measured in this run (or a merged one), else None."""
-        return derive.roofline_of(self.results)
+        return derive.roofline_of(self.results, self.results["run"]["run_id"])
 
     def floor_ms(self, context: float, kv_dtype: str = "bfloat16", tp: int = 1, cfg=None) -> float | None:
         bw, _ = self.roofline()

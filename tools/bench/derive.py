@@ -27,7 +27,12 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
 }
 
 
-def roofline_of(results: dict) -> tuple[float | None, float | None]:
+def roofline_of(results: dict, run_id: str | None = None) -> tuple[float | None, float | None]:
+    """(copy bandwidth B/s, matmul FLOP/s): those of the run `run_id` when it measured them (a merged
+    report derives each section against its own run's limits), else the roofline section's."""
+    own = results.get("runs", {}).get(run_id, {}).get("roofline") if run_id else None
+    if own:
+        return own.get("bandwidth_Bps"), own.get("flops_per_s")
     sec = results.get("sections", {}).get("roofline", {})
     bw = (sec.get("copy") or {}).get("bandwidth_Bps")
     mm = (sec.get("matmul") or {}).get("flops_per_s")
@@ -47,8 +52,8 @@ def _dtype(engine: dict | None) -> tuple[str, str]:
     return engine.get("dtype", "bfloat16"), engine.get("kv_dtype", engine.get("dtype", "bfloat16"))
 
 
-def decode_floor(results: dict, point: dict, shape: str | None = None) -> float | None:
-    bw, _ = roofline_of(results)
+def decode_floor(results: dict, point: dict, shape: str | None = None, run_id: str | None = None) -> float | None:
+    bw, _ = roofline_of(results, run_id)
     if bw is None or point.get("ms_per_round_best") is None:
         return None
     dtype, kv = _dtype(point.get("engine"))
@@ -59,13 +64,14 @@ def decode_floor(results: dict, point: dict, shape: str | None = None) -> float 
 
 def annotate(results: dict) -> None:
     secs = results.setdefault("sections", {})
-    bw, mm = roofline_of(results)
     cfg = _cfg(results)
     ref = results.get("plan", {}).get("reference", {})
 
+    _, mm = roofline_of(results, secs.get("peer", {}).get("run_id"))
     if mm is not None:
         for p in _measured(secs.get("peer", {}).get("prefill", [])):
             p["mfu_peak"] = shapes.mfu(cfg, p["P"], p["tok_s_peak"], mm)
+    _, mm = roofline_of(results, secs.get("prefill", {}).get("run_id"))
     prefill = _measured(secs.get("prefill", {}).get("points", []))
     for p in prefill:
         if mm is not None:
@@ -77,7 +83,7 @@ def annotate(results: dict) -> None:
     for name in ("decode", "kv", "tp"):
         for p in _measured(secs.get(name, {}).get("points", [])):
             if p.get("draft_tokens", 0) == 0 and p.get("ms_per_round_best"):
-                floor = decode_floor(results, p, p.get("shape"))
+                floor = decode_floor(results, p, p.get("shape"), secs[name].get("run_id"))
                 p["floor_ms"] = floor
                 p["roofline_fraction"] = floor / p["ms_per_round_best"] if floor else None
 
