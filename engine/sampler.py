@@ -52,7 +52,9 @@ def uniforms(keys: torch.Tensor, n: int) -> torch.Tensor:
         cols = hash32(torch.arange(n, dtype=torch.int64, device=keys.device) ^ 0x5BD1E995)
         _column_hash[(keys.device, n)] = cols
     h = hash32(keys.unsqueeze(1) ^ cols.unsqueeze(0))
-    return ((h >> 8).to(torch.float32) + 0.5) * (2.0 ** -24)
+    # (2^24 - 1 + 0.5) * 2^-24 rounds to 1.0 in float32, and -log(1) = 0 would make `race` divide by
+    # zero (NaN / inf win the argmax): keep the top value just below 1
+    return (((h >> 8).to(torch.float32) + 0.5) * (2.0 ** -24)).clamp_(max=1.0 - 2.0 ** -24)
 
 
 def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

@@ -144,3 +144,18 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ(llm_k0):
     others = [llm_k0.generate([prompt], mk(seed))[0].token_ids for seed in (8, 9, 10)]
     assert in_batch[2].token_ids == others[0]
     assert len({tuple(first), *map(tuple, others)}) == 4          # four seeds, four different texts
+
+
+def test_uniforms_stay_strictly_inside_the_unit_interval():
+    """The largest 24-bit value, (2^24 - 1 + 0.5) / 2^24, rounds to 1.0 in float32; -log(1) = 0 then made
+    the race divide by zero and pick a token of probability zero (for a greedy row in a sampled batch,
+    about once per 2000 steps at a vocabulary of 8192). Key 267 hits it at column 3771."""
+    u = sampler.uniforms(torch.arange(0, 300, dtype=torch.int64), 8192)
+    assert float(u.max()) < 1.0 and float(u.min()) > 0.0
+    assert float(u[267, 3771]) == 1.0 - 2.0 ** -24
+    probs = torch.zeros(1, 8192)
+    probs[0, 5] = 1.0
+    assert sampler.race(probs, torch.tensor([267])).item() == 5
+    filtered_probs = torch.zeros(1, 8192)
+    filtered_probs[0, :20] = 1 / 20                       # a top-20 filtered row
+    assert sampler.race(filtered_probs, torch.tensor([267])).item() < 20
