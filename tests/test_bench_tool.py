@@ -67,6 +67,10 @@ def test_merge_keeps_sections_not_rerun():
     assert new["sections"]["prefill"]["run_id"] == "a"
     assert new["sections"]["tp"]["run_id"] == "b"
     assert set(new["runs"]) == {"a", "b"}
+    # a measured section replaces a skipped one when reports of two runs are merged
+    one_gpu = {"runs": {"a": {}}, "sections": {"tp": {"run_id": "a", "status": "skipped", "reason": "1 GPU"}}}
+    _merge(one_gpu, {"runs": {"b": {}}, "sections": {"tp": {"run_id": "b", "status": "ok"}}}, running=set())
+    assert one_gpu["sections"]["tp"]["run_id"] == "b"
 
 
 # -- the tool end to end on the CPU ----------------------------------------------------------------

@@ -72,10 +72,14 @@ def _report_only(args) -> int:
 
 
 def _merge(results: dict, old: dict, running: set[str]) -> None:
-    """Keep the old run's sections that this run does not measure."""
+    """Take the other run's sections that this run does not measure, or has only as skipped or failed
+    (a one-GPU run's skipped `tp` gives way to a two-GPU run's measured one)."""
     results.setdefault("runs", {}).update(old.get("runs", {}))
     for name, sec in old.get("sections", {}).items():
-        if name not in running and name not in results["sections"]:
+        mine = results["sections"].get(name)
+        if name in running:
+            continue
+        if mine is None or (mine.get("status") != "ok" and sec.get("status") == "ok"):
             results["sections"][name] = sec
     # keep a stable section order
     results["sections"] = {n: results["sections"][n] for n in ORDER if n in results["sections"]}
