@@ -223,4 +223,8 @@ class EngineCore:
         return {"model": self.model_name, "device": c.device, "dtype": c.torch_dtype_name,
                 "kv_dtype": c.kv_dtype_name, "draft_tokens": self.draft_tokens, "prefill_chunk": c.prefill_chunk,
                 "max_model_len": self.max_model_len, "kv_capacity_tokens": self.kv.capacity_tokens,
-                "block_size": c.block_size, "tensor_parallel_size": c.tensor_parallel_size}
+                "block_size": c.block_size, "tensor_parallel_size": self.executor.num_ranks}
+
+    def shutdown(self) -> None:
+        """Release the model, KV and graphs on every rank (the core is unusable afterwards)."""
+        self.executor.shutdown()

@@ -56,6 +56,10 @@ class Executor:
         self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
 
     @property
+    def num_ranks(self) -> int:
+        return len(self.runners)
+
+    @property
     def driver(self) -> ModelRunner:
         """Rank 0: its results are the step's results."""
         return self.runners[0]
@@ -72,8 +76,18 @@ class Executor:
         return [worker.result() for worker in self._workers]
 
     def shutdown(self) -> None:
+        """Stop the rank threads and drop the shards (weights, KV, graphs), returning device memory."""
         for w in self._workers:
             w.stop()
+        for w in self._workers:
+            w.join()
+        self._workers = []
+        on_cuda = any(d.type == "cuda" for d in self.devices)
+        self.runners = []
+        if on_cuda:
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 class _RankThread:
@@ -97,6 +111,9 @@ class _RankThread:
 
     def stop(self) -> None:
         self._calls.put(None)
+
+    def join(self, timeout: float = 30.0) -> None:
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         if self.device.type == "cuda":
