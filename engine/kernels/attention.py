@@ -1,0 +1,430 @@
+"""Paged attention on the GPU: the KV write and one attention kernel for prefill, decode and verify.
+
+The torch twins are `write_kv_reference` and `paged_attention_reference` in
+`engine.layers.attention`; tests/test_kernels_*.py hold each kernel to its twin.
+
+One kernel serves every shape. A program owns one *tile*: up to BLOCK_Q consecutive new tokens of
+one sequence times the GROUP query heads that share one KV head, packed into BLOCK_M = BLOCK_Q *
+GROUP rows, so each K/V tile is loaded once for the whole group (the packing of vLLM's Triton
+"unified attention" kernel). It walks that sequence's pages BLOCK_N keys at a time with the online
+softmax of FlashAttention (Dao et al.): first the tiles that every row of the tile sees whole (no
+mask), then the few that straddle the causal diagonal (masked); tiles past the diagonal are never
+loaded.
+
+Prefill-shaped calls (many rows) use BLOCK_M = 128 and one program per tile. Decode and verify
+(query_len * GROUP <= 128 rows) split each sequence's keys over `num_splits` programs and merge the
+partial softmax states in a second kernel (split-K "flash-decoding", Dao et al.), so that batch-1
+decode at long context still covers every SM. For those shapes the grid and the split count depend
+on tensor shapes only, never on sequence lengths: the pair is CUDA-graph capturable, and each
+program works out its own key range from `seq_lens` on the device (splits past the end of a short
+sequence find an empty range and only record that).
+
+int8 pages are read as int8 and converted in registers: K's per-token scale multiplies the score
+column after the q·k product, V's scale multiplies the probability column before p·v.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.forward_context import ForwardContext
+from engine.layers.attention import LayerKV
+
+LOG2E = 1.4426950408889634
+DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan
+MAX_SPLITS = 64
+
+
+# -- KV write ------------------------------------------------------------------------------------
+
+@triton.jit
+def _round_half_even(y):
+    # torch.round on float32 (ties to even), exact for |y| < 2**22; tl.floor works on every backend
+    # and in the interpreter, where libdevice.rint does not.
+    f = tl.floor(y)
+    frac = y - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return f + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)
+
+
+@triton.jit
+def _store_kv_token(x1, x2, page_ptr, scale_ptr, slot, offs_h, half, mask_h,
+                    stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh,
+                    HALF: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr):
+    """Store one token's heads into `slot` (< 0: nothing). The rows come as two float32 halves
+    x1, x2 [HEADS, HALF] (columns [0, HALF) and [HALF, 2 * HALF)), the form RoPE produces them in.
+
+    int8 pages: symmetric per-head quantization exactly as `quantize_int8` does it (IEEE divisions,
+    ties to even), so the stored bytes equal the reference's.
+    """
+    keep = mask_h & (slot >= 0)
+    blk = (slot // PAGE).to(tl.int64)
+    off = slot % PAGE
+    ptrs = page_ptr + blk * stride_pb + off * stride_pt + offs_h[:, None] * stride_ph + half[None, :]
+    if QUANT:
+        amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+        scale = tl.math.div_rn(tl.maximum(amax, 1e-8), tl.full(amax.shape, 127.0, tl.float32))
+        per_elem = scale[:, None] + tl.zeros_like(x1)             # div_rn does not broadcast
+        y1 = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x1, per_elem)), -127.0), 127.0)
+        y2 = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(x2, per_elem)), -127.0), 127.0)
+        tl.store(ptrs, y1.to(tl.int8), mask=keep[:, None])
+        tl.store(ptrs + HALF, y2.to(tl.int8), mask=keep[:, None])
+        tl.store(scale_ptr + blk * stride_sb + off * stride_st + offs_h * stride_sh, scale, mask=keep)
+    else:
+        tl.store(ptrs, x1.to(page_ptr.dtype.element_ty), mask=keep[:, None])
+        tl.store(ptrs + HALF, x2.to(page_ptr.dtype.element_ty), mask=keep[:, None])
+
+
+@triton.jit
+def _load_halves(ptr, offs_h, half, mask_h, stride_h, HALF: tl.constexpr):
+    # rows of [HEADS, 2 * HALF] at ptr (head stride stride_h) -> two float32 halves [HEADS, HALF]
+    p = ptr + offs_h[:, None] * stride_h + half[None, :]
+    x1 = tl.load(p, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=mask_h[:, None], other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, slot_ptr, kp_ptr, vp_ptr, ks_ptr, vs_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh,
+                     KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                     PAGE: tl.constexpr, QUANT: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
+    offs_h = tl.arange(0, HEADS_PAD)
+    half = tl.arange(0, HALF)
+    mask_h = (offs_h < KV_HEADS) & (slot >= 0)
+    k1, k2 = _load_halves(k_ptr + t * stride_kt, offs_h, half, mask_h, stride_kh, HALF)
+    v1, v2 = _load_halves(v_ptr + t * stride_vt, offs_h, half, mask_h, stride_vh, HALF)
+    _store_kv_token(k1, k2, kp_ptr, ks_ptr, slot, offs_h, half, mask_h,
+                    stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
+    _store_kv_token(v1, v2, vp_ptr, vs_ptr, slot, offs_h, half, mask_h,
+                    stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
+
+
+def page_args(kv: LayerKV) -> tuple:
+    """(k pages, v pages, k scales, v scales, 6 strides) as the kernels take them; checks the layout."""
+    if kv.k.stride() != kv.v.stride():
+        raise ValueError(f"K and V pages must share one layout, got strides {kv.k.stride()} and {kv.v.stride()}")
+    if kv.k.stride(-1) != 1:
+        raise ValueError("KV pages need a contiguous head_dim")
+    if kv.quantized:
+        if kv.k_scale is None or kv.v_scale is None or kv.k_scale.stride() != kv.v_scale.stride():
+            raise ValueError("int8 pages need k_scale and v_scale of one layout")
+        ks, vs, sstr = kv.k_scale, kv.v_scale, kv.k_scale.stride()
+    else:
+        ks, vs, sstr = kv.k, kv.v, (0, 0, 0)        # placeholders, never read
+    return (kv.k, kv.v, ks, vs, *kv.k.stride()[:3], *sstr)
+
+
+def _check_head_dim(d: int) -> None:
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+
+
+def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new K/V into their slots (slot -1: skipped), quantizing when the pages are int8.
+
+    k, v: [T, kv_heads, head_dim] (any float dtype, head_dim contiguous); slot_mapping: [T] int.
+    One launch for K and V, grid (T,): CUDA-graph capturable.
+    """
+    T, kvh, d = k.shape
+    _check_head_dim(d)
+    if T == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need a contiguous head_dim")
+    kp, vp, ks, vs, *strides = page_args(kv)
+    slot_mapping = slot_mapping.contiguous()
+    _write_kv_kernel[(T,)](
+        k, v, slot_mapping, kp, vp, ks, vs, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *strides,
+        KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(kvh), HALF=d // 2, PAGE=kv.k.shape[1],
+        QUANT=kv.quantized, num_warps=4 if kvh * d >= 1024 else 2)
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
+                 head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st, qk_scale,
+                 offs_n, offs_d, PAGE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):
+    """One BLOCK_N-key step of the online softmax (log2 domain). Unmasked steps load whole tiles
+    that every row sees; masked steps also drop keys >= hi and keys after each row's position."""
+    keys = start + offs_n                                        # [BLOCK_N] positions
+    if MASKED:
+        kmask = keys < hi
+        blk = tl.load(table_ptr + keys // PAGE, mask=kmask, other=0).to(tl.int64)
+    else:
+        blk = tl.load(table_ptr + keys // PAGE).to(tl.int64)
+    row = blk * stride_pb + (keys % PAGE) * stride_pt + head_off  # [BLOCK_N] element offsets
+    if MASKED:
+        k = tl.load(k_ptr + row[None, :] + offs_d[:, None], mask=kmask[None, :], other=0.0)   # [D, BLOCK_N]
+    else:
+        k = tl.load(k_ptr + row[None, :] + offs_d[:, None])
+    if QUANT:
+        k = k.to(tl.float32)                                      # int8 -> float32 -> q's dtype (exact)
+    s = tl.dot(q, k.to(q.dtype))                                  # [BLOCK_M, BLOCK_N] float32
+    if QUANT:
+        srow = blk * stride_sb + (keys % PAGE) * stride_st + shead_off
+        if MASKED:
+            ks = tl.load(ks_ptr + srow, mask=kmask, other=0.0)
+            vs = tl.load(vs_ptr + srow, mask=kmask, other=0.0)
+        else:
+            ks = tl.load(ks_ptr + srow)
+            vs = tl.load(vs_ptr + srow)
+        s = s * (ks * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+    if MASKED:
+        visible = (keys[None, :] <= q_pos[:, None]) & kmask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)   # [BLOCK_N, D]
+    else:
+        v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
+    if QUANT:
+        p = p * vs[None, :]
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "num_splits", "min_tiles"])
+def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr,
+                 qsl_ptr, seq_lens_ptr, tables_ptr, qk_scale, num_seqs, tiles_per_seq, num_heads,
+                 num_splits, min_tiles,
+                 stride_qt, stride_qh, stride_ot, stride_oh,
+                 stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
+                 GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr):
+    # grid: (kv_heads, tiles, num_splits); kv head fastest so the heads of one tile run together
+    kvh = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
+    if tiles_per_seq > 0:
+        # every sequence has the same query_len: tiles_per_seq tiles each, the longest first
+        seq = pid // tiles_per_seq
+        tile = tiles_per_seq - 1 - pid % tiles_per_seq
+    else:
+        # sequence i owns programs [qsl[i] // BLOCK_Q + i, qsl[i+1] // BLOCK_Q + i + 1): enough for
+        # its ceil(query_len / BLOCK_Q) tiles with no host-built map; find i by bisection
+        lo_s = num_seqs * 0
+        hi_s = num_seqs
+        while hi_s - lo_s > 1:
+            mid_s = (lo_s + hi_s) // 2
+            first = tl.load(qsl_ptr + mid_s) // BLOCK_Q + mid_s
+            lo_s = tl.where(first <= pid, mid_s, lo_s)
+            hi_s = tl.where(first <= pid, hi_s, mid_s)
+        seq = lo_s
+        tile = pid - (tl.load(qsl_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + tile * BLOCK_Q            # position of the tile's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = tile * BLOCK_Q + offs_m // GROUP                  # row -> query index within the sequence
+    head = kvh * GROUP + offs_m % GROUP                      # row -> query head
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)       # keys after the last query: never seen
+    if SPLIT:
+        n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+        per = tl.maximum((n_tiles + num_splits - 1) // num_splits, min_tiles) * BLOCK_N
+        lo = split * per
+        hi = tl.minimum(lo + per, kv_end)
+    else:
+        lo = 0
+        hi = kv_end
+    # keys < first_pos + 1 are visible to every row: whole tiles below that need no mask
+    mid = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
+
+    table_ptr = tables_ptr + seq.to(tl.int64) * stride_tab
+    head_off = kvh.to(tl.int64) * stride_ph
+    shead_off = kvh.to(tl.int64) * stride_sh
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)            # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr,
+                                     vs_ptr, head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st,
+                                     qk_scale, offs_n, offs_d, PAGE, QUANT, False)
+    for start in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr,
+                                     vs_ptr, head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st,
+                                     qk_scale, offs_n, offs_d, PAGE, QUANT, True)
+
+    if SPLIT:
+        # partial state of this key range: unnormalised acc, running max m (log2 units), sum l
+        r = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M] rows of [T, H, S]
+        tl.store(pm_ptr + r, m_i, mask=row_ok)
+        tl.store(pl_ptr + r, l_i, mask=row_ok)
+        tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, num_heads, num_splits, stride_ot, stride_oh,
+                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = (t * num_heads + h) * num_splits + offs_s
+    ok = offs_s < num_splits
+    m = tl.load(pm_ptr + r, mask=ok, other=-1.0e30)
+    l = tl.load(pl_ptr + r, mask=ok, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    acc = tl.load(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], mask=(ok & (l > 0))[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(w * l, 0)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Launch shape of one attention call. `num_splits` 1 = no split (no merge kernel)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1
+    min_tiles: int = 4          # a split covers at least this many BLOCK_N key tiles
+
+
+# Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
+PREFILL = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
+DECODE = dict(block_n=64, num_warps=4, num_stages=3, min_tiles=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132                                  # the interpreter: plan as for an H200
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
+    """Pick the launch shape from host ints only (no device read).
+
+    Decode/verify shapes (query_len * group <= DECODE_MAX_ROWS) look at tensor shapes and the batch
+    size alone, so a CUDA graph captured once replays right for any seq_lens, and eager and graphed
+    runs take the same plan. Prefill shapes (never captured) also read ctx.max_seq_len to decide
+    whether splitting the keys pays (few query tiles over a long context).
+    """
+    T, H, _ = q.shape
+    kvh = kv.k.shape[2]
+    group = H // kvh
+    q_len = ctx.uniform_query_len if ctx.uniform_query_len is not None else ctx.max_query_len
+    sms = sm_count(q.device)
+    if q_len * group <= DECODE_MAX_ROWS:
+        block_m = max(16, triton.next_power_of_2(q_len * group))
+        ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
+        splits = 1
+        while splits * 2 <= MAX_SPLITS and ctas * splits * 2 <= 4 * sms:
+            splits *= 2
+        # 128 rows in 4 warps spill registers (seen in ptxas for sm_90): 8 warps there
+        return AttnConfig(block_m=block_m, num_splits=splits, **dict(DECODE, num_warps=4 if block_m <= 64 else 8))
+    block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
+    ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
+    splits, min_keys = 1, 2048
+    while splits * 2 <= MAX_SPLITS and ctas * splits < 2 * sms and ctx.max_seq_len >= splits * 2 * min_keys:
+        splits *= 2
+    cfg = dict(PREFILL, block_m=block_m)
+    return AttnConfig(num_splits=splits, min_tiles=min_keys // cfg["block_n"], **cfg)
+
+
+def _num_tiles(T: int, ctx: ForwardContext, block_q: int) -> tuple[int, int]:
+    """(tiles_per_seq, programs along the tile axis). Uniform batches: B * ceil(q / BLOCK_Q) exactly;
+    otherwise T // BLOCK_Q + B, the bound the kernel's bisection map fits in."""
+    if ctx.uniform_query_len is not None:
+        per = -(-ctx.uniform_query_len // block_q)
+        return per, ctx.num_seqs * per
+    return 0, T // block_q + ctx.num_seqs
+
+
+def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, *,
+                    out: torch.Tensor | None = None, config: AttnConfig | None = None) -> torch.Tensor:
+    """Causal attention of the new tokens over their sequences' pages (K/V already written).
+
+    q: [T, heads, head_dim] -> [T, heads, head_dim] in q's dtype (float32 accumulation). `out`
+    (optional, [T, heads, head_dim]) receives the result; `config` overrides the plan (tuning).
+    """
+    T, H, d = q.shape
+    _check_head_dim(d)
+    kvh = kv.k.shape[2]
+    if H % kvh:
+        raise ValueError(f"{H} query heads do not group over {kvh} KV heads")
+    if q.stride(-1) != 1:
+        raise ValueError("q needs a contiguous head_dim")
+    out = torch.empty_like(q) if out is None else out
+    if T == 0 or ctx.num_seqs == 0:
+        return out
+    group = H // kvh
+    cfg = plan(q, kv, ctx) if config is None else config
+    block_q = cfg.block_m // group
+    if block_q < 1:
+        raise ValueError(f"block_m {cfg.block_m} is smaller than the group {group}")
+    tiles_per_seq, num_tiles = _num_tiles(T, ctx, block_q)
+    split = cfg.num_splits > 1
+    if split:
+        pacc = torch.empty((T, H, cfg.num_splits, d), dtype=torch.float32, device=q.device)
+        pm = torch.empty((T, H, cfg.num_splits), dtype=torch.float32, device=q.device)
+        pl = torch.empty_like(pm)
+    else:
+        pacc = pm = pl = out                        # placeholders, never touched
+    kp, vp, ks, vs, *strides = page_args(kv)
+    _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
+        q, kp, vp, ks, vs, out, pacc, pm, pl, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+        scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *strides, ctx.block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        PAGE=kv.k.shape[1], QUANT=kv.quantized,
+        SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split:
+        _merge_kernel[(T, H)](pacc, pm, pl, out, H, cfg.num_splits, out.stride(0), out.stride(1),
+                              SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)), HEAD_DIM=d,
+                              num_warps=4 if cfg.num_splits * d >= 4096 else 2)
+    return out
+
+
+def attention_bytes(kv: LayerKV, seq_lens: list[int], query_lens: list[int], heads: int, q_itemsize: int) -> int:
+    """The fewest bytes one call must move: each sequence's K/V (and scales) once, q read, out written."""
+    kvh, d = kv.k.shape[2], kv.k.shape[3]
+    per_token = 2 * kvh * (d * kv.k.element_size() + (4 if kv.quantized else 0))
+    return sum(seq_lens) * per_token + 2 * sum(query_lens) * heads * d * q_itemsize
+
+
+def attention_flops(seq_lens: list[int], query_lens: list[int], heads: int, head_dim: int) -> int:
+    """Useful FLOPs (q·k and p·v, causal): 4 * heads * head_dim per visible (query, key) pair."""
+    pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens))
+    return 4 * heads * head_dim * pairs
+

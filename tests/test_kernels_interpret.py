@@ -1,0 +1,128 @@
+"""The Triton kernels at tiny shapes under Triton's interpreter, on the CPU.
+
+Opt-in, because CI has no Triton and the interpreter is slow (about a minute here): run with
+    NINFER_TRITON_INTERPRET_TESTS=1 pytest tests/test_kernels_interpret.py
+The same checks run at real shapes on the GPU in tests/test_kernels_gpu.py (engine.kernels.testing
+holds them). Enabling this module sets TRITON_INTERPRET=1 for the process before the kernels are
+defined (Triton reads it when a kernel is decorated), so run it apart from GPU tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+ENABLED = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1"
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _triton_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+    return tuple(int(p) for p in version("triton").split(".")[:2] if p.isdigit())
+
+
+pytestmark = [
+    pytest.mark.skipif(not (ENABLED and HAVE_TRITON),
+                       reason="Triton interpreter tests are opt-in: need triton importable and "
+                              "NINFER_TRITON_INTERPRET_TESTS=1"),
+    # 3.6's interpreter turns scalar loop bounds into 1-element arrays and fails; 3.9's runs them
+    pytest.mark.skipif(ENABLED and HAVE_TRITON and _triton_version() < (3, 9),
+                       reason="needs the interpreter of Triton >= 3.9"),
+]
+if ENABLED and HAVE_TRITON:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+BF16, I8 = torch.bfloat16, torch.int8
+TOL = 1e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def interpreted_kernels():
+    """Define (or redefine) the kernels in interpreter mode and patch two interpreter gaps."""
+    from engine.kernels import testing
+    for name in ("engine.kernels.attention", "engine.kernels.fused"):
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+        else:
+            importlib.import_module(name)
+    testing.patch_interpreter()
+    return testing
+
+
+def _attention(testing, query_lens, seq_lens, heads, kv_heads, head_dim, page, kv_dtype, seed, config=None,
+               dtype=BF16):
+    q, kv, ctx = testing.attention_case(query_lens, seq_lens, heads, kv_heads, head_dim, page, kv_dtype, dtype,
+                                        "cpu", seed)
+    r = testing.check_attention(q, kv, ctx, config=config)
+    assert r["unwritten"] == 0, r
+    assert r["rel_err"] < TOL, r
+
+
+# (query_lens, seq_lens, heads, kv_heads, head_dim, page, kv_dtype)
+ATTENTION = {
+    "prefill_aligned": ([32], [32], 8, 2, 32, 16, BF16),
+    "prefill_unaligned": ([37], [37], 8, 2, 32, 4, I8),
+    "chunk_after_context": ([21], [66], 8, 1, 64, 8, BF16),
+    "chunk_after_context_int8_g8": ([40], [103], 16, 2, 32, 16, I8),
+    "decode_mixed_lengths": ([1] * 4, [1, 17, 100, 300], 8, 2, 32, 16, BF16),
+    "decode_mixed_lengths_int8_g8": ([1] * 4, [1, 17, 100, 300], 8, 1, 64, 4, I8),
+    "verify_q4": ([4] * 3, [4, 50, 200], 8, 2, 32, 16, BF16),
+    "verify_q6_g8_int8": ([6] * 2, [6, 130], 16, 2, 32, 8, I8),
+    "non_uniform_batch": ([1, 5, 30, 2], [10, 5, 90, 70], 8, 2, 32, 4, BF16),
+    "head_dim_128": ([3, 1], [40, 77], 8, 2, 128, 16, BF16),
+    # queries and keys on tile edges: the unmasked/masked split must be exact there
+    "tile_edges_prefill": ([40], [134], 8, 2, 32, 16, BF16),
+    "tile_edges_decode": ([1] * 5, [63, 64, 65, 128, 129], 8, 2, 32, 16, BF16),
+    "tile_edges_verify": ([3] * 3, [64, 65, 66], 8, 2, 32, 16, I8),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION), ids=list(ATTENTION))
+def test_paged_attention(interpreted_kernels, case):
+    _attention(interpreted_kernels, *ATTENTION[case], seed=sum(map(ord, case)))
+
+
+def test_paged_attention_fp16_and_fp32(interpreted_kernels):
+    _attention(interpreted_kernels, [9], [30], 8, 2, 32, 16, torch.float16, 11, dtype=torch.float16)
+    _attention(interpreted_kernels, [1, 1], [30, 7], 8, 2, 32, 16, torch.float32, 12, dtype=torch.float32)
+
+
+def test_paged_attention_forced_splits(interpreted_kernels):
+    """Small key tiles and many splits: masked and unmasked loops, empty splits, the merge kernel."""
+    from engine.kernels.attention import AttnConfig
+    prefill = AttnConfig(block_m=64, block_n=16, num_warps=4, num_stages=2, num_splits=4, min_tiles=1)
+    _attention(interpreted_kernels, [50], [130], 8, 2, 32, 8, BF16, 21, config=prefill)
+    _attention(interpreted_kernels, [50, 7], [130, 60], 8, 2, 32, 8, I8, 22, config=prefill)
+    decode = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, num_splits=8, min_tiles=1)
+    _attention(interpreted_kernels, [2] * 3, [2, 33, 150], 8, 2, 32, 4, BF16, 23, config=decode)
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, I8, torch.float16], ids=["bf16", "int8", "fp16"])
+def test_write_kv(interpreted_kernels, kv_dtype):
+    for kv_heads, head_dim, page in ((2, 32, 4), (3, 64, 16)):
+        r = interpreted_kernels.check_write_kv(23, kv_heads, head_dim, page, kv_dtype, BF16, "cpu", seed=5)
+        assert r["mismatches"] == 0, r
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(interpreted_kernels, with_residual):
+    for hidden in (96, 256):
+        r = interpreted_kernels.check_rms_norm(5, hidden, BF16, "cpu", 7, with_residual)
+        assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+@pytest.mark.parametrize("kv_dtype", [None, BF16, I8], ids=["no_kv", "kv_bf16", "kv_int8"])
+def test_qk_norm_rope(interpreted_kernels, kv_dtype):
+    r = interpreted_kernels.check_qk_norm_rope(9, 8, 2, 32, BF16, "cpu", 8, kv_dtype=kv_dtype, page=4)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL and r.get("mismatches", 0) == 0, r
+
+
+def test_silu_and_mul(interpreted_kernels):
+    for ffn in (100, 256):
+        r = interpreted_kernels.check_silu_and_mul(4, ffn, BF16, "cpu", 9)
+        assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
