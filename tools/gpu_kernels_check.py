@@ -355,21 +355,24 @@ def main() -> None:
 
     C = A.AttnConfig
     sweep = not args.no_sweep
-    dec_cfgs = {
-        "bn128": C(16, 128, 4, 3, 64, 2), "bn64 s4": C(16, 64, 4, 4, 64, 4), "bn32 s4": C(16, 32, 4, 4, 64, 8),
-        "splits32": C(16, 64, 4, 3, 32, 4), "splits128": C(16, 64, 4, 3, 128, 4), "min_tiles8": C(16, 64, 4, 3, 64, 8),
-    } if sweep else None
+    # AttnConfig(block_m, block_n, num_warps, num_stages, num_splits, min_tiles); defaults in A.DECODE/A.PREFILL
+    dec_sweeps = {
+        512: {"min_tiles1": C(16, 64, 4, 3, 64, 1), "min_tiles4": C(16, 64, 4, 3, 64, 4),
+              "splits16": C(16, 64, 4, 3, 16, 2)},
+        8192: {"min_tiles1": C(16, 64, 4, 3, 64, 1), "min_tiles4": C(16, 64, 4, 3, 64, 4),
+               "bn128 min1": C(16, 128, 4, 3, 64, 1), "splits32": C(16, 64, 4, 3, 32, 2)},
+        32768: {"bn128": C(16, 128, 4, 3, 64, 2), "bn64 s2": C(16, 64, 4, 2, 64, 2), "bn64 s4": C(16, 64, 4, 4, 64, 2),
+                "bn32 s4": C(16, 32, 4, 4, 64, 4), "splits32": C(16, 64, 4, 3, 32, 2),
+                "splits128": C(16, 64, 4, 3, 128, 2)},
+    } if sweep else {}
     pre_cfgs = {
         "bn128 w8 s2": C(128, 128, 8, 2), "bn128 w8 s3": C(128, 128, 8, 3), "bn64 w8 s2": C(128, 64, 8, 2),
         "bn64 w8 s4": C(128, 64, 8, 4), "bm64 bn64 w4 s3": C(64, 64, 4, 3),
     } if sweep else None
     print("attention (qwen3-8b shapes, one layer unless noted):", flush=True)
     for ctxlen in (512, 8192, 32768, 131072):
-        attention_case(f"decode b1 ctx{ctxlen}", ceil, [1],
-                       [ctxlen], configs=dec_cfgs if ctxlen == 32768 else None,
+        attention_case(f"decode b1 ctx{ctxlen}", ceil, [1], [ctxlen], configs=dec_sweeps.get(ctxlen),
                        step_graph=ctxlen <= 32768)
-    attention_case("decode b1 ctx8192 sweep", ceil, [1], [8192], peer=False, reference=False,
-                   configs={"min_tiles2": C(16, 64, 4, 3, 64, 2), "min_tiles8": C(16, 64, 4, 3, 64, 8)} if sweep else None)
     attention_case("decode b1 ctx32768 int8", ceil, [1], [32768], kv_dtype=torch.int8, step_graph=True, peer=False)
     attention_case("decode b1 ctx131072 int8", ceil, [1], [131072], kv_dtype=torch.int8, peer=False, reference=False)
     attention_case("decode b1 ctx32768 page64", ceil, [1], [32768], page=64, peer=False, reference=False)

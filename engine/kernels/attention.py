@@ -312,12 +312,12 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     num_splits: int = 1
-    min_tiles: int = 4          # a split covers at least this many BLOCK_N key tiles
+    min_tiles: int = 2          # a split covers at least this many BLOCK_N key tiles
 
 
 # Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
 PREFILL = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
-DECODE = dict(block_n=64, num_warps=4, num_stages=3, min_tiles=4)
+DECODE = dict(block_n=64, num_warps=4, num_stages=3, min_tiles=2)
 
 
 @functools.lru_cache(maxsize=None)
