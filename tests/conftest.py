@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -179,11 +178,6 @@ def random_hf_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("random-qwen3")
     model = build_random_hf_model(path)
     return path, model
-
-
-def copy_model_dir(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst
 
 
 # -- workloads in the style of the model card's training_eval.json samples ---------------------------

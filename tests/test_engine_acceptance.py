@@ -49,7 +49,7 @@ def test_k3_greedy_acceptance_is_near_the_card(measured_k3):
     res = measured_k3[0.0]
     print("\n" + table(res, f"acceptance per position, k=3, T=0, {MAX_TOKENS} tokens x 4 prompts per workload"))
     for name, (pp, rounds) in res.items():
-        assert rounds >= 4 * MAX_TOKENS // 4 // 2, name        # enough rounds to mean something
+        assert rounds >= MAX_TOKENS // 2, name                  # enough rounds to mean something
         assert pp == sorted(pp, reverse=True), name             # "all accepted up to position i" shrinks
         assert pp[0] >= FLOOR_POS1[name][0], (name, pp)
     assert res["enumeration"][0][2] >= 0.9                      # enumerations: everything accepted

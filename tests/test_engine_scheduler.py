@@ -223,3 +223,26 @@ def test_finished_requests_release_their_hidden_state_rows(core):
     run_to_idle(core)
     core.step()                                        # the next step hands the last ending to the runner
     assert len(runner._free_rows) == rows and not runner._pool_row
+
+
+def test_pending_timeout_on_a_real_engine_with_a_busy_lane():
+    """A long prompt holds the prefill lane chunk by chunk; the request queued behind it times out
+    (finish_reason queue_timeout, no tokens, nothing held) while the lane's request carries on."""
+    clock = FakeClock(0.0)
+    core = EngineCore(EngineConfig(kv_capacity=2048, prefill_chunk=16, pending_timeout_ms=100), clock=clock)
+    long = core.add_request(ids(600, stride=3), SamplingParams(max_tokens=2, ignore_eos=True))
+    queued = core.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    outs = core.step()
+    assert core.scheduler.prefilling is long and outs == []
+    clock.advance(0.05)
+    assert core.step() == [] and queued.status is RequestStatus.WAITING
+    clock.advance(0.06)                                   # 0.11 s in the queue > 100 ms
+    outs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [(queued.request_id, "queue_timeout")]
+    timed_out = next(o for o in outs if o.finished)
+    assert timed_out.stats["completion_tokens"] == 0 and timed_out.stats["timings_seconds"]["queue"] == pytest.approx(0.11)
+    assert long.status is RequestStatus.PREFILLING
+    run_to_idle(core)
+    assert long.finish_reason is FinishReason.LENGTH and core.metrics.snapshot(clock(), {}, {})["performance"][
+        "requests"] == {"queue_timeout": 1, "length": 1}
+    assert_kv_idle(core)
