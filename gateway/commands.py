@@ -25,6 +25,7 @@ DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50051"
 DEFAULT_ENGINE_LISTEN = "127.0.0.1:50052"
 DEFAULT_GATEWAY_METRICS = "127.0.0.1:9400"
 DEFAULT_ENGINE_METRICS = "127.0.0.1:9401"
+SIGNAL_CHECK_S = 0.2
 
 
 # -- flags ----------------------------------------------------------------------------------------
@@ -104,7 +105,9 @@ def _run(server, options: ServerOptions, load=None) -> int:
         server.start()
         if load is not None:
             load()
-        while not stop.wait(3600):
+        # A short wait: when another thread (gRPC's, torch's) takes the signal, its Python handler
+        # only runs once the main thread wakes up.
+        while not stop.wait(SIGNAL_CHECK_S):
             pass
         server.drain()
         return 0

@@ -51,9 +51,8 @@ class GatewayServer:
 
     def drain(self) -> bool:
         """Refuse new calls; wait (at most the drain timeout) for the streams in flight."""
-        self.state.drain()
         log.info("gateway_draining", address=self.address, in_flight=self.state.in_flight)
-        return self.state.wait_idle(self.options.drain_timeout_s)
+        return self._grpc.drain()
 
     def stop(self) -> None:
         self._grpc.stop(0)

@@ -75,9 +75,8 @@ class EngineHost:
 
     def drain(self) -> bool:
         """Refuse new prefills; wait (at most the drain timeout) until every admitted request is done."""
-        self.state.drain()
         log.info("engine_draining", address=self.address)
-        return self.state.wait_idle(self.options.drain_timeout_s, busy=self._has_requests)
+        return self._grpc.drain(busy=self._has_requests)
 
     def stop(self) -> None:
         self._grpc.stop(0)

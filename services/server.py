@@ -3,6 +3,7 @@ interceptor chain (tracing, auth, error mapping), health and optional reflection
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from services.errors import ErrorMappingInterceptor
 from services.lifecycle import ServingState
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024     # gRPC's default receive limit
+SEND_GRACE_S = 5.0      # a handler that returned may still be sending its last messages and status
 
 
 @dataclass
@@ -65,6 +67,15 @@ class GrpcServer:
             reflection.enable_server_reflection(
                 [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.server.start()
+
+    def drain(self, busy: Callable[[], bool] = lambda: False) -> bool:
+        """Refuse new calls (UNAVAILABLE, health NOT_SERVING), wait up to the drain timeout for the calls
+        in flight (and for `busy()` to turn false), then let their last messages and status go out
+        before the server stops listening. True when everything finished in time."""
+        self._state.drain()
+        idle = self._state.wait_idle(self._options.drain_timeout_s, busy)
+        self.server.stop(SEND_GRACE_S).wait()
+        return idle
 
     def stop(self, grace_s: float | None = None) -> None:
         self.server.stop(grace_s).wait()
