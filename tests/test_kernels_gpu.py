@@ -51,6 +51,15 @@ def test_paged_attention(case):
     assert r["rel_err"] < TOL, r
 
 
+@pytest.mark.parametrize("case", ["prefill_aligned", "prefill_unaligned_int8", "chunk_after_context_g8",
+                                  "chunk_4096_after_6k_page64"])
+def test_sdpa_prefill(case):
+    """The optional gather + torch SDPA route for one-sequence prefill (attention.PREFILL_VIA_SDPA)."""
+    q, kv, ctx = testing.attention_case(*ATTENTION[case], BF16, DEV, 7)
+    r = testing.check_attention(q, kv, ctx, via_sdpa=True)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
 def test_paged_attention_fp16():
     q, kv, ctx = testing.attention_case([200, 1], [900, 50], 32, 8, 128, 16, FP16, FP16, DEV, 31)
     r = testing.check_attention(q, kv, ctx)

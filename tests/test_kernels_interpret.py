@@ -102,6 +102,17 @@ def test_paged_attention_forced_splits(interpreted_kernels):
     _attention(interpreted_kernels, [2] * 3, [2, 33, 150], 8, 2, 32, 4, BF16, 23, config=decode)
 
 
+@pytest.mark.parametrize("case", ["prefill_aligned", "prefill_unaligned", "chunk_after_context",
+                                  "chunk_after_context_int8_g8", "tile_edges_prefill"])
+def test_sdpa_prefill(interpreted_kernels, case):
+    """The optional torch route for one-sequence prefill (plain torch: runs as is on the CPU)."""
+    query_lens, seq_lens, heads, kv_heads, head_dim, page, kv_dtype = ATTENTION[case]
+    q, kv, ctx = interpreted_kernels.attention_case(query_lens, seq_lens, heads, kv_heads, head_dim, page, kv_dtype,
+                                                    BF16, "cpu", 3)
+    r = interpreted_kernels.check_attention(q, kv, ctx, via_sdpa=True)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
 @pytest.mark.parametrize("kv_dtype", [BF16, I8, torch.float16], ids=["bf16", "int8", "fp16"])
 def test_write_kv(interpreted_kernels, kv_dtype):
     for kv_heads, head_dim, page in ((2, 32, 4), (3, 64, 16)):

@@ -220,6 +220,12 @@ def attention_case(name: str, ceil: dict, query_lens: list[int], seq_lens: list[
     for label, cfg in (configs or {}).items():
         t = bench(lambda: A.paged_attention(q, kvs[0], ctx, scale, config=cfg))
         record(f"{name} [{label}]", t, floor, plan=dataclasses.asdict(cfg), sweep_of=name)
+    if len(seq_lens) == 1 and query_lens[0] * H // KVH > A.DECODE_MAX_ROWS:
+        try:                                             # the optional torch route (PREFILL_VIA_SDPA)
+            t = bench(lambda: A.sdpa_prefill(q, kvs[0], ctx, scale))
+            record(f"{name} [gather+sdpa]", t, floor, sweep_of=name)
+        except Exception as exc:
+            print(f"    gather+sdpa not timed: {repr(exc)[:160]}")
     if step_graph:
         # one decode step's attention: write_kv + attention (+ merge) for 36 layers in one graph
         knew = torch.randn(2, T, KVH, D, dtype=torch.bfloat16, device=DEV)
@@ -233,19 +239,25 @@ def attention_case(name: str, ceil: dict, query_lens: list[int], seq_lens: list[
 
 
 def prefill_total(ceil: dict, prompt: int, chunk: int, page: int = 16) -> None:
-    """Attention of a whole prompt prefilled chunk by chunk, one layer: the sum over its chunks."""
+    """Attention of a whole prompt prefilled chunk by chunk, one layer: the sum over its chunks,
+    through the Triton kernel and through the gather + SDPA route."""
     prompt, chunk = sz(prompt), sz(chunk)
     kvs, tables = make_pool(1, [prompt], page, torch.bfloat16, seed=prompt)
-    total, flops = 0.0, 0
+    totals, flops = {"triton": 0.0, "gather+sdpa": 0.0}, 0
     for start in range(0, prompt, chunk):
         n = min(chunk, prompt - start)
         _, ctx = build_forward_context([n], [start + n], tables, page, DEV)
         q = torch.randn(n, H, D, dtype=torch.bfloat16, device=DEV)
-        total += bench(lambda: A.paged_attention(q, kvs[0], ctx, D ** -0.5), budget_ms=60)["ms"]
+        totals["triton"] += bench(lambda: A.paged_attention(q, kvs[0], ctx, D ** -0.5), budget_ms=60)["ms"]
+        if totals["gather+sdpa"] is not None:
+            ms = attempt(lambda: bench(lambda: A.sdpa_prefill(q, kvs[0], ctx, D ** -0.5), budget_ms=60))
+            totals["gather+sdpa"] = None if ms is None else totals["gather+sdpa"] + ms
         flops += A.attention_flops([start + n], [n], H, D)
     floor = flops / ceil["matmul_flops"] * 1e3
-    record(f"prefill P={prompt} chunk {chunk}: all chunks, 1 layer", {"ms": total, "p20": total, "p80": total}, floor,
-           flops=flops, TFLOPs=flops / total / 1e9, model_ms_36_layers=total * LAYERS)
+    for route, total in totals.items():
+        if total is not None:
+            record(f"prefill P={prompt} chunk {chunk} {route}: sum, 1 layer", {"ms": total, "p20": total, "p80": total},
+                   floor, flops=flops, TFLOPs=flops / total / 1e9, model_ms_36_layers=total * LAYERS)
 
 
 # -- elementwise -------------------------------------------------------------------------------------

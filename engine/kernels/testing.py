@@ -106,11 +106,15 @@ def attention_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_he
 
 
 def check_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float | None = None,
-                    config=None) -> dict:
-    from engine.kernels.attention import paged_attention
+                    config=None, via_sdpa: bool = False) -> dict:
+    """paged_attention (or, with via_sdpa, the gather + torch SDPA prefill path) against the twin."""
+    from engine.kernels.attention import paged_attention, sdpa_prefill
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, kv, ctx, scale, out=out, config=config)
+    if via_sdpa:
+        sdpa_prefill(q, kv, ctx, scale, out=out)
+    else:
+        paged_attention(q, kv, ctx, scale, out=out, config=config)
     # float64 on the CPU; on CUDA float32 (SDPA's memory-efficient kernel: no [T, keys] matrix per head)
     ref = paged_attention_reference(q.double() if q.device.type == "cpu" else q.float(), kv, ctx, scale)
     return {"rel_err": rel_err(out, ref), "unwritten": unwritten(out)}
