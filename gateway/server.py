@@ -11,9 +11,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from ninfer.v1 import gateway_pb2, gateway_pb2_grpc
-from services.lifecycle import ServingState
-from services.prometheus import GatewayPrometheus, serve_metrics
-from services.server import GrpcServer, ServerOptions
+from services.prometheus import GatewayPrometheus
+from services.server import NinferServer, ServerOptions
 from gateway.router import EngineRouter
 from gateway.servicer import GatewayServicer
 
@@ -21,29 +20,18 @@ log = structlog.get_logger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 
-class GatewayServer:
+class GatewayServer(NinferServer):
     def __init__(self, engines: list[str], options: ServerOptions, engine_api_key: str | None = None,
                  registry: CollectorRegistry | None = None, poll_interval_s: float = 0.5):
-        self.options = options
-        self.state = ServingState([SERVICE_NAME], not_ready_reason="no engine is serving")
+        super().__init__(options, [SERVICE_NAME], "no engine is serving", "ninfer-gateway-rpc", registry)
         self.router = EngineRouter(engines, options.tracer_provider, engine_api_key, poll_interval_s,
                                    on_change=self._engines_changed)
         self.tracer = options.tracer_provider.get_tracer("ninfer.gateway")
-        self.registry = registry or CollectorRegistry()
         self.metrics = GatewayPrometheus(self.registry, self.router.loads)
-        self._grpc = GrpcServer(options, self.state, "ninfer-gateway-rpc")
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self), self._grpc.server)
-        self._metrics_server = None
-        self.metrics_port: int | None = None
-
-    @property
-    def address(self) -> str:
-        return self._grpc.address
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self), self.server)
 
     def start(self) -> "GatewayServer":
-        self._grpc.start([SERVICE_NAME])
-        if self.options.metrics_listen:
-            self._metrics_server, self.metrics_port = serve_metrics(self.options.metrics_listen, self.registry)
+        super().start()
         self.router.start()
         log.info("gateway_listening", address=self.address, engines=[e.address for e in self.router.engines],
                  metrics_port=self.metrics_port)
@@ -52,14 +40,11 @@ class GatewayServer:
     def drain(self) -> bool:
         """Refuse new calls; wait (at most the drain timeout) for the streams in flight."""
         log.info("gateway_draining", address=self.address, in_flight=self.state.in_flight)
-        return self._grpc.drain()
+        return super().drain()
 
     def stop(self) -> None:
-        self._grpc.stop(0)
+        super().stop()
         self.router.stop()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
         log.info("gateway_stopped", address=self.address)
 
     def _engines_changed(self, any_serving: bool) -> None:

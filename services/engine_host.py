@@ -23,10 +23,9 @@ from ninfer.v1 import decode_pb2, decode_pb2_grpc, engine_info_pb2, engine_info_
     prefill_pb2_grpc
 from services.decode import DecodeServicer
 from services.engine_info import EngineInfoServicer, model_info
-from services.lifecycle import ServingState
 from services.prefill import PrefillServicer
-from services.prometheus import EnginePrometheus, serve_metrics
-from services.server import GrpcServer, ServerOptions
+from services.prometheus import EnginePrometheus
+from services.server import NinferServer, ServerOptions
 
 log = structlog.get_logger(__name__)
 SERVICE_NAMES = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
@@ -34,32 +33,21 @@ SERVICE_NAMES = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_
                  engine_info_pb2.DESCRIPTOR.services_by_name["EngineInfoService"].full_name]
 
 
-class EngineHost:
+class EngineHost(NinferServer):
     def __init__(self, config: EngineConfig, options: ServerOptions, registry: CollectorRegistry | None = None):
+        super().__init__(options, SERVICE_NAMES, "loading the model", "ninfer-engine-rpc", registry)
         self.config = config
-        self.options = options
         self.lease_seconds: float | None = None     # the engine's, once loaded
         self.loop: EngineLoop | None = None
         self.model_info = None
-        self.state = ServingState(SERVICE_NAMES, not_ready_reason="loading the model")
         self.tracer = options.tracer_provider.get_tracer("ninfer.engine")
-        self.registry = registry or CollectorRegistry()
         self.metrics = EnginePrometheus(self.registry, self._snapshot_if_loaded)
-        self._grpc = GrpcServer(options, self.state, "ninfer-engine-rpc")
-        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self._grpc.server)
-        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self._grpc.server)
-        engine_info_pb2_grpc.add_EngineInfoServiceServicer_to_server(EngineInfoServicer(self), self._grpc.server)
-        self._metrics_server = None
-        self.metrics_port: int | None = None
-
-    @property
-    def address(self) -> str:
-        return self._grpc.address
+        prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.server)
+        decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.server)
+        engine_info_pb2_grpc.add_EngineInfoServiceServicer_to_server(EngineInfoServicer(self), self.server)
 
     def start(self) -> "EngineHost":
-        self._grpc.start(SERVICE_NAMES)
-        if self.options.metrics_listen:
-            self._metrics_server, self.metrics_port = serve_metrics(self.options.metrics_listen, self.registry)
+        super().start()
         log.info("engine_listening", address=self.address, metrics_port=self.metrics_port)
         return self
 
@@ -76,15 +64,12 @@ class EngineHost:
     def drain(self) -> bool:
         """Refuse new prefills; wait (at most the drain timeout) until every admitted request is done."""
         log.info("engine_draining", address=self.address)
-        return self._grpc.drain(busy=self._has_requests)
+        return super().drain(busy=self._has_requests)
 
     def stop(self) -> None:
-        self._grpc.stop(0)
+        super().stop()
         if self.loop is not None:
             self.loop.shutdown()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
         log.info("engine_stopped", address=self.address)
 
     def _has_requests(self) -> bool:

@@ -1,5 +1,5 @@
-"""What the engine process and the gateway share: server options, and a gRPC server with the
-interceptor chain (tracing, auth, error mapping), health and optional reflection."""
+"""What the engine process and the gateway share: server options, and a server with the gRPC
+interceptor chain (tracing, auth, error mapping), health and drain, optional reflection, metrics."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import filters, server_interceptor
 from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CollectorRegistry
 
 from services.address import join_host_port, split_host_port
 from services.auth import BearerTokenInterceptor
 from services.errors import ErrorMappingInterceptor
 from services.lifecycle import ServingState
+from services.prometheus import serve_metrics
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024     # gRPC's default receive limit
 SEND_GRACE_S = 5.0      # a handler that returned may still be sending its last messages and status
@@ -37,10 +39,17 @@ class ServerOptions:
     tracer_provider: TracerProvider = field(default_factory=TracerProvider)
 
 
-class GrpcServer:
-    """A started-later gRPC server bound to `options.listen`, with health registered."""
+class NinferServer:
+    """A gRPC server with the interceptor chain, health (NOT_SERVING until `state.set_serving()`),
+    drain, optional reflection, and a Prometheus registry served at `options.metrics_listen`.
+    The engine process and the gateway are subclasses; each registers its servicers on `server`."""
 
-    def __init__(self, options: ServerOptions, state: ServingState, name: str):
+    def __init__(self, options: ServerOptions, service_names: list[str], not_ready_reason: str, name: str,
+                 registry: CollectorRegistry | None = None):
+        self.options = options
+        self.service_names = service_names
+        self.state = ServingState(service_names, not_ready_reason)
+        self.registry = registry or CollectorRegistry()
         # Only the request path is traced: a span per health probe, reflection or Get* (model info,
         # metrics) call would bury the requests.
         untraced = filters.any_of(filters.service_prefix("grpc."), filters.method_prefix("Get"))
@@ -52,30 +61,35 @@ class GrpcServer:
             ThreadPoolExecutor(options.max_workers, thread_name_prefix=name), interceptors=interceptors,
             options=[("grpc.max_receive_message_length", options.max_message_bytes),
                      ("grpc.so_reuseport", 0)])
-        health_pb2_grpc.add_HealthServicer_to_server(state.health, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.state.health, self.server)
         host, _ = split_host_port(options.listen)
         try:
-            self.port = self.server.add_insecure_port(options.listen)
+            port = self.server.add_insecure_port(options.listen)
         except RuntimeError as e:                 # grpc's "Failed to bind to address"
             raise OSError(f"cannot listen on {options.listen}: {e}") from None
-        self.address = join_host_port(host, self.port)
-        self._options = options
-        self._state = state
+        self.address = join_host_port(host, port)
+        self.metrics_port: int | None = None
+        self._metrics_server = None
 
-    def start(self, service_full_names: list[str]) -> None:
-        if self._options.enable_reflection:
+    def start(self) -> None:
+        if self.options.enable_reflection:
             reflection.enable_server_reflection(
-                [*service_full_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+                [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
         self.server.start()
+        if self.options.metrics_listen:
+            self._metrics_server, self.metrics_port = serve_metrics(self.options.metrics_listen, self.registry)
 
     def drain(self, busy: Callable[[], bool] = lambda: False) -> bool:
         """Refuse new calls (UNAVAILABLE, health NOT_SERVING), wait up to the drain timeout for the calls
         in flight (and for `busy()` to turn false), then let their last messages and status go out
         before the server stops listening. True when everything finished in time."""
-        self._state.drain()
-        idle = self._state.wait_idle(self._options.drain_timeout_s, busy)
+        self.state.drain()
+        idle = self.state.wait_idle(self.options.drain_timeout_s, busy)
         self.server.stop(SEND_GRACE_S).wait()
         return idle
 
-    def stop(self, grace_s: float | None = None) -> None:
-        self.server.stop(grace_s).wait()
+    def stop(self) -> None:
+        self.server.stop(0).wait()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
