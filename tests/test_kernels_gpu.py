@@ -98,6 +98,7 @@ def test_qk_norm_rope(tokens, kv_dtype):
     for heads, kv_heads in ((32, 8), (64, 8)):
         r = testing.check_qk_norm_rope(tokens, heads, kv_heads, 128, BF16, DEV, tokens + heads, kv_dtype=kv_dtype)
         assert r["unwritten"] == 0 and r["rel_err"] < TOL and r.get("mismatches", 0) == 0, r
+        assert r.get("mismatches_no_k", 0) == 0, r
 
 
 @pytest.mark.parametrize("rows", [1, 512])

@@ -131,6 +131,7 @@ def test_rms_norm(interpreted_kernels, with_residual):
 def test_qk_norm_rope(interpreted_kernels, kv_dtype):
     r = interpreted_kernels.check_qk_norm_rope(9, 8, 2, 32, BF16, "cpu", 8, kv_dtype=kv_dtype, page=4)
     assert r["unwritten"] == 0 and r["rel_err"] < TOL and r.get("mismatches", 0) == 0, r
+    assert r.get("mismatches_no_k", 0) == 0, r
 
 
 def test_silu_and_mul(interpreted_kernels):

@@ -87,7 +87,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
                          stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, eps,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                          KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-                         WRITE_KV: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr):
+                         STORE_K: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -109,9 +109,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
     o1, o2 = _norm_rope(x1, x2, kw_ptr, cos, sin, eps, half, dt, HALF)
     o1 = o1.to(dt)
     o2 = o2.to(dt)
-    p = ko_ptr + t * stride_kot + hk[:, None] * stride_koh + half[None, :]
-    tl.store(p, o1, mask=mk[:, None])
-    tl.store(p + HALF, o2, mask=mk[:, None])
+    if STORE_K:
+        p = ko_ptr + t * stride_kot + hk[:, None] * stride_koh + half[None, :]
+        tl.store(p, o1, mask=mk[:, None])
+        tl.store(p + HALF, o2, mask=mk[:, None])
     if WRITE_KV:
         slot = tl.load(slot_ptr + t)
         _store_kv_token(o1.to(tl.float32), o2.to(tl.float32), kp_ptr, ks_ptr, slot, hk, half, mk,
@@ -124,20 +125,25 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                  cos_sin: torch.Tensor, positions: torch.Tensor, *, q_out: torch.Tensor | None = None,
                  k_out: torch.Tensor | None = None, kv: LayerKV | None = None, v: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 slot_mapping: torch.Tensor | None = None, return_k: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q: [T, heads, d], k: [T, kv_heads, d] (views into the qkv output are fine); q_weight, k_weight:
     [d]; cos_sin: [max_pos, d] float32 (cos | sin); positions: [T] -> (q, k) normed and rotated,
     contiguous, in q's dtype.
 
     With kv, v [T, kv_heads, d] and slot_mapping [T] it also does write_kv(kv, k_rotated, v,
-    slot_mapping) in the same pass (attention must then skip its own write).
+    slot_mapping) in the same pass (attention must then skip its own write); return_k=False then
+    skips storing the rotated k (returned as None) when only the pages need it.
     """
     T, H, d = q.shape
     kvh = k.shape[1]
     if d % 2 or d & (d - 1) or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"head_dim must be a power of two with contiguous rows, got {d}")
     q_out = torch.empty((T, H, d), dtype=q.dtype, device=q.device) if q_out is None else q_out
-    k_out = torch.empty((T, kvh, d), dtype=q.dtype, device=q.device) if k_out is None else k_out
+    if not return_k and kv is None:
+        raise ValueError("return_k=False only makes sense with the K/V write")
+    if return_k and k_out is None:
+        k_out = torch.empty((T, kvh, d), dtype=q.dtype, device=q.device)
     positions = positions.contiguous()
     write = kv is not None
     if write:
@@ -149,14 +155,15 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     else:
         v, slot_mapping, kp, vp, ks, vs = q, positions, q, q, q, q      # placeholders, never touched
         pstr, page, quant, vstr = [0] * 6, 1, False, (0, 0)
+    ko = k_out if return_k else q_out                                # placeholder when not stored
     if T:
         _qk_norm_rope_kernel[(T,)](
-            q, k, q_weight, k_weight, cos_sin, positions, q_out, k_out, v, slot_mapping, kp, vp, ks, vs,
+            q, k, q_weight, k_weight, cos_sin, positions, q_out, ko, v, slot_mapping, kp, vp, ks, vs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
-            k_out.stride(0), k_out.stride(1), cos_sin.stride(0), *vstr, *pstr, eps,
+            ko.stride(0), ko.stride(1), cos_sin.stride(0), *vstr, *pstr, eps,
             HEADS=H, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(H), KV_HEADS_PAD=triton.next_power_of_2(kvh),
-            HALF=d // 2, WRITE_KV=write, PAGE=page, QUANT=quant, num_warps=4)
-    return q_out, k_out
+            HALF=d // 2, STORE_K=return_k, WRITE_KV=write, PAGE=page, QUANT=quant, num_warps=4)
+    return q_out, (k_out if return_k else None)
 
 
 # -- SiLU * mul ----------------------------------------------------------------------------------------

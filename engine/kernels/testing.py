@@ -258,6 +258,11 @@ def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dt
     result = {"rel_err": max(rel_err(q_out, ref_q), rel_err(k_out, ref_k)),
               "unwritten": unwritten(q_out) + unwritten(k_out)}
     if kv is not None:
+        # return_k=False (the engine's call) must write the same pages and the same q
+        kv2 = LayerKV(*(t.clone() if t is not None else None for t in (ref_kv.k, ref_kv.v, ref_kv.k_scale, ref_kv.v_scale)))
+        q2, k2 = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, q_norm.eps, rotary.cos_sin, positions,
+                              kv=kv2, v=v, slot_mapping=slots, return_k=False)
+        result["mismatches_no_k"] = int((kv2.k != kv.k).sum() + (kv2.v != kv.v).sum() + (q2 != q_out).sum()) + (k2 is not None)
         write_kv_reference(ref_kv, k_out, v, slots)     # the fused write must store the kernel's own k
         bad = int((kv.k != ref_kv.k).sum() + (kv.v != ref_kv.v).sum())
         if kv.quantized:
