@@ -101,7 +101,9 @@ class SamplingBatch:
 
 def probabilities(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> probs [N, V] after temperature, top-k then top-p; one-hot for greedy rows."""
-    greedy_rows = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float32)
+    # one-hot of the argmax (scatter, not F.one_hot: that one validates its input on the host)
+    greedy_rows = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
+        -1, logits.argmax(-1, keepdim=True), 1.0)
     if s.all_greedy:
         return greedy_rows
     greedy = s.temperature == 0

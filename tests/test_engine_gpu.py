@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 
 def _generate(**kw) -> list[list[int]]:
-    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, **kw)
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)
     llm.engine.warmup()
     outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     llm.engine.executor.shutdown()
@@ -78,7 +78,7 @@ def test_int8_kv_agrees_with_bf16_kv():
 
 def test_sampled_decoding_is_reproducible_on_gpu():
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)] * 2
-    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, draft_tokens=3)
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, draft_tokens=3)
     llm.engine.warmup()
     first = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
     second = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]

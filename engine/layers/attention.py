@@ -91,12 +91,15 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.kv: LayerKV | None = None           # bound by the runner once the pool exists
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] -> [T, heads, head_dim]
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        # q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], or None when a fused kernel
+        # already wrote them into the pages -> [T, heads, head_dim]
         ctx = get_forward_context()
         if q.is_cuda:
             from engine.kernels import attention as kernels
-            kernels.write_kv(self.kv, k, v, ctx.slot_mapping)
+            if k is not None:
+                kernels.write_kv(self.kv, k, v, ctx.slot_mapping)
             return kernels.paged_attention(q, self.kv, ctx, self.scale)
-        write_kv_reference(self.kv, k, v, ctx.slot_mapping)
+        if k is not None:
+            write_kv_reference(self.kv, k, v, ctx.slot_mapping)
         return paged_attention_reference(q, self.kv, ctx, self.scale)

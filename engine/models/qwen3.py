@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.forward_context import get_forward_context
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -41,10 +42,19 @@ class Qwen3Attention(nn.Module):
         # positions: [T]; x: [T, hidden] -> [T, hidden]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if x.is_cuda:
+            # one kernel: q/k norms, RoPE and the K/V write into the pages
+            from engine.kernels.fused import qk_norm_rope
+            q, _ = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                self.rotary.cos_sin, positions, kv=self.attn.kv, v=v,
+                                slot_mapping=get_forward_context().slot_mapping, return_k=False)
+            o = self.attn(q, None, None)
+        else:
+            q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
+            o = self.attn(q, k, v)
         return self.o_proj(o.flatten(1))
 
 

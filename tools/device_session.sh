@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
+# the named steps in order, each under its own time limit, logging to $OUT. Usage:
+#   bash tools/device_session.sh STEP[:SECONDS] ...
+# Steps: env, gpu-tests, kernels, comm, bench-quick, bench, bench-tp, tp-tests.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ "${1:-}" != "--step" ] && [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+elif [ "${1:-}" != "--step" ]; then
+  export PYTHONPATH=$PWD
+fi
+MODEL=.models/tiny-qwen3-mtp
+
+step() {
+  case "$1" in
+    env) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nvidia-smi topo -m 2>/dev/null
+         python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" ;;
+    gpu-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_engine_gpu.py -m "gpu and not multi_gpu" -s 2>&1 | tail -n 60 ;;
+    tp-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel_gpu.py tests/test_engine_gpu.py -m multi_gpu -s 2>&1 | tail -n 40 ;;
+    kernels) python3 tools/gpu_kernels_check.py ;;
+    comm) python3 tools/comm_check.py ;;
+    bench-quick) python3 -m tools.bench --quick --acceptance-model $MODEL --out "$OUT/bench" ;;
+    bench) python3 -m tools.bench --acceptance-model $MODEL --out "$OUT/bench" ;;
+    bench-tp) python3 -m tools.bench --sections roofline,tp --out "$OUT/bench-tp" ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+
+if [ "${1:-}" = "--step" ]; then step "$2"; exit $?; fi
+
+for spec in "$@"; do
+  name=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=600
+  echo "=== $name (limit ${limit}s) $(date -u +%T)"
+  start=$(date +%s)
+  timeout --kill-after=15 "$limit" bash "$0" --step "$name" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name rc=${PIPESTATUS[0]} in $(( $(date +%s) - start ))s"
+done
