@@ -70,6 +70,8 @@ class EngineHost(NinferServer):
         super().stop()
         if self.loop is not None:
             self.loop.shutdown()
+            if not self.loop.alive:                # its thread is out of the step: free every rank
+                self.loop.core.shutdown()
         log.info("engine_stopped", address=self.address)
 
     def _has_requests(self) -> bool:
