@@ -89,6 +89,7 @@ class EngineCore:
             draft_tokens=k, max_model_len=self.max_model_len,
             lease_s=float(config.extra.get("lease_s", 60.0))), self.kv, clock)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
+        self.last_step_idle = False
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
 
@@ -159,6 +160,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         outputs = self.expire()
         sched = self.scheduler.schedule()
+        # nothing could run (queued requests wait for KV or a batch seat held by parked ones)
+        self.last_step_idle = sched.empty
         prefilling = self.scheduler.prefilling
         # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
         result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids

@@ -1,9 +1,12 @@
-"""CUDA graphs of the decode round, one per (batch bucket, sampling variant), captured at warm-up.
+"""CUDA graphs of the decode round, one per (batch bucket, context class, sampling variant), captured
+at warm-up.
 
 A replay costs three host-to-device copies (packed inputs from pinned staging buffers), one
 graph launch and the one device-to-host read of the tokens. Variants exist because the sampling
 code differs in shape of work, not in values: all-greedy rounds skip probabilities entirely, and
-only rounds with a top-k/top-p row sort the vocabulary.
+only rounds with a top-k/top-p row sort the vocabulary. Context classes exist because the
+attention kernel sizes its split along the keys from an upper bound of the context: a round whose
+longest sequence is short replays a graph planned for short sequences.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ _CAPTURE_LOCK = threading.Lock()
 
 # (all_greedy, any_filter)
 VARIANTS = ((True, False), (False, False), (False, True))
+# upper bounds of a round's longest context (positions, drafts included); the last is the limit
+CONTEXT_CLASSES = (2048, 16384)
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -45,7 +50,8 @@ class _Captured:
                      torch.zeros(batch, runner.max_blocks, dtype=torch.int32, **pin).numpy())
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
-        self.graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (context class, variant) -> (graph, its output tokens)
+        self.graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def load(self, runner, works) -> None:
         pack_round(works, self.batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch,
@@ -66,15 +72,16 @@ class GraphedRounds:
 
     @torch.inference_mode()
     def capture(self, runner) -> float:
-        """Capture every bucket and variant (largest first, sharing one memory pool). -> seconds."""
+        """Capture every bucket, class and variant (largest first, one memory pool). -> seconds."""
         start = time.perf_counter()
+        self.classes = [c for c in CONTEXT_CLASSES if c < runner.max_seq_len] + [runner.max_seq_len]
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):
             cap = self._by_batch[batch] = _Captured(batch, runner)
             cap.load(runner, [])                                 # all rows padding
-            for variant in VARIANTS:
+            for cls, variant in ((c, v) for c in self.classes for v in VARIANTS):
                 args = (runner.model, runner.hidden_pool, cap.inputs, runner.k, runner.block_size,
-                        runner.max_seq_len, *variant, runner.draft_vocab)
+                        cls, *variant, runner.draft_vocab)
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -84,16 +91,19 @@ class GraphedRounds:
                 graph = torch.cuda.CUDAGraph()
                 with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
                     tokens, num_accepted = run_round(*args)
-                cap.graphs[variant] = (graph, tokens)
+                cap.graphs[(cls, variant)] = (graph, tokens)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        log.info("cuda_graphs_captured", buckets=self.buckets, variants=len(VARIANTS), seconds=round(seconds, 2))
+        log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
+                 variants=len(VARIANTS), seconds=round(seconds, 2))
         return seconds
 
     def replay(self, runner, works, all_greedy: bool, any_filter: bool):
         batch = next(b for b in self.buckets if b >= len(works))
         cap = self._by_batch[batch]
         cap.load(runner, works)
-        graph, tokens = cap.graphs[(True, False) if all_greedy else (False, any_filter)]
+        longest = max(w.num_tokens for w in works) + runner.k
+        cls = next(c for c in self.classes if c >= longest)
+        graph, tokens = cap.graphs[(cls, (True, False) if all_greedy else (False, any_filter))]
         graph.replay()
         return tokens, None

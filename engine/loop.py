@@ -139,7 +139,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain(block=not self.core.has_work)
+                # block for commands when there is nothing to do, or when the last step could not run
+                # anything (e.g. the queue waits for KV held by parked requests): no busy spin
+                self._drain(block=not self.core.has_work or self.core.last_step_idle)
                 if self.core.has_work:
                     for out in self.core.step():
                         self._deliver(out)

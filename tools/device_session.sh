@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, gpu-tests, kernels, comm, bench-quick, bench, bench-tp, tp-tests.
+# Steps: env, gpu-tests, kernels, profile, comm, bench-quick, bench, bench-tp, tp-tests.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +21,9 @@ step() {
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" ;;
     gpu-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py tests/test_engine_gpu.py -m "gpu and not multi_gpu" -s 2>&1 | tail -n 60 ;;
     tp-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel_gpu.py tests/test_engine_gpu.py -m multi_gpu -s 2>&1 | tail -n 40 ;;
-    kernels) python3 tools/gpu_kernels_check.py ;;
+    kernels) python3 tools/gpu_kernels_check.py --skip-tests --no-sweep ;;
+    profile) for args in "--context 512" "--context 32768" "--context 512 --draft-tokens 3 --draft-vocab 32768"; do
+               python3 tools/profile_decode.py $args 2>&1 | grep -v "^20..-..-.. " ; done ;;
     comm) python3 tools/comm_check.py ;;
     bench-quick) python3 -m tools.bench --quick --acceptance-model $MODEL --out "$OUT/bench" ;;
     bench) python3 -m tools.bench --acceptance-model $MODEL --out "$OUT/bench" ;;

@@ -39,6 +39,7 @@ from engine.layers.attention import LayerKV
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan
 MAX_SPLITS = 64
+DECODE_MIN_SPLIT_KEYS = 256
 
 
 # -- KV write ------------------------------------------------------------------------------------
@@ -317,8 +318,10 @@ class AttnConfig:
 
 
 # Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
-PREFILL = dict(block_m=128, block_n=64, num_warps=8, num_stages=3)
-DECODE = dict(block_n=64, num_warps=4, num_stages=3, min_tiles=2)
+# Picked from the sweep of tools/gpu_kernels_check.py on the H200 (NOTES.md, run of 2026-11-30):
+# prefill bn128/s3 was fastest at context 0 and after 28k; decode s2 at 32k.
+PREFILL = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
+DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -348,8 +351,11 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
     if q_len * group <= DECODE_MAX_ROWS:
         block_m = max(16, triton.next_power_of_2(q_len * group))
         ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
+        # ctx.max_seq_len bounds every sequence (exact when eager; a length class when graphed):
+        # a split below DECODE_MIN_SPLIT_KEYS keys would only add launch and merge work
+        useful = max(1, -(-ctx.max_seq_len // DECODE_MIN_SPLIT_KEYS))
         splits = 1
-        while splits * 2 <= MAX_SPLITS and ctas * splits * 2 <= 4 * sms:
+        while splits * 2 <= min(MAX_SPLITS, triton.next_power_of_2(useful)) and ctas * splits * 2 <= 4 * sms:
             splits *= 2
         # 128 rows in 4 warps spill registers (seen in ptxas for sm_90): 8 warps there
         return AttnConfig(block_m=block_m, num_splits=splits, **dict(DECODE, num_warps=4 if block_m <= 64 else 8))
@@ -359,6 +365,9 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
     while splits * 2 <= MAX_SPLITS and ctas * splits < 2 * sms and ctx.max_seq_len >= splits * 2 * min_keys:
         splits *= 2
     cfg = dict(PREFILL, block_m=block_m)
+    if q.element_size() > 2:
+        # float32 tiles are twice as large: the bf16 tiles and stages would not fit shared memory
+        cfg.update(block_n=32, num_stages=2)
     return AttnConfig(num_splits=splits, min_tiles=min_keys // cfg["block_n"], **cfg)
 
 

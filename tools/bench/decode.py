@@ -77,10 +77,12 @@ def run(bench, sec: dict) -> None:
     plan = bench.plan.decode
     points = sec.setdefault("points", [])
     variants = [(k, 0) for k in plan.ks]
-    if plan.draft_vocab and plan.draft_vocab < bench.cfg.vocab_size and plan.draft_vocab_k:
-        variants.append((plan.draft_vocab_k, plan.draft_vocab))
+    if plan.draft_vocab and plan.draft_vocab < bench.cfg.vocab_size:
+        variants += [(k, plan.draft_vocab) for k in plan.draft_vocab_ks]
     for k, dv in variants:
         contexts = plan.contexts.get(k, [])
+        if dv:   # the reduced draft vocabulary is measured at the shortest context only
+            contexts = contexts[:1] or [min(min(c) for c in plan.contexts.values() if c)]
         label = f"k={k}" + (f" draft_vocab={dv}" if dv else "")
         spec = bench.engine_spec(draft_tokens=k, draft_vocab=dv)
         first = (0 if bench.pool.holds(spec) else bench.build_guess_s()) + bench.estimate_prefill_s(min(contexts))

@@ -42,8 +42,8 @@ class DecodePlan:
     ks: list[int]
     contexts: dict[int, list[int]]  # k -> contexts (prompt tokens before decoding)
     repeats: dict[int, int]         # context -> repeats
-    draft_vocab: int                # the reduced draft vocabulary option, measured at k = draft_vocab_k
-    draft_vocab_k: int
+    draft_vocab: int                # the reduced draft vocabulary option, measured at these k
+    draft_vocab_ks: list[int]       # (at the shortest context of each k)
     target_decode_s: float          # aim for this much decode wall time per request ...
     min_tokens: int                 # ... within [min_tokens, max_tokens] generated tokens
     max_tokens: int
@@ -132,7 +132,7 @@ def _gpu_full(shape: str) -> Plan:
         prefill=PrefillPlan(grid={1024: long, 2048: long, 4096: long + [64 * K, 128 * K]},
                             repeats={2 * K: 3, 4 * K: 3, 8 * K: 3, 32 * K: 2, 64 * K: 1, 128 * K: 1}),
         decode=DecodePlan(ks=[0, 1, 2, 3, 5], contexts={k: [512, 8 * K, 32 * K] for k in (0, 1, 2, 3, 5)},
-                          repeats={512: 2, 8 * K: 1, 32 * K: 1}, draft_vocab=32768, draft_vocab_k=3,
+                          repeats={512: 2, 8 * K: 1, 32 * K: 1}, draft_vocab=32768, draft_vocab_ks=[1, 2, 3, 5],
                           target_decode_s=1.0, min_tokens=128, max_tokens=256),
         concurrency=ConcurrencyPlan(streams=[1, 2, 4, 8], context=512, target_decode_s=2.0, min_tokens=128,
                                     max_tokens=1024, interference_prompt=32 * K),
@@ -154,7 +154,7 @@ def _gpu_quick(shape: str) -> Plan:
     plan.peer.prefill_repeats = 2
     plan.prefill = PrefillPlan(grid={4096: [4 * K, 32 * K]}, repeats={4 * K: 3, 32 * K: 2})
     plan.decode = DecodePlan(ks=[0, 1, 3], contexts={0: [512, 32 * K], 1: [512], 3: [512]},
-                             repeats={512: 2, 32 * K: 1}, draft_vocab=32768, draft_vocab_k=3,
+                             repeats={512: 2, 32 * K: 1}, draft_vocab=32768, draft_vocab_ks=[1, 3],
                              target_decode_s=0.8, min_tokens=64, max_tokens=256)
     plan.concurrency = ConcurrencyPlan(streams=[1, 2, 8], context=512, target_decode_s=1.0, min_tokens=64,
                                        max_tokens=512, interference_prompt=16 * K)
@@ -176,7 +176,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
         peer=PeerPlan(prefill_prompts=[128, 512], prefill_repeats=2, decode_prompt=64, decode_new_tokens=8),
         prefill=PrefillPlan(grid={64: [128, 512], 128: [128, 512]}, repeats={128: 2, 512: 2}),
         decode=DecodePlan(ks=[0, 1, 3], contexts={0: [64, 256], 1: [64, 256], 3: [64, 256]},
-                          repeats={64: 2, 256: 1}, draft_vocab=128, draft_vocab_k=3,
+                          repeats={64: 2, 256: 1}, draft_vocab=128, draft_vocab_ks=[3],
                           target_decode_s=0.2, min_tokens=8, max_tokens=16),
         concurrency=ConcurrencyPlan(streams=[1, 2, 4], context=64, target_decode_s=0.3, min_tokens=8,
                                     max_tokens=64, interference_prompt=512),

@@ -67,13 +67,14 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     kv_capacity: int | None = None
     max_model_len: int | None = None
+    max_batch: int = 16                        # 8 streams at most here: fewer graph buckets to capture
     extra: tuple = field(default=())           # (name, value) pairs of further EngineConfig fields
 
     def config(self) -> EngineConfig:
         return EngineConfig(model=self.model, device=self.device, prefill_chunk=self.prefill_chunk,
                             draft_tokens=self.draft_tokens, kv_dtype=self.kv_dtype, draft_vocab=self.draft_vocab,
                             tensor_parallel_size=self.tensor_parallel_size, kv_capacity=self.kv_capacity,
-                            max_model_len=self.max_model_len, **dict(self.extra))
+                            max_model_len=self.max_model_len, max_batch=self.max_batch, **dict(self.extra))
 
 
 class EngineSession:
