@@ -60,6 +60,18 @@ class _Captured:
             dst.copy_(torch.from_numpy(src), non_blocking=True)
 
 
+def _capture(graph: torch.cuda.CUDAGraph, pool, mode: str, stream: torch.cuda.Stream, fn):
+    """Capture fn() on `stream`. Unlike `torch.cuda.graph` this neither synchronizes nor empties
+    the allocator's cache on entry: emptying it frees blocks on every device, and a cudaFree on
+    a device whose all-reduce kernel is waiting for this very rank would never return."""
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode=mode)
+        try:
+            return fn()
+        finally:
+            graph.capture_end()
+
+
 class GraphedRounds:
     def __init__(self, buckets: list[int], thread_local: bool = False):
         self.buckets = sorted(buckets)
@@ -89,8 +101,8 @@ class GraphedRounds:
                         run_round(*args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_mode):
-                    tokens, num_accepted = run_round(*args)
+                with _CAPTURE_LOCK:
+                    tokens, _ = _capture(graph, pool, self.capture_mode, side, lambda: run_round(*args))
                 cap.graphs[(cls, variant)] = (graph, tokens)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start

@@ -22,6 +22,11 @@ from engine.runner import ModelRunner
 from engine.scheduler import ModelOutput, SchedulerOutput
 
 
+# Messages up to this size take the one-shot peer-to-peer all-reduce (prefill chunks included), so
+# no NCCL call is ever captured in a decode graph.
+P2P_MAX_BYTES = 64 << 20
+
+
 def rank_devices(config: EngineConfig) -> list[torch.device]:
     tp = config.tensor_parallel_size
     if config.device == "cpu":
@@ -42,7 +47,8 @@ def make_groups(config: EngineConfig, devices: list[torch.device]) -> list[TPGro
         return LocalCommunicator(len(devices)).groups()
     from engine.parallel_cuda import make_communicator
     kind = config.extra.get("tp_comm", "auto")
-    return make_communicator(kind, [d.index for d in devices]).groups()
+    options = {} if kind == "nccl" else {"max_bytes": P2P_MAX_BYTES}
+    return make_communicator(kind, [d.index for d in devices], **options).groups()
 
 
 class Executor:

@@ -20,7 +20,8 @@ step() {
     env) nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv; nvidia-smi topo -m 2>/dev/null
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" ;;
     gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gpu.py -m "gpu and not multi_gpu" -s -rA 2>&1 | grep -E "agreement|PASS|FAIL|Error|error|passed|failed" | tail -n 80 ;;
-    tp-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel_gpu.py tests/test_engine_gpu.py -m multi_gpu -s 2>&1 | tail -n 40 ;;
+    tp-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py -m multi_gpu -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
+    comm-tests) python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     kernels) python3 tools/gpu_kernels_check.py --skip-tests --no-sweep ;;
     profile) for args in "--context 512" "--context 32768" "--context 512 --draft-tokens 3 --draft-vocab 32768"; do
                python3 tools/profile_decode.py $args 2>&1 | grep -v "^20..-..-.. " ; done ;;
