@@ -554,6 +554,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="0,1", help="comma-separated CUDA device indices")
     parser.add_argument("--budget-s", type=float, default=170.0, help="stop and report after this long")
+    parser.add_argument("--skip-nccl", action="store_true",
+                        help="no NCCL checks or timings (NCCL is still the P2P fallback above its size limit)")
+    parser.add_argument("--p2p-max-bytes", type=int, default=None, help="P2P size limit (default: its own)")
     args = parser.parse_args()
     assert_nvls_off()
     out = os.environ.get("OUT")
@@ -588,7 +591,7 @@ def main() -> int:
     print({k: report.data[k] for k in ("names", "torch", "cupy", "nccl", "can_access_peer")}, flush=True)
 
     nccl = _phase(report, "nccl init", lambda: NcclCommunicator(devices))
-    if nccl is not None:
+    if nccl is not None and not args.skip_nccl:
         _phase(report, "nccl checks", lambda: _checks(report, nccl))
         _phase(report, "nccl timings", lambda: _timings(report, nccl, "nccl"))
     floor = _phase(report, "graph floor", lambda: time_graph_floor(devices[0]))
@@ -600,17 +603,19 @@ def main() -> int:
     # The P2P kernel comes last: if a peer never signals, it traps after timeout_s and the
     # process loses its CUDA contexts; everything above is already saved.
     if nccl is not None and len(devices) <= MAX_RANKS:
-        p2p = _phase(report, "p2p init", lambda: P2PCommunicator(devices, fallback=nccl, timeout_s=20.0))
+        limit = {} if args.p2p_max_bytes is None else {"max_bytes": args.p2p_max_bytes}
+        p2p = _phase(report, "p2p init", lambda: P2PCommunicator(devices, fallback=nccl, timeout_s=20.0, **limit))
         if p2p is not None:
             report.data["p2p_kernels"] = _phase(report, "p2p kernels", p2p.kernel_attributes) or {}
             ok = _phase(report, "p2p checks", lambda: _checks(report, p2p))
             if ok is not None:                  # wrong sums are still worth timing; a crash is not
                 _phase(report, "p2p timings", lambda: _timings(report, p2p, "p2p"))
                 p128 = _phase(report, "p2p/t128 init", lambda: P2PCommunicator(
-                    devices, fallback=nccl, threads=128, timeout_s=20.0))
+                    devices, fallback=nccl, threads=128, timeout_s=20.0, **limit))
                 if p128 is not None:
                     _phase(report, "p2p/t128 timings", lambda: _timings(report, p128, "p2p/t128", eager=False))
-        report.data["auto"] = _phase(report, "auto", lambda: _auto_kind(devices))
+        if not args.skip_nccl:
+            report.data["auto"] = _phase(report, "auto", lambda: _auto_kind(devices))
     timer.cancel()
     report.save()
     print("\n" + _table(report), flush=True)
