@@ -60,11 +60,14 @@ class _Captured:
             dst.copy_(torch.from_numpy(src), non_blocking=True)
 
 
-def _capture(graph: torch.cuda.CUDAGraph, pool, mode: str, stream: torch.cuda.Stream, fn):
-    """Capture fn() on `stream`. Unlike `torch.cuda.graph` this neither synchronizes nor empties
-    the allocator's cache on entry: emptying it frees blocks on every device, and a cudaFree on
-    a device whose all-reduce kernel is waiting for this very rank would never return."""
-    with torch.cuda.stream(stream):
+def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None, mode: str = "global",
+                  stream: torch.cuda.Stream | None = None):
+    """Capture fn() into `graph` on `stream` (a fresh one by default) and return its result.
+
+    Unlike `torch.cuda.graph` this neither synchronizes nor empties the allocator's cache on entry:
+    emptying it frees cached blocks on every device, and a cudaFree on a device whose all-reduce
+    kernel is waiting for this very rank never returns (seen as a deadlock on two H200s)."""
+    with torch.cuda.stream(stream or torch.cuda.Stream()):
         graph.capture_begin(pool=pool, capture_error_mode=mode)
         try:
             return fn()
@@ -102,7 +105,7 @@ class GraphedRounds:
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with _CAPTURE_LOCK:
-                    tokens, _ = _capture(graph, pool, self.capture_mode, side, lambda: run_round(*args))
+                    tokens, _ = capture_graph(graph, lambda: run_round(*args), pool, self.capture_mode, side)
                 cap.graphs[(cls, variant)] = (graph, tokens)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start

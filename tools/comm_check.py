@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from engine.cuda_graphs import capture_graph  # noqa: E402  (no cache flush: see its docstring)
 from engine.parallel_cuda import (MAX_RANKS, NcclCommunicator, P2PCommunicator,  # noqa: E402
                                   make_communicator)
 
@@ -226,11 +227,12 @@ def check_graph(comm, dtype=torch.bfloat16, sizes=(1, 4096, 4097, 32768, 262144,
                 comm.all_gather(rank, static[-1])
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        def record():
+            for t in static[:-1]:
+                comm.all_reduce(rank, t)
+            return comm.all_gather(rank, static[-1])
         with _CAPTURE_LOCK:
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for t in static[:-1]:
-                    comm.all_reduce(rank, t)
-                gathered = comm.all_gather(rank, static[-1])
+            gathered = capture_graph(graph, record, mode="thread_local")
         results = []
         for it in range(replays):
             for s, f in zip(static, fresh[it]):
@@ -335,8 +337,7 @@ def _capture(rank, fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with _CAPTURE_LOCK:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            fn()
+        capture_graph(graph, fn, mode="thread_local")
     return graph
 
 
