@@ -39,7 +39,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.core import EngineCore
     from engine.loop import EngineLoop
     from engine.sampling_params import SamplingParams
-    from engine.tokenizer import IncrementalDetokenizer
+    from gateway.text import StreamingText
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -47,15 +47,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         tokenizer = loop.core.tokenizer
         prompt_ids = tokenizer.encode(args.prompt)
-        detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        # the gateway's text stream: holds back what could still become a stop string
+        text = StreamingText(tokenizer, prompt_ids, args.stop)
         stream = loop.submit(prompt_ids, params)
         final = None
         for out in stream:
-            delta = detok.push(out.new_token_ids)
+            delta = text.push(out.new_token_ids, final=out.finished)
             if out.finished:
-                delta += detok.flush()
-                if out.text is not None:         # a stop string cut the text short
-                    delta = delta[:max(0, len(out.text) - (len(detok.text) - len(delta)))]
                 final = out
             _emit(args.json, delta, out.new_token_ids)
         if args.json:

@@ -77,8 +77,6 @@ def test_stop_string_completed_by_one_token_cuts_the_printed_text(api_tokens):
     assert run_with_stop(stop) == full[:full.index(stop)]
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/cli.py prints each delta at once: the start of a stop string "
-                   "that spans tokens is already on stdout when the token completing it arrives")
 def test_stop_string_spanning_tokens_cuts_the_printed_text(api_tokens):
     full = make_llm(None, kv_capacity=256).tokenizer.decode(api_tokens)
     stop = full[3:5]
