@@ -137,10 +137,27 @@ def check_write_kv(num_tokens: int, kv_heads: int, head_dim: int, page: int, kv_
     slots = slots.to(device)
     write_kv(kv, k, v, slots)
     write_kv_reference(ref, k, v, slots)
+    return compare_pages(kv, ref)
+
+
+def compare_pages(kv: LayerKV, ref: LayerKV) -> dict:
+    """Pages against the twin's. Float pages must match bit for bit. int8 pages may differ by one
+    quantum where torch's CUDA division and Triton's div_rn round a quotient near .5 apart (seen
+    on the H200: 2,872 of 8.4M bytes); scales must match to float32 rounding."""
     bad = int((kv.k != ref.k).sum() + (kv.v != ref.v).sum())
+    out = {"mismatches": bad}
     if kv.quantized:
-        bad += int((kv.k_scale != ref.k_scale).sum() + (kv.v_scale != ref.v_scale).sum())
-    return {"mismatches": bad}
+        step = max(int((kv.k.int() - ref.k.int()).abs().max()), int((kv.v.int() - ref.v.int()).abs().max()))
+        scale_rel = max(float(((kv.k_scale - ref.k_scale).abs() / ref.k_scale.abs().clamp(min=1e-30)).max()),
+                        float(((kv.v_scale - ref.v_scale).abs() / ref.v_scale.abs().clamp(min=1e-30)).max()))
+        out.update(max_step=step, mismatch_fraction=bad / (kv.k.numel() + kv.v.numel()), scale_rel=scale_rel)
+    return out
+
+
+def pages_agree(r: dict) -> bool:
+    if "max_step" not in r:
+        return r["mismatches"] == 0
+    return r["max_step"] <= 1 and r["mismatch_fraction"] <= 1e-3 and r["scale_rel"] <= 1e-6
 
 
 def check_decode_graph(heads: int, kv_heads: int, head_dim: int, page: int, kv_dtype: torch.dtype,
@@ -264,10 +281,7 @@ def check_qk_norm_rope(tokens: int, heads: int, kv_heads: int, head_dim: int, dt
                               kv=kv2, v=v, slot_mapping=slots, return_k=False)
         result["mismatches_no_k"] = int((kv2.k != kv.k).sum() + (kv2.v != kv.v).sum() + (q2 != q_out).sum()) + (k2 is not None)
         write_kv_reference(ref_kv, k_out, v, slots)     # the fused write must store the kernel's own k
-        bad = int((kv.k != ref_kv.k).sum() + (kv.v != ref_kv.v).sum())
-        if kv.quantized:
-            bad += int((kv.k_scale != ref_kv.k_scale).sum() + (kv.v_scale != ref_kv.v_scale).sum())
-        result["mismatches"] = bad
+        result["pages"] = compare_pages(kv, ref_kv)
     return result
 
 
