@@ -236,3 +236,12 @@ def runner_of(core):
     """The model runner of rank 0 (the one whose results are the step's results)."""
     executor = getattr(core, "executor", None)
     return executor.driver if executor is not None else core.runner
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    """A gateway client of the module's `stack` fixture (a served engine + gateway), once serving."""
+    from gateway.client import GatewayClient
+    with GatewayClient(stack.address) as c:
+        c.wait_until_serving(timeout_s=60)
+        yield c

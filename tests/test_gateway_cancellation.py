@@ -38,13 +38,6 @@ def stack():
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    with GatewayClient(stack.address) as c:
-        c.wait_until_serving(timeout_s=60)
-        yield c
-
-
-@pytest.fixture(scope="module")
 def engine(stack):
     with EngineClient(stack.engine.address, stack.engine_api_key) as e:
         yield e

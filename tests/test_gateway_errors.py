@@ -26,13 +26,6 @@ def stack():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    with GatewayClient(stack.address) as c:
-        c.wait_until_serving(timeout_s=60)
-        yield c
-
-
 def failure(call) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError) as e:
         list(call())

@@ -32,13 +32,6 @@ def stack():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def client(stack):
-    with GatewayClient(stack.address) as c:
-        c.wait_until_serving(timeout_s=60)
-        yield c
-
-
 def collect(messages) -> tuple[str, list[int], object]:
     """(text, token ids, last message) of a whole stream."""
     text, ids, last = "", [], None

@@ -19,6 +19,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
+from engine.runner import default_dtype
 from tools.bench.plan import PeerPlan
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import random_prompt
@@ -36,16 +37,6 @@ def _no_init():
     return no_init_weights()
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-
-
 def build(cfg: ModelConfig, device: str, dtype: torch.dtype):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     hf = Qwen3Config(
@@ -55,7 +46,7 @@ def build(cfg: ModelConfig, device: str, dtype: torch.dtype):
         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings, attention_bias=False, hidden_act="silu",
         attn_implementation="sdpa", use_cache=True, bos_token_id=None, eos_token_id=None, pad_token_id=0)
-    with _no_init(), _default_dtype(dtype), torch.device(device):
+    with _no_init(), default_dtype(dtype), torch.device(device):
         model = Qwen3ForCausalLM(hf)
     gen = torch.Generator(device).manual_seed(7)
     with torch.no_grad():
