@@ -7,6 +7,7 @@ derived figures recomputed from the raw per-request numbers, and the files the d
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -201,7 +202,9 @@ def test_acceptance_implies_decode_rates(cpu_run):
 def test_files_are_small_and_the_table_is_printed_last(cpu_run, tmp_path):
     out, proc, r = cpu_run
     files = sorted(p.name for p in out.iterdir())
-    assert {"results.json", "summary.md", "prefill.png", "decode.png"} <= set(files)
+    assert {"results.json", "summary.md"} <= set(files)
+    if importlib.util.find_spec("matplotlib") is not None:      # plots need the bench extra
+        assert {"prefill.png", "decode.png"} <= set(files)
     assert len(files) <= 8
     assert sum(p.stat().st_size for p in out.iterdir()) < 2_000_000
     summary = (out / "summary.md").read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "protos"
 PACKAGE_DIR = Path("ninfer") / "v1"
-REQUIRED_TOOLS = "1.84."
+REQUIRED_TOOLS = "1.84.0"
 PACKAGE_INIT = '"""Generated protobuf code for the ninfer.v1 API (tools/gen_protos.py); do not edit."""\n'
 
 
@@ -29,9 +29,9 @@ def generate(out_dir: Path) -> list[Path]:
     from grpc_tools import protoc
 
     version = metadata.version("grpcio-tools")
-    if not version.startswith(REQUIRED_TOOLS):
-        raise SystemExit(f"grpcio-tools {REQUIRED_TOOLS}* is required (found {version}): "
-                         f"pip install 'grpcio-tools=={REQUIRED_TOOLS}*'")
+    if version != REQUIRED_TOOLS:
+        raise SystemExit(f"grpcio-tools {REQUIRED_TOOLS} is required (found {version}; it writes its own "
+                         f"version into the code): pip install 'grpcio-tools=={REQUIRED_TOOLS}'")
     (out_dir / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
     well_known = resources.files("grpc_tools") / "_proto"
     protos = [str(p.relative_to(PROTO_ROOT)) for p in proto_files()]
