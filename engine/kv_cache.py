@@ -115,7 +115,10 @@ class KVCacheManager:
         if not self.prefix_reuse:
             return
         keys = self._keys.setdefault(req.request_id, [])
-        tokens, bs = req.all_token_ids, self.block_size
+        bs = self.block_size
+        if min(num_final_tokens, len(req.block_ids) * bs) // bs <= len(keys):
+            return                      # the common decode step: no block completed, no token list built
+        tokens = req.all_token_ids
         limit = min(num_final_tokens, len(tokens) - 1, len(req.block_ids) * bs) // bs
         for i in range(len(keys), limit):
             parent = keys[-1] if keys else b""
@@ -127,9 +130,6 @@ class KVCacheManager:
                 self._by_key[key] = block.block_id
 
     # -- allocation -----------------------------------------------------------------------------
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
 
     def allocate(self, req: KVRequest, num_tokens: int) -> bool:
         """Grow the request's blocks to hold `num_tokens` slots; all or nothing."""

@@ -271,10 +271,10 @@ class Scheduler:
 
     def _decode_work(self, req: Request) -> DecodeWork:
         return DecodeWork(
-            request_id=req.request_id, last_token_id=req.all_token_ids[-1], num_tokens=req.num_tokens,
+            request_id=req.request_id, last_token_id=req.last_token_id, num_tokens=req.num_tokens,
             num_mtp_computed=req.num_mtp_computed,
-            mtp_token_ids=req.all_token_ids[req.num_mtp_computed + 1:] if self.config.draft_tokens else [],
-            block_ids=list(req.block_ids),
+            mtp_token_ids=req.tokens_from(req.num_mtp_computed + 1) if self.config.draft_tokens else [],
+            block_ids=req.block_ids,       # read within this step only: no copy per round
             draft_tokens=req.draft_tokens, output_index=req.num_output_tokens,
             sampling=req.sampling, seed=req.seed)
 
