@@ -15,7 +15,7 @@ import torch
 from engine.capacity import plan_memory
 from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
-from engine.errors import InvalidArgumentError, ModelLoadError
+from engine.errors import InvalidArgumentError
 from engine.kv_cache import KVCacheManager
 from engine.loader import MTP_PREFIX, RandomWeights, check_tensors, read_model_dir
 from engine.metrics import EngineMetrics, request_stats

@@ -36,7 +36,6 @@ sys.path.insert(0, str(ROOT))
 from engine.forward_context import build_forward_context                         # noqa: E402
 from engine.kernels import attention as A                                          # noqa: E402
 from engine.kernels import fused                                                   # noqa: E402
-from engine.kernels.testing import random_kv                                       # noqa: E402
 from engine.layers.attention import LayerKV, paged_attention_reference, write_kv_reference  # noqa: E402
 
 DEV = torch.device("cuda")
