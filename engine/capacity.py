@@ -65,8 +65,10 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     per_token = kv_layers * 2 * kv_heads * model.head_dim * kv_elt
     if cfg.kv_dtype_name == "int8":
         per_token += kv_layers * 2 * kv_heads * 4                   # float32 scale per token and head
-    vocab = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)  # on every rank
-    weights = ((model.num_params(include_mtp=draft_tokens > 0) - vocab) // tp + vocab) * elt
+    # every weight is split over ranks; the vocabulary rows round up to a multiple of tp
+    vocab = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    padded_vocab = -(-model.vocab_size // tp) * model.hidden_size * (1 if model.tie_word_embeddings else 2)
+    weights = ((model.num_params(include_mtp=draft_tokens > 0) - vocab) // tp + padded_vocab // tp) * elt
     h, f = model.hidden_size, model.intermediate_size // tp
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim // tp
     chunk = min(cfg.prefill_chunk, max_model_len)

@@ -1,4 +1,11 @@
-"""Vocabulary-parallel token embedding and lm_head: each rank holds a contiguous slice of rows."""
+"""Vocabulary-parallel token embedding and lm_head: each rank holds a contiguous slice of rows.
+
+With several ranks both layers end in one all-reduce: the embedding sums the rows each rank
+found (the others contribute zeros), and the lm_head sums a logits buffer into which each rank
+wrote its own columns. A zero-padded all-reduce is an all-gather that needs no other collective
+(the one-shot peer-to-peer kernel and a CUDA graph both take it), and adding zeros is exact, so
+every rank holds bitwise the same logits and samples the same tokens.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +27,13 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        n = max(0, min(self.rows, self.vocab_size - self.start))
+        n = self.rows_below(self.vocab_size)
         param.data[:n].copy_(loaded[self.start:self.start + n])
         param.data[n:].zero_()
+
+    def rows_below(self, limit: int) -> int:
+        """How many of this rank's rows hold token ids < limit."""
+        return max(0, min(self.rows, limit - self.start))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, hidden]
@@ -35,12 +46,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for this rank's vocabulary slice, gathered over ranks."""
+    """Logits over the whole vocabulary (or its first `num_rows` ids) on every rank."""
 
     def forward(self, hidden: torch.Tensor, num_rows: int | None = None) -> torch.Tensor:
-        # hidden: [N, hidden] -> logits [N, vocab]; num_rows limits the projection to the first
-        # `num_rows` token ids (a reduced draft vocabulary), only on one rank.
-        if num_rows is not None and self.tp.size == 1:
-            return F.linear(hidden, self.weight[:num_rows])
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
-        return logits[..., :self.vocab_size if num_rows is None else num_rows]
+        # hidden: [N, hidden] -> logits [N, limit], limit = num_rows or the vocabulary. A reduced
+        # draft vocabulary is projected only by the ranks that own some of its rows.
+        limit = self.vocab_size if num_rows is None else min(num_rows, self.vocab_size)
+        mine = self.rows_below(limit)
+        if self.tp.size == 1:
+            return F.linear(hidden, self.weight if mine == self.rows else self.weight[:mine])
+        logits = hidden.new_zeros(hidden.shape[0], limit)
+        if mine:
+            logits[:, self.start:self.start + mine] = F.linear(hidden, self.weight[:mine])
+        return self.tp.all_reduce(logits)

@@ -91,7 +91,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, SINGLE_RANK)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -145,9 +145,8 @@ class Qwen3ForCausalLM(nn.Module):
         self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position or cfg.max_position_embeddings, cfg.rope_theta)
         self.model = Qwen3Model(cfg, self.rotary, tp)
-        # Every rank keeps the whole vocabulary: no gather of logits (and no all-reduce of the
-        # embedding) on the decode path, at the price of reading the full lm_head on each rank.
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, SINGLE_RANK)
+        # vocabulary rows split over ranks: each rank reads 1/tp of the lm_head per step
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MTPModule(cfg, self.rotary, tp) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
