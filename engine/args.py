@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pending-timeout-ms", type=int, default=60_000, help="queue wait before a request fails")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="GPUs to shard the model over")
+    g.add_argument("--tp-comm", default="auto", choices=("auto", "p2p", "nccl"),
+                   help="TP all-reduce: one-shot peer-to-peer over NVLink, NCCL, or auto (p2p where it works)")
     g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", help="never share KV prefixes")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
@@ -35,5 +37,5 @@ def engine_config_from_args(args: argparse.Namespace, **extra) -> EngineConfig:
         memory_utilization=args.memory_utilization, draft_tokens=args.draft_tokens,
         draft_vocab=args.draft_vocab, max_batch=args.max_batch, max_pending=args.max_pending,
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size, prefix_reuse=args.prefix_reuse,
+        tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         enforce_eager=args.enforce_eager, extra=extra)

@@ -118,6 +118,7 @@ class EngineConfig:
     prefix_reuse: bool = True               # share full KV blocks of identical prefixes
     max_model_len: int | None = None        # context limit; None = the model's
     tensor_parallel_size: int = 1
+    tp_comm: str = "auto"                   # TP all-reduce: "p2p" (one-shot NVLink), "nccl", "auto"
     enforce_eager: bool = False             # no CUDA graphs
     draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
     stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
@@ -140,6 +141,8 @@ class EngineConfig:
         _require_int("pending_timeout_ms", self.pending_timeout_ms, 1, 1 << 40)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         _require_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
+        if self.tp_comm not in ("auto", "p2p", "nccl"):
+            raise InvalidArgumentError("tp_comm", f"must be auto, p2p or nccl, got {self.tp_comm!r}")
         if self.kv_capacity is not None:
             _require_int("kv_capacity", self.kv_capacity, 1, 1 << 40)
         if self.max_model_len is not None:

@@ -11,20 +11,15 @@ longest sequence is short replays a graph planned for short sequences.
 
 from __future__ import annotations
 
-import threading
 import time
 
+import numpy as np
 import structlog
 import torch
 
 from engine.decode_round import RoundInputs, pack_round, run_round
 
 log = structlog.get_logger(__name__)
-
-# Ranks of one process capture one at a time: entering a capture synchronizes and trims the
-# allocator, which must not happen under another rank's capture in progress. Warm-up runs (which
-# meet in collectives) stay concurrent.
-_CAPTURE_LOCK = threading.Lock()
 
 # (all_greedy, any_filter)
 VARIANTS = ((True, False), (False, False), (False, True))
@@ -53,10 +48,13 @@ class _Captured:
         # (context class, variant) -> (graph, its output tokens)
         self.graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def load(self, runner, works) -> None:
+    def pack(self, runner, works) -> None:
         pack_round(works, self.batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch,
                    runner._pool_row, out=self.host)
-        for dst, src in zip(self.device, self.host):
+
+    def upload(self, host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
+        """Copy packed inputs (this bucket's own staging arrays, or another rank's) to the device."""
+        for dst, src in zip(self.device, host or self.host):
             dst.copy_(torch.from_numpy(src), non_blocking=True)
 
 
@@ -93,7 +91,8 @@ class GraphedRounds:
         pool = torch.cuda.graph_pool_handle()
         for batch in reversed(self.buckets):
             cap = self._by_batch[batch] = _Captured(batch, runner)
-            cap.load(runner, [])                                 # all rows padding
+            cap.pack(runner, [])                                 # all rows padding
+            cap.upload()
             for cls, variant in ((c, v) for c in self.classes for v in VARIANTS):
                 args = (runner.model, runner.hidden_pool, cap.inputs, runner.k, runner.block_size,
                         cls, *variant, runner.draft_vocab)
@@ -104,8 +103,9 @@ class GraphedRounds:
                         run_round(*args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with _CAPTURE_LOCK:
-                    tokens, _ = capture_graph(graph, lambda: run_round(*args), pool, self.capture_mode, side)
+                # the ranks of a TP group capture at the same time, each on its own thread: NCCL
+                # may talk to its peers while a collective is captured
+                tokens, _ = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
                 cap.graphs[(cls, variant)] = (graph, tokens)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
@@ -113,12 +113,21 @@ class GraphedRounds:
                  variants=len(VARIANTS), seconds=round(seconds, 2))
         return seconds
 
-    def replay(self, runner, works, all_greedy: bool, any_filter: bool):
-        batch = next(b for b in self.buckets if b >= len(works))
-        cap = self._by_batch[batch]
-        cap.load(runner, works)
+    def select(self, runner, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
+        """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
+        cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
         longest = max(w.num_tokens for w in works) + runner.k
         cls = next(c for c in self.classes if c >= longest)
-        graph, tokens = cap.graphs[(cls, (True, False) if all_greedy else (False, any_filter))]
+        return cap, (cls, (True, False) if all_greedy else (False, any_filter))
+
+    def launch(self, cap: _Captured, key: tuple, host=None) -> torch.Tensor:
+        """Upload the packed inputs and replay. -> the graph's output tokens [bucket, k+1] (device)."""
+        cap.upload(host)
+        graph, tokens = cap.graphs[key]
         graph.replay()
-        return tokens, None
+        return tokens
+
+    def replay(self, runner, works, all_greedy: bool, any_filter: bool) -> torch.Tensor:
+        cap, key = self.select(runner, works, all_greedy, any_filter)
+        cap.pack(runner, works)
+        return self.launch(cap, key)

@@ -1,10 +1,15 @@
 """Runs every step on all tensor-parallel ranks of this process.
 
 With one rank the executor calls its runner directly. With several, each rank's `ModelRunner`
-(its model shard, its KV pages and graphs on its own device) lives on its own thread: a step is
-handed to every thread, the ranks meet in their collectives, and rank 0's result is returned (all
-ranks sample the same tokens from the same gathered logits). CUDA graphs are captured by every
-rank's thread at once, with thread-local capture so that ranks do not disturb each other.
+(its model shard, its KV pages and graphs on its own device) lives on its own thread: eager work
+(prefill chunks, ungraphed rounds) is handed to every thread, the ranks meet in their collectives,
+and rank 0's result is returned (all ranks sample the same tokens from the same gathered logits).
+CUDA graphs are captured by every rank's thread at once, with thread-local capture so that ranks
+do not disturb each other.
+
+A graphed decode round skips the threads: this thread packs the inputs once, copies them to every
+device, replays each rank's graph (one launch per GPU; the ranks meet on the devices) and reads
+rank 0's tokens -- one host read per round, no thread hand-offs on the path the GPUs wait for.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel import SINGLE_RANK, LocalCommunicator, TPGroup
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, read_tokens
 from engine.scheduler import ModelOutput, SchedulerOutput
 
 
-# Messages up to this size take the one-shot peer-to-peer all-reduce (prefill chunks included), so
-# no NCCL call is ever captured in a decode graph.
+# With tp_comm p2p/auto, messages up to this size take the one-shot peer-to-peer all-reduce
+# (prefill chunks and gathered logits included): a decode graph then holds no NCCL call.
 P2P_MAX_BYTES = 64 << 20
 
 
@@ -46,7 +51,7 @@ def make_groups(config: EngineConfig, devices: list[torch.device]) -> list[TPGro
     if devices[0].type == "cpu":
         return LocalCommunicator(len(devices)).groups()
     from engine.parallel_cuda import make_communicator
-    kind = config.extra.get("tp_comm", "auto")
+    kind = config.tp_comm
     options = {} if kind == "nccl" else {"max_bytes": P2P_MAX_BYTES}
     return make_communicator(kind, [d.index for d in devices], **options).groups()
 
@@ -60,6 +65,7 @@ class Executor:
         self.runners = [ModelRunner(config, model_config, weights, num_blocks, draft_tokens, max_model_len,
                                     tp=g, device=d) for g, d in zip(groups, self.devices)]
         self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
+        self._uploads: list[torch.cuda.Event] = []
 
     @property
     def num_ranks(self) -> int:
@@ -71,7 +77,37 @@ class Executor:
         return self.runners[0]
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        return self.run_all(lambda runner: runner.execute(out))[0]
+        lockstep = bool(self._workers and out.decode and self.driver.graphed(out.decode))
+        if out.prefill is None and lockstep:
+            for runner in self.runners:
+                runner.release_rows(out.finished_request_ids)
+            result = ModelOutput()
+        else:
+            result = self.run_all(lambda runner: runner.execute(out, with_decode=not lockstep))[0]
+        if lockstep:
+            self._replay_all(out.decode, result)
+        return result
+
+    @torch.inference_mode()
+    def _replay_all(self, works, result: ModelOutput) -> None:
+        driver = self.driver
+        for runner in self.runners[1:]:
+            if runner._pool_row != driver._pool_row:      # every rank assigns rows in the same order
+                raise RuntimeError("hidden-pool rows differ between ranks")
+        all_greedy = all(w.sampling.greedy for w in works)
+        any_filter = any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works)
+        for event in self._uploads:        # the other ranks' last copies out of the staging arrays
+            event.synchronize()
+        self._uploads = []
+        cap, key = driver.graphs.select(driver, works, all_greedy, any_filter)
+        cap.pack(driver, works)
+        tokens = driver.graphs.launch(cap, key)
+        for runner in self.runners[1:]:
+            with torch.cuda.device(runner.device):
+                mine, _ = runner.graphs.select(runner, works, all_greedy, any_filter)
+                runner.graphs.launch(mine, key, host=cap.host)
+                self._uploads.append(torch.cuda.current_stream().record_event())
+        read_tokens(works, tokens, result)
 
     def run_all(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
         """fn(runner) on every rank at once (each on its thread); results in rank order."""

@@ -46,10 +46,12 @@ Protocol of the one-shot kernel (rank r, one launch, `world` ranks, blocks b = 0
 Using them from rank threads (both communicators): call torch.cuda.set_device(devices[rank]) at
 the start of the thread; make at least one eager call per rank thread before capturing (CuPy
 sets up its per-thread context on the first launch); capture with
-torch.cuda.graph(..., capture_error_mode="thread_local") -- in the default "global" mode the other
-rank's allocations during the capture are errors -- and one capture at a time across the rank
-threads (a lock): entering torch.cuda.graph synchronizes and empties the allocator's cache,
-which must not run into another thread's capture in progress. Replays may run concurrently.
+`engine.cuda_graphs.capture_graph(..., mode="thread_local")` -- in the default "global" mode the
+other rank's allocations during the capture are errors -- on every rank's thread at the same time:
+NCCL may talk to its peers while a collective is being captured, so a rank must not wait for
+another's capture to end. (`torch.cuda.graph` synchronizes and empties the allocator's cache on
+entry; that cudaFree can wait behind a peer's all-reduce kernel forever.) Replays may run
+concurrently, or be launched one after the other from one thread.
 
 Predictions for 2 x H200 (NV18), per all-reduce, median, before any measurement
 (tools/comm_check.py measures them):

@@ -97,17 +97,24 @@ class ModelRunner:
         return self.graphs.capture(self)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        for rid in out.finished_request_ids:
-            row = self._pool_row.pop(rid, None)
-            if row is not None:
-                self._free_rows.append(row)
+    def execute(self, out: SchedulerOutput, with_decode: bool = True) -> ModelOutput:
+        """The step's prefill chunk, then (unless the executor replays it itself) its decode round."""
+        self.release_rows(out.finished_request_ids)
         result = ModelOutput()
         if out.prefill is not None:
             self._prefill(out.prefill, result)
-        if out.decode:
+        if out.decode and with_decode:
             self._decode(out.decode, result)
         return result
+
+    def release_rows(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            row = self._pool_row.pop(rid, None)
+            if row is not None:
+                self._free_rows.append(row)
+
+    def graphed(self, works: list[DecodeWork]) -> bool:
+        return self.graphs is not None and self.graphs.fits(len(works))
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -142,8 +149,8 @@ class ModelRunner:
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
         all_greedy = all(w.sampling.greedy for w in works)
         any_filter = any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works)
-        if self.graphs is not None and self.graphs.fits(len(works)):
-            tokens, _ = self.graphs.replay(self, works, all_greedy, any_filter)
+        if self.graphed(works):
+            tokens = self.graphs.replay(self, works, all_greedy, any_filter)
         else:
             width = max(len(w.block_ids) for w in works)
             packed = pack_round(works, len(works), width, self.k, self.null_block, self.max_batch, self._pool_row)
@@ -151,5 +158,10 @@ class ModelRunner:
             max_len = max(w.num_tokens for w in works) + self.k
             tokens, _ = run_round(self.model, self.hidden_pool, inp, self.k, self.block_size, max_len,
                                   all_greedy, any_filter, self.draft_vocab)
-        for w, row in zip(works, tokens.tolist()):
-            result.sampled[w.request_id] = [t for t in row if t >= 0]
+        read_tokens(works, tokens, result)
+
+
+def read_tokens(works: list[DecodeWork], tokens: torch.Tensor, result: ModelOutput) -> None:
+    """The round's one device-to-host read. tokens: [>= len(works), k+1], -1 after the last kept."""
+    for w, row in zip(works, tokens.tolist()):
+        result.sampled[w.request_id] = [t for t in row if t >= 0]

@@ -115,6 +115,7 @@ def test_duplicate_request_id(llm):
     ("max_batch", {"max_batch": 0}),
     ("pending_timeout_ms", {"pending_timeout_ms": 0}),
     ("stats_interval_s", {"stats_interval_s": math.nan}),
+    ("tp_comm", {"tp_comm": "mpi"}),
 ])
 def test_bad_engine_config_names_the_field(field, kwargs):
     with pytest.raises(InvalidArgumentError) as e:

@@ -47,9 +47,6 @@ from engine.parallel_cuda import (MAX_RANKS, NcclCommunicator, P2PCommunicator, 
 # tokens), 64 KB, the P2P limit (512 KB of bf16) and one past it, 1 MB, odd counts.
 CHECK_SIZES = (1, 3, 2048, 4096, 4097, 5120, 12345, 4 * 3 * 5120, 32768, 262144, 262145, 524288)
 TIME_KB = (8, 16, 32, 64, 256)
-_CAPTURE_LOCK = threading.Lock()   # one capture at a time: torch.cuda.graph's entry synchronizes
-#                                    and empties the allocator's cache, which must not meet another
-#                                    thread's capture in progress
 
 
 def assert_nvls_off() -> None:
@@ -231,8 +228,8 @@ def check_graph(comm, dtype=torch.bfloat16, sizes=(1, 4096, 4097, 32768, 262144,
             for t in static[:-1]:
                 comm.all_reduce(rank, t)
             return comm.all_gather(rank, static[-1])
-        with _CAPTURE_LOCK:
-            gathered = capture_graph(graph, record, mode="thread_local")
+        barrier.wait(60)                                        # every rank captures at once
+        gathered = capture_graph(graph, record, mode="thread_local")
         results = []
         for it in range(replays):
             for s, f in zip(static, fresh[it]):
@@ -328,7 +325,8 @@ def time_eager(comm, kb: int, calls: int = 100, repeats: int = 7) -> dict:
     return {"us": statistics.median(us), "us_all": us, "host_us": statistics.median(host)}
 
 
-def _capture(rank, fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+def _capture(fn, barrier: threading.Barrier | None = None, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """Warm up on a side stream, then capture; with a barrier every rank captures at the same time."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -336,8 +334,9 @@ def _capture(rank, fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with _CAPTURE_LOCK:
-        capture_graph(graph, fn, mode="thread_local")
+    if barrier is not None:
+        barrier.wait(60)
+    capture_graph(graph, fn, mode="thread_local")
     return graph
 
 
@@ -356,7 +355,7 @@ def time_graph(comm, kb: int, ops: int = 100, replays: int = 20) -> dict:
         def many():
             for _ in range(ops):
                 comm.all_reduce(rank, x)
-        return _capture(rank, many), x, pristine
+        return _capture(many, barrier), x, pristine
 
     captured = run_ranks(comm.devices, body)
     us = []
@@ -389,7 +388,7 @@ def time_graph_floor(device: int, ops: int = 100, replays: int = 20) -> float:
         def many():
             for _ in range(ops):
                 x.add_(1.0)
-        graph = _capture(0, many)
+        graph = _capture(many)
         us = []
         for _ in range(replays + 2):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
