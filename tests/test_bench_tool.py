@@ -183,6 +183,10 @@ def test_concurrency_kv_and_tp_ratios(cpu_run):
     tp1, tp2 = (next(p for p in tp["points"] if p["label"] == lab) for lab in ("tp1", "tp2"))
     assert tp2["engine"]["tensor_parallel_size"] == 2
     assert close(r["headline"]["tp2_over_tp1_decode_b1"], tp2["decode_tok_s_peak"] / tp1["decode_tok_s_peak"])
+    pre = {(p["label"], p["P"]): p["prefill_tok_s_peak"] for p in tp["prefill"]}
+    assert set(pre) == {(lab, P) for lab in ("tp1", "tp2") for P in r["plan"]["tp"]["prefill_prompts"]}
+    for P in r["plan"]["tp"]["prefill_prompts"]:
+        assert close(tp["tp2_over_tp1_prefill"][str(P)], pre[("tp2", P)] / pre[("tp1", P)])
 
 
 def test_acceptance_implies_decode_rates(cpu_run):

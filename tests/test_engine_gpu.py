@@ -87,6 +87,14 @@ def test_sampled_decoding_is_reproducible_on_gpu():
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_tp2_equals_tp1_fp32(fp32_k0):
-    assert _generate(dtype="float32", draft_tokens=0, tensor_parallel_size=2) == fp32_k0
-    assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2) == fp32_k0
+@pytest.mark.parametrize("tp_comm", ["p2p", "nccl"])
+def test_tp2_equals_tp1_fp32(fp32_k0, tp_comm):
+    assert _generate(dtype="float32", draft_tokens=0, tensor_parallel_size=2, tp_comm=tp_comm) == fp32_k0
+    assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2, tp_comm=tp_comm) == fp32_k0
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_eager_equals_tp1_fp32(fp32_k0):
+    # the rank threads' eager path (the graphed one replays from the engine thread)
+    assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2, enforce_eager=True) == fp32_k0

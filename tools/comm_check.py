@@ -46,7 +46,8 @@ from engine.parallel_cuda import (MAX_RANKS, NcclCommunicator, P2PCommunicator, 
 # Element counts: 1 element, 4 KB and 8 KB of bf16, decode shapes (hidden 5120; 4 rows x 3
 # tokens), 64 KB, the P2P limit (512 KB of bf16) and one past it, 1 MB, odd counts.
 CHECK_SIZES = (1, 3, 2048, 4096, 4097, 5120, 12345, 4 * 3 * 5120, 32768, 262144, 262145, 524288)
-TIME_KB = (8, 16, 32, 64, 256)
+# decode all-reduces (8-64 KB), gathered logits of one verify row set (1216 KB), prefill chunks (4-32 MB)
+TIME_KB = (8, 16, 32, 64, 256, 1216, 4096, 32768)
 
 
 def assert_nvls_off() -> None:
@@ -496,9 +497,9 @@ def _checks(report: Report, comm) -> bool:
     return not bad
 
 
-def _timings(report: Report, comm, label: str, eager: bool = True) -> None:
+def _timings(report: Report, comm, label: str, eager: bool = True, graph: bool = True) -> None:
     for kb in TIME_KB:
-        modes = (("eager", time_eager), ("graph", time_graph)) if eager else (("graph", time_graph),)
+        modes = ((("eager", time_eager),) if eager else ()) + ((("graph", time_graph),) if graph else ())
         for mode, fn in modes:
             r = fn(comm, kb)
             report.data["timings"].append({"comm": label, "mode": mode, "kb": kb, **r})
@@ -553,7 +554,7 @@ def _auto_kind(devices: list[int]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="0,1", help="comma-separated CUDA device indices")
-    parser.add_argument("--budget-s", type=float, default=170.0, help="stop and report after this long")
+    parser.add_argument("--budget-s", type=float, default=300.0, help="stop and report after this long")
     parser.add_argument("--skip-nccl", action="store_true",
                         help="no NCCL checks or timings (NCCL is still the P2P fallback above its size limit)")
     parser.add_argument("--p2p-max-bytes", type=int, default=None, help="P2P size limit (default: its own)")
@@ -591,9 +592,6 @@ def main() -> int:
     print({k: report.data[k] for k in ("names", "torch", "cupy", "nccl", "can_access_peer")}, flush=True)
 
     nccl = _phase(report, "nccl init", lambda: NcclCommunicator(devices))
-    if nccl is not None and not args.skip_nccl:
-        _phase(report, "nccl checks", lambda: _checks(report, nccl))
-        _phase(report, "nccl timings", lambda: _timings(report, nccl, "nccl"))
     floor = _phase(report, "graph floor", lambda: time_graph_floor(devices[0]))
     if floor is not None:
         report.data["graph_floor_us"] = floor
@@ -614,8 +612,13 @@ def main() -> int:
                     devices, fallback=nccl, threads=128, timeout_s=20.0, **limit))
                 if p128 is not None:
                     _phase(report, "p2p/t128 timings", lambda: _timings(report, p128, "p2p/t128", eager=False))
-        if not args.skip_nccl:
-            report.data["auto"] = _phase(report, "auto", lambda: _auto_kind(devices))
+    # NCCL last: a collective that never completes inside a capture hangs its rank threads
+    if nccl is not None and not args.skip_nccl:
+        ok = _phase(report, "nccl checks", lambda: _checks(report, nccl))
+        graph_ok = ok is not None and all(c["ok"] for c in report.data["checks"]
+                                          if c["comm"] == "nccl" and "graph" in c["check"])
+        _phase(report, "nccl timings", lambda: _timings(report, nccl, "nccl", graph=graph_ok))
+        report.data["auto"] = _phase(report, "auto", lambda: _auto_kind(devices))
     timer.cancel()
     report.save()
     print("\n" + _table(report), flush=True)

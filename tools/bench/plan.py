@@ -72,6 +72,7 @@ class TPPlan:
     long_context: int               # the 192k request: prompt + decode tokens
     long_decode_tokens: int
     big_shape: str
+    prefill_prompts: list[int] = field(default_factory=list)   # TP1 vs TP2 prefill, the plan's chunk
 
 
 @dataclass
@@ -137,7 +138,8 @@ def _gpu_full(shape: str) -> Plan:
         concurrency=ConcurrencyPlan(streams=[1, 2, 4, 8], context=512, target_decode_s=2.0, min_tokens=128,
                                     max_tokens=1024, interference_prompt=32 * K),
         kv=KVPlan(contexts=[8 * K, 32 * K], repeats=2),
-        tp=TPPlan(context=512, repeats=2, long_context=192 * K, long_decode_tokens=512, big_shape="qwen3-32b"),
+        tp=TPPlan(context=512, repeats=2, long_context=192 * K, long_decode_tokens=512, big_shape="qwen3-32b",
+                  prefill_prompts=[512, 4 * K, 32 * K]),
         acceptance=AcceptancePlan(ks=[1, 2, 3, 5], temperatures=[0.0, 0.7], prompts_per_workload=3, max_tokens=192,
                                   implied_context=512),
     )
@@ -181,7 +183,8 @@ def _cpu(shape: str, quick: bool) -> Plan:
         concurrency=ConcurrencyPlan(streams=[1, 2, 4], context=64, target_decode_s=0.3, min_tokens=8,
                                     max_tokens=64, interference_prompt=512),
         kv=KVPlan(contexts=[256], repeats=1),
-        tp=TPPlan(context=64, repeats=1, long_context=1024, long_decode_tokens=16, big_shape="tiny"),
+        tp=TPPlan(context=64, repeats=1, long_context=1024, long_decode_tokens=16, big_shape="tiny",
+                  prefill_prompts=[128, 512]),
         acceptance=AcceptancePlan(ks=[3], temperatures=[0.0, 0.7], prompts_per_workload=1, max_tokens=24,
                                   implied_context=64),
         reference=dict(prefill_P=128, prefill_long_P=512, prefill_chunk=128, decode_context=64, kv_context=256,

@@ -313,6 +313,14 @@ def _tp(r: dict) -> list[str]:
              f"{p['ms_per_round_best']:.2f}", fmt(p.get("roofline_fraction"))]
             for p in _measured(sec.get("points"))]
     L += _tab(["run", "shape", "TP", "KV", "context", "tok/s", "ms/token", "roofline fraction"], rows)
+    pre = [p for p in sec.get("prefill", []) if "prefill_tok_s_peak" in p]
+    if pre:
+        ratio = sec.get("tp2_over_tp1_prefill", {})
+        L += ["", "Prefill (fresh prompt, the plan's chunk), tok/s:", ""]
+        L += _tab(["P", "TP1", "TP2", "TP2 / TP1"],
+                  [[str(P), fmt(next((p["prefill_tok_s_peak"] for p in pre if p["label"] == "tp1" and p["P"] == P), None)),
+                    fmt(next((p["prefill_tok_s_peak"] for p in pre if p["label"] == "tp2" and p["P"] == P), None)),
+                    fmt(ratio.get(str(P)))] for P in sorted({p["P"] for p in pre})])
     lc = sec.get("long_context")
     if lc:
         L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "

@@ -31,6 +31,28 @@ def _free(idx: int) -> int:
     return torch.cuda.mem_get_info(idx)[0]
 
 
+def _prefill_points(bench, sec: dict, session, label: str) -> None:
+    """Prefill of fresh prompts of each planned length at the plan's chunk (max_tokens=1), peak of
+    the repeats; with both labels measured, sec["tp2_over_tp1_prefill"][P] is their ratio."""
+    rows = sec.setdefault("prefill", [])
+    for P in bench.plan.tp.prefill_prompts:
+        one = bench.estimate_prefill_s(P)
+        if not bench.budget.allows(one * bench.plan.tp.repeats):
+            rows.append({"label": label, "P": P, "skipped": bench.budget.skip_reason(one)})
+            continue
+        reps = [compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1),
+                                         timeout=max(120.0, 5 * one)))
+                for _ in range(bench.plan.tp.repeats)]
+        rates = [r["prefill_tok_s"] for r in reps]
+        rows.append({"label": label, "P": P, "chunk": session.describe.get("prefill_chunk"),
+                     "prefill_tok_s_peak": max(rates), "prefill_tok_s_all": rates})
+        say("tp", f"{label} prefill P={P}: {fmt_rate(max(rates))}")
+    peak = {(r["label"], r["P"]): r["prefill_tok_s_peak"] for r in rows if "prefill_tok_s_peak" in r}
+    sec["tp2_over_tp1_prefill"] = {str(P): peak[("tp2", P)] / peak[("tp1", P)] for P in bench.plan.tp.prefill_prompts
+                                   if ("tp1", P) in peak and ("tp2", P) in peak}
+    bench.save()
+
+
 def run(bench, sec: dict) -> None:
     plan = bench.plan.tp
     cuda = bench.kind == "cuda"
@@ -47,10 +69,12 @@ def run(bench, sec: dict) -> None:
     if dec.get("run_id") == bench.results["run"]["run_id"]:
         base = next((p for p in dec.get("points", []) if p.get("draft_tokens") == 0 and not p.get("draft_vocab")
                      and p.get("context") == ctx and "repeats" in p), None)
-    if base is None:
+    if base is None or plan.prefill_prompts:
         session, _ = bench.pool.get(bench.engine_spec(draft_tokens=0), warm_prompt=ctx, warm_decode=32)
-        base = decode_point(bench, session, ctx, plan.repeats,
-                            tokens_for(bench.plan.decode, seconds_per_token(session, ctx)), "tp")
+        if base is None:
+            base = decode_point(bench, session, ctx, plan.repeats,
+                                tokens_for(bench.plan.decode, seconds_per_token(session, ctx)), "tp")
+        _prefill_points(bench, sec, session, "tp1")
     points.append({**base, "label": "tp1", "shape": bench.shape})
     bench.pool.close()
 
@@ -72,6 +96,7 @@ def run(bench, sec: dict) -> None:
     p2 = decode_point(bench, session, ctx, plan.repeats, tokens_for(bench.plan.decode, seconds_per_token(session, ctx)),
                       "tp")
     points.append({**p2, "label": "tp2", "shape": bench.shape})
+    _prefill_points(bench, sec, session, "tp2")
     sec["tp2_over_tp1_decode_b1"] = p2["decode_tok_s_peak"] / base["decode_tok_s_peak"]
     sec["tp2_over_tp1_decode_b1_inputs"] = {"context": ctx, "tp1_tok_s": base["decode_tok_s_peak"],
                                             "tp2_tok_s": p2["decode_tok_s_peak"]}
