@@ -172,4 +172,4 @@ def test_nvls_variables_are_forced_off_by_the_check_tool():
             "c.assert_nvls_off()\n"
             "assert os.environ['NCCL_NVLS_ENABLE'] == '0'\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})

@@ -341,11 +341,25 @@ def _capture(fn, barrier: threading.Barrier | None = None, warmup: int = 3) -> t
     return graph
 
 
+def _wait(devices: list[int], timeout_s: float) -> None:
+    """Wait for every device's current stream, or raise: a collective that never completes inside
+    a replayed graph must not hang the check (the GPU stays busy; later phases may fail)."""
+    events = []
+    for d in devices:
+        with torch.cuda.device(d):
+            events.append(torch.cuda.current_stream().record_event())
+    deadline = time.monotonic() + timeout_s
+    while not all(e.query() for e in events):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"graph replay did not finish in {timeout_s:.0f} s (a collective hangs in the graph)")
+        time.sleep(1e-4)
+
+
 def time_graph(comm, kb: int, ops: int = 100, replays: int = 20) -> dict:
-    """Each rank's thread captures a graph of `ops` all-reduces of one buffer; the main thread
-    replays all ranks' graphs back to back and times each with CUDA events. The rank launched
-    first also waits for the later launch; the last-launched rank's time is the clean one, so
-    take the minimum over ranks, then the median over replays."""
+    """Each rank's thread captures a graph of `ops` all-reduces of one buffer (all ranks capture at
+    once); the main thread replays all ranks' graphs back to back and times each with CUDA events.
+    The rank launched first also waits for the later launch; the last-launched rank's time is the
+    clean one, so take the minimum over ranks, then the median over replays."""
     n = kb * 1024 // 2
 
     def body(rank, barrier):
@@ -365,8 +379,7 @@ def time_graph(comm, kb: int, ops: int = 100, replays: int = 20) -> dict:
         for d, (graph, x, pristine) in zip(comm.devices, captured):
             with torch.cuda.device(d):
                 x.copy_(pristine)
-        for d in comm.devices:
-            torch.cuda.synchronize(d)
+        _wait(comm.devices, 30)
         for d, (graph, x, pristine) in zip(comm.devices, captured):
             with torch.cuda.device(d):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -374,11 +387,10 @@ def time_graph(comm, kb: int, ops: int = 100, replays: int = 20) -> dict:
                 graph.replay()
                 end.record()
                 events.append((start, end))
-        for d in comm.devices:
-            torch.cuda.synchronize(d)
+        _wait(comm.devices, 30)
         us.append(min(s.elapsed_time(e) for s, e in events) * 1000 / ops)
     us = us[2:]                                         # the first replays upload the graphs
-    return {"us": statistics.median(us), "us_all": us}
+    return {"us": statistics.median(us), "us_all": us, "ops_per_graph": ops}
 
 
 def time_graph_floor(device: int, ops: int = 100, replays: int = 20) -> float:
@@ -497,9 +509,11 @@ def _checks(report: Report, comm) -> bool:
     return not bad
 
 
-def _timings(report: Report, comm, label: str, eager: bool = True, graph: bool = True) -> None:
-    for kb in TIME_KB:
-        modes = ((("eager", time_eager),) if eager else ()) + ((("graph", time_graph),) if graph else ())
+def _timings(report: Report, comm, label: str, eager: bool = True, graph: bool = True, ops: int = 100,
+             sizes=TIME_KB) -> None:
+    for kb in sizes:
+        modes = ((("eager", time_eager),) if eager else ()) + \
+                ((("graph", lambda c, k: time_graph(c, k, ops=ops)),) if graph else ())
         for mode, fn in modes:
             r = fn(comm, kb)
             report.data["timings"].append({"comm": label, "mode": mode, "kb": kb, **r})
@@ -508,9 +522,9 @@ def _timings(report: Report, comm, label: str, eager: bool = True, graph: bool =
 
 def _table(report: Report) -> str:
     t = {(x["comm"], x["mode"], x["kb"]): x["us"] for x in report.data["timings"]}
-    cols = [(c, m) for c in ("nccl", "p2p", "p2p/t128") for m in ("eager", "graph") if any(
+    cols = [(c, m) for c in ("nccl", "nccl/x100", "p2p", "p2p/x8", "p2p/t128") for m in ("eager", "graph") if any(
         k[:2] == (c, m) for k in t)]
-    lines = ["all-reduce bf16, us per call (median; graph = 100 calls per replay)",
+    lines = ["all-reduce bf16, us per call (median; graph = 100 calls per replay, nccl graph: 8)",
              "size    " + "".join(f"{c + ' ' + m:>15s}" for c, m in cols)]
     for kb in TIME_KB:
         lines.append(f"{kb:4d} KB " + "".join(f"{t[(c, m, kb)]:15.2f}" if (c, m, kb) in t else f"{'-':>15s}"
@@ -608,6 +622,8 @@ def main() -> int:
             ok = _phase(report, "p2p checks", lambda: _checks(report, p2p))
             if ok is not None:                  # wrong sums are still worth timing; a crash is not
                 _phase(report, "p2p timings", lambda: _timings(report, p2p, "p2p"))
+                _phase(report, "p2p graph x8", lambda: _timings(report, p2p, "p2p/x8", eager=False, ops=8,
+                                                                sizes=(8, 64)))
                 p128 = _phase(report, "p2p/t128 init", lambda: P2PCommunicator(
                     devices, fallback=nccl, threads=128, timeout_s=20.0, **limit))
                 if p128 is not None:
@@ -617,8 +633,13 @@ def main() -> int:
         ok = _phase(report, "nccl checks", lambda: _checks(report, nccl))
         graph_ok = ok is not None and all(c["ok"] for c in report.data["checks"]
                                           if c["comm"] == "nccl" and "graph" in c["check"])
-        _phase(report, "nccl timings", lambda: _timings(report, nccl, "nccl", graph=graph_ok))
+        # 100 NCCL all-reduces in one graph hung on 2 x H200 (NCCL 2.28, CuPy 14.2): time graphs
+        # of 8 first, then eager, then one try at 100 last
+        _phase(report, "nccl graph timings", lambda: _timings(report, nccl, "nccl", eager=False, graph=graph_ok, ops=8))
+        _phase(report, "nccl eager timings", lambda: _timings(report, nccl, "nccl", graph=False))
         report.data["auto"] = _phase(report, "auto", lambda: _auto_kind(devices))
+        _phase(report, "nccl graph x100", lambda: _timings(report, nccl, "nccl/x100", eager=False, graph=graph_ok,
+                                                           sizes=(8,)))
     timer.cancel()
     report.save()
     print("\n" + _table(report), flush=True)
