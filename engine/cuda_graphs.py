@@ -120,9 +120,9 @@ class GraphedRounds:
         cls = next(c for c in self.classes if c >= longest)
         return cap, (cls, (True, False) if all_greedy else (False, any_filter))
 
-    def launch(self, cap: _Captured, key: tuple, host=None) -> torch.Tensor:
-        """Upload the packed inputs and replay. -> the graph's output tokens [bucket, k+1] (device)."""
-        cap.upload(host)
+    @staticmethod
+    def launch(cap: _Captured, key: tuple) -> torch.Tensor:
+        """Replay (inputs uploaded). -> the graph's output tokens [bucket, k+1] (device)."""
         graph, tokens = cap.graphs[key]
         graph.replay()
         return tokens
@@ -130,4 +130,5 @@ class GraphedRounds:
     def replay(self, runner, works, all_greedy: bool, any_filter: bool) -> torch.Tensor:
         cap, key = self.select(runner, works, all_greedy, any_filter)
         cap.pack(runner, works)
+        cap.upload()
         return self.launch(cap, key)

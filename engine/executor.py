@@ -101,12 +101,14 @@ class Executor:
         self._uploads = []
         cap, key = driver.graphs.select(driver, works, all_greedy, any_filter)
         cap.pack(driver, works)
-        tokens = driver.graphs.launch(cap, key)
-        for runner in self.runners[1:]:
+        caps = [cap] + [runner.graphs.select(runner, works, all_greedy, any_filter)[0] for runner in self.runners[1:]]
+        for runner, mine in zip(self.runners, caps):
             with torch.cuda.device(runner.device):
-                mine, _ = runner.graphs.select(runner, works, all_greedy, any_filter)
-                runner.graphs.launch(mine, key, host=cap.host)
-                self._uploads.append(torch.cuda.current_stream().record_event())
+                mine.upload(cap.host)
+                if mine is not cap:
+                    self._uploads.append(torch.cuda.current_stream().record_event())
+        # the launches back to back: a rank launched early waits in its first collective for the rest
+        tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
         read_tokens(works, tokens, result)
 
     def run_all(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
