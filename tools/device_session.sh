@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, gpu-tests, tp-tests, comm-tests, kernels, profile, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, gpu-tests, tp-tests, comm-tests, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,10 +25,11 @@ step() {
     kernels) python3 tools/gpu_kernels_check.py --skip-tests --no-sweep ;;
     profile) for args in "--context 512" "--context 32768" "--context 512 --draft-tokens 3 --draft-vocab 32768"; do
                python3 tools/profile_decode.py $args 2>&1 | grep -v "^20..-..-.. " ; done ;;
+    profile-tp) for tp in 1 2; do python3 tools/profile_decode.py --context 512 --tensor-parallel-size $tp 2>&1 | grep -v "^20..-..-.. " ; done ;;
     comm) python3 tools/comm_check.py --p2p-max-bytes 67108864 ;;   # the engine's P2P limit (64 MB)
     bench-quick) python3 -m tools.bench --quick --acceptance-model $MODEL --out "$OUT/bench" ;;
     bench) python3 -m tools.bench --acceptance-model $MODEL --out "$OUT/bench" ;;
-    bench-tp) python3 -m tools.bench --sections roofline,tp --out "$OUT/bench-tp" ;;
+    bench-tp) python3 -m tools.bench --sections roofline,tp --time-scale 1.6 --out "$OUT/bench-tp" ;;   # 1.6: room for the 192k run
     bench-tp-kv) python3 -m tools.bench --sections roofline,kv,tp --out "$OUT/bench-tp" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
