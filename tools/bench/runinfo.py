@@ -30,6 +30,8 @@ def git_commit() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
+    if os.environ.get("NINFER_COMMIT"):            # set by whoever copied the tree (its .git may be stale)
+        return {"commit": os.environ["NINFER_COMMIT"], "dirty": None}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
     return {"commit": commit or os.environ.get("NINFER_COMMIT"), "dirty": bool(status) if status is not None else None}
