@@ -19,12 +19,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel import SINGLE_RANK, LocalCommunicator, TPGroup
 from engine.runner import ModelRunner, read_tokens
 from engine.scheduler import ModelOutput, SchedulerOutput
+
+log = structlog.get_logger(__name__)
 
 
 # With tp_comm p2p/auto, messages up to this size take the one-shot peer-to-peer all-reduce
@@ -52,6 +55,9 @@ def make_groups(config: EngineConfig, devices: list[torch.device]) -> list[TPGro
         return LocalCommunicator(len(devices)).groups()
     from engine.parallel_cuda import make_communicator
     kind = config.tp_comm
+    if kind == "nccl" and not config.enforce_eager:
+        log.warning("nccl_in_cuda_graphs", detail="a graph of 100 NCCL all-reduces never finished on 2 x H200 "
+                    "(bench/results/2026-11-30-h200-tp2); graphs of 8-10 did. Prefer tp_comm=auto or enforce_eager.")
     options = {} if kind == "nccl" else {"max_bytes": P2P_MAX_BYTES}
     return make_communicator(kind, [d.index for d in devices], **options).groups()
 
