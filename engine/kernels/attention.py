@@ -20,7 +20,10 @@ program works out its own key range from `seq_lens` on the device (splits past t
 sequence find an empty range and only record that).
 
 int8 pages are read as int8 and converted in registers: K's per-token scale multiplies the score
-column after the q·k product, V's scale multiplies the probability column before p·v.
+column after the q·k product, V's scale multiplies the probability column before p·v. Decode and
+verify plans (bf16 q) convert each tile with a few PTX instructions that Triton cannot see through
+(`_int8_operand`, `AttnConfig.int8_upcast`), so the MMAs get the operand layouts of bf16 pages
+rather than Triton's 8-bit ones (engine/kernels/NOTES.md, "int8 decode").
 """
 
 from __future__ import annotations
@@ -152,10 +155,51 @@ def write_kv(kv: LayerKV, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.
 
 # -- attention -----------------------------------------------------------------------------------
 
+# int8 -> bf16, four at a time (pack=4: byte j of $2 is element j; $0 holds elements 0, 1 as bf16x2,
+# $1 elements 2, 3): the bit trick of Triton's own lowering. prmt puts byte b under 0x43, giving
+# the bf16 128 + (b & 0x7f) or, with b's sign bit landing in the exponent, 256 + 2 * (b & 0x7f); the
+# value is (that & 0xff7f) - (that & 0xff80), computed as one exact bf16x2 fma. 2 PRMT, 4 LOP3 and
+# 2 HFMA2 per 4 values, no I2F; sm_80 and later. tests/test_kernels_int8_upcast.py emulates it for
+# all 256 bytes.
+S8_TO_BF16_PTX = tl.constexpr("""{
+    .reg .b32 lo, hi, lo_m, hi_m, lo_s, hi_s, neg1;
+    mov.b32 neg1, 0xbf80bf80;
+    prmt.b32 lo, $2, 0x43, 0x4140;
+    prmt.b32 hi, $2, 0x43, 0x4342;
+    and.b32 lo_m, lo, 0xff7fff7f;
+    and.b32 hi_m, hi, 0xff7fff7f;
+    and.b32 lo_s, lo, 0xff80ff80;
+    and.b32 hi_s, hi, 0xff80ff80;
+    fma.rn.bf16x2 $0, lo_s, neg1, lo_m;
+    fma.rn.bf16x2 $1, hi_s, neg1, hi_m;
+}""")
+
+
+@triton.jit
+def _int8_operand(x, UPCAST: tl.constexpr):
+    """An int8 K or V tile on its way to a bf16 MMA.
+
+    UPCAST: converted here, in the registers it was loaded into, by S8_TO_BF16_PTX marked impure.
+    The opaque op is the point. Triton sizes the MMA operand layout of a dot from the narrowest
+    load it can trace either operand back to through elementwise ops; a traced int8 load gives
+    8-bit operand layouts (kWidth 4) to *both* operands, so q and p lose ldmatrix and V, key-major
+    in shared memory, is read one byte at a time (64 LDS.U8 per thread per 64-key tile, sm_90).
+    Behind the asm the dot sees bf16 operands and stages them as for bf16 pages (ldmatrix and
+    ldmatrix.trans). Same values either way: the conversion is exact.
+    Not UPCAST (the interpreter, q not bf16, prefill plans): int8 -> float32 as before; the dot's
+    cast to q's dtype finishes it."""
+    if UPCAST:
+        return tl.inline_asm_elementwise(asm=S8_TO_BF16_PTX, constraints="=r,=r,r", args=[x],
+                                         dtype=tl.bfloat16, is_pure=False, pack=4)
+    else:
+        return x.to(tl.float32)
+
+
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                  head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st, qk_scale,
-                 offs_n, offs_d, PAGE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):
+                 offs_n, offs_d, PAGE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """One BLOCK_N-key step of the online softmax (log2 domain). Unmasked steps load whole tiles
     that every row sees; masked steps also drop keys >= hi and keys after each row's position."""
     keys = start + offs_n                                        # [BLOCK_N] positions
@@ -170,7 +214,7 @@ def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks
     else:
         k = tl.load(k_ptr + row[None, :] + offs_d[:, None])
     if QUANT:
-        k = k.to(tl.float32)                                      # int8 -> float32 -> q's dtype (exact)
+        k = _int8_operand(k, UPCAST)                              # int8 -> (float32 ->) q's dtype, exact
     s = tl.dot(q, k.to(q.dtype))                                  # [BLOCK_M, BLOCK_N] float32
     if QUANT:
         srow = blk * stride_sb + (keys % PAGE) * stride_st + shead_off
@@ -196,7 +240,7 @@ def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
     if QUANT:
         p = p * vs[None, :]
-        v = v.to(tl.float32)
+        v = _int8_operand(v, UPCAST)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, l_i, m_new
@@ -209,7 +253,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
+                 UPCAST: tl.constexpr):
     # grid: (kv_heads, tiles, num_splits); kv head fastest so the heads of one tile run together
     kvh = tl.program_id(0)
     pid = tl.program_id(1)
@@ -269,11 +314,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
     for start in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr,
                                      vs_ptr, head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st,
-                                     qk_scale, offs_n, offs_d, PAGE, QUANT, False)
+                                     qk_scale, offs_n, offs_d, PAGE, QUANT, False, UPCAST)
     for start in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr,
                                      vs_ptr, head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st,
-                                     qk_scale, offs_n, offs_d, PAGE, QUANT, True)
+                                     qk_scale, offs_n, offs_d, PAGE, QUANT, True, UPCAST)
 
     if SPLIT:
         # partial state of this key range: unnormalised acc, running max m (log2 units), sum l
@@ -315,6 +360,7 @@ class AttnConfig:
     num_stages: int
     num_splits: int = 1
     min_tiles: int = 2          # a split covers at least this many BLOCK_N key tiles
+    int8_upcast: bool = False   # int8 pages, bf16 q: K/V tiles converted in registers (see _int8_operand)
 
 
 # Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
@@ -322,6 +368,12 @@ class AttnConfig:
 # prefill bn128/s3 was fastest at context 0 and after 28k; decode s2 at 32k.
 PREFILL = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=2)
+# Decode over int8 pages with bf16 q: K/V converted in registers (int8_upcast), no cp.async stage
+# (num_stages 1). Not yet measured: chosen from ptxas for sm_90 (Triton 3.6), where it is the one
+# int8 shape in 128 registers (4 programs per SM, so the 512 programs of a batch-1 step run in one
+# wave) at 44 warp-instructions per key against 65 before; NOTES.md, "int8 decode". Confirm or move
+# with tools/tune_decode_attention.py.
+DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 2, "int8_upcast": True}
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +410,8 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
         while splits * 2 <= min(MAX_SPLITS, triton.next_power_of_2(useful)) and ctas * splits * 2 <= 4 * sms:
             splits *= 2
         # 128 rows in 4 warps spill registers (seen in ptxas for sm_90): 8 warps there
-        return AttnConfig(block_m=block_m, num_splits=splits, **dict(DECODE, num_warps=4 if block_m <= 64 else 8))
+        base = DECODE_INT8 if kv.quantized and q.dtype == torch.bfloat16 else DECODE
+        return AttnConfig(block_m=block_m, num_splits=splits, **dict(base, num_warps=4 if block_m <= 64 else 8))
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
     ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
     splits, min_keys = 1, 2048
@@ -419,13 +472,20 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *strides, ctx.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-        PAGE=kv.k.shape[1], QUANT=kv.quantized,
-        SPLIT=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         _merge_kernel[(T, H)](pacc, pm, pl, out, H, cfg.num_splits, out.stride(0), out.stride(1),
                               SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)), HEAD_DIM=d,
                               num_warps=4 if cfg.num_splits * d >= 4096 else 2)
     return out
+
+
+def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
+    """Whether this call takes the in-register int8 conversion: asked for, int8 pages, bf16 q (the
+    PTX makes bf16), and compiled (the interpreter runs no PTX; it takes the float32 route, same values)."""
+    return (cfg.int8_upcast and kv.quantized and q.dtype == torch.bfloat16
+            and type(_attn_kernel).__name__ != "InterpretedFunction")
 
 
 # Route single-sequence prefill chunks through torch SDPA (gather + flash/cuDNN) instead of the Triton

@@ -1,0 +1,132 @@
+"""The in-register int8 -> bf16 conversion of the attention kernel (`int8_upcast`).
+
+Its PTX (`attention.S8_TO_BF16_PTX`) cannot run in Triton's interpreter, so here it is emulated,
+instruction by instruction, for every byte value in every byte position. The plan tests need
+Triton importable but no device. On a CUDA device the converted path is held to the float32 route
+it replaces and to the torch twin, in the plan's shape and in the other shapes
+tools/tune_decode_attention.py sweeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import struct
+
+import pytest
+import torch
+
+# find_spec, not import: importing triton here, at collection, would fix its language module in
+# compiled mode before tests/test_kernels_interpret.py can switch the process to the interpreter
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton importable")
+
+I8, BF16 = torch.int8, torch.bfloat16
+
+
+def _bf16_value(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _bf16_bits(x: float) -> int:
+    return int(torch.tensor([x], dtype=torch.float64).to(BF16).view(torch.int16)[0]) & 0xFFFF
+
+
+def _run_ptx(ptx: str, word: int) -> tuple[int, int]:
+    """Emulate the few PTX instructions the conversion uses; $2 in, ($0, $1) out."""
+    regs = {"$2": word}
+
+    def val(a: str) -> int:
+        return regs[a] if a in regs else int(a, 16)
+
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("", "{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        dst, *args = (a.strip() for a in rest.split(","))
+        if op == "mov.b32":
+            regs[dst] = val(args[0])
+        elif op == "and.b32":
+            regs[dst] = val(args[0]) & val(args[1])
+        elif op == "prmt.b32":                      # default mode: selector nibble = source byte 0..7
+            a, b, sel = (val(x) for x in args)
+            src = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            assert all((sel >> 4 * i) & 0x8 == 0 for i in range(4)), "sign-replicate mode not emulated"
+            regs[dst] = sum(src[(sel >> 4 * i) & 0x7] << 8 * i for i in range(4))
+        elif op == "fma.rn.bf16x2":                 # per 16-bit half, a * b + c rounded to bf16
+            a, b, c = (val(x) for x in args)
+            regs[dst] = sum(_bf16_bits(_bf16_value(a >> 16 * h) * _bf16_value(b >> 16 * h) + _bf16_value(c >> 16 * h))
+                            << 16 * h for h in range(2))
+        else:
+            raise AssertionError(f"instruction {op} is not emulated")
+    return regs["$0"], regs["$1"]
+
+
+def test_s8_to_bf16_ptx_is_exact_for_every_byte():
+    from engine.kernels.attention import S8_TO_BF16_PTX
+    ptx = S8_TO_BF16_PTX.value
+    for pos in range(4):
+        for v in range(-128, 128):
+            others = [0x81, 0x7F, 0x00, 0xFF]                  # -127, 127, 0, -1 around it
+            byts = [others[i] if i != pos else v & 0xFF for i in range(4)]
+            word = sum(b << 8 * i for i, b in enumerate(byts))
+            lo, hi = _run_ptx(ptx, word)
+            got = [_bf16_value(lo), _bf16_value(lo >> 16), _bf16_value(hi), _bf16_value(hi >> 16)]
+            want = [float(b - 256 if b > 127 else b) for b in byts]
+            assert got == want, (pos, v, got, want)
+
+
+def _decode_inputs(q_dtype, kv_dtype, query_len=1, seq_len=500):
+    from engine.forward_context import build_forward_context
+    from engine.kernels.testing import random_kv
+    gen = torch.Generator().manual_seed(3)
+    kv = random_kv(40, 16, 8, 128, kv_dtype, "cpu", gen)
+    _, ctx = build_forward_context([query_len], [seq_len], [list(range(32))], 16, torch.device("cpu"))
+    q = torch.randn(query_len, 32, 128, generator=gen).to(q_dtype)
+    return q, kv, ctx
+
+
+def test_plan_converts_int8_in_registers_for_decode_and_verify_only():
+    from engine.kernels import attention as A
+    compiled = type(A._attn_kernel).__name__ != "InterpretedFunction"
+    for query_len in (1, 4):
+        q, kv, ctx = _decode_inputs(BF16, I8, query_len)
+        cfg = A.plan(q, kv, ctx)
+        assert cfg.int8_upcast and cfg.block_m == 16, cfg
+        assert {k: getattr(cfg, k) for k in A.DECODE_INT8 if k != "num_warps"} == \
+            {k: v for k, v in A.DECODE_INT8.items() if k != "num_warps"}
+        assert A.upcast_int8(cfg, kv, q) == compiled               # the interpreter takes the float32 route
+    # bf16 pages: the decode defaults of before, unchanged
+    q, kv, ctx = _decode_inputs(BF16, BF16)
+    cfg = A.plan(q, kv, ctx)
+    assert not cfg.int8_upcast and {k: getattr(cfg, k) for k in A.DECODE} == A.DECODE, cfg
+    # fp16 q over int8 pages: the PTX makes bf16, so the old route and the old defaults
+    q, kv, ctx = _decode_inputs(torch.float16, I8)
+    cfg = A.plan(q, kv, ctx)
+    assert not A.upcast_int8(cfg, kv, q) and cfg.num_stages == A.DECODE["num_stages"], cfg
+    # prefill: unchanged
+    q, kv, ctx = _decode_inputs(BF16, I8, query_len=200)
+    cfg = A.plan(q, kv, ctx)
+    assert not cfg.int8_upcast and cfg.block_m == A.PREFILL["block_m"], cfg
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")
+@pytest.mark.parametrize("query_len", [1, 4])
+def test_int8_upcast_matches_the_float32_route(query_len):
+    from engine.kernels import attention as A
+    from engine.kernels import testing
+    q, kv, ctx = testing.attention_case([query_len] * 4, [query_len, 100, 2000, 33000], 32, 8, 128, 16, I8, BF16,
+                                        "cuda", 61 + query_len)
+    plan = A.plan(q, kv, ctx)
+    assert plan.int8_upcast and A.upcast_int8(plan, kv, q)
+    scale = 128 ** -0.5
+    old = A.paged_attention(q, kv, ctx, scale, config=dataclasses.replace(plan, **A.DECODE, int8_upcast=False))
+    shapes = [dataclasses.replace(plan, block_n=bn, num_stages=s, num_warps=w)
+              for bn in (64, 128) for s in (1, 2) for w in (4, 8)]
+    for cfg in [plan, *shapes]:
+        r = testing.check_attention(q, kv, ctx, scale, config=cfg)
+        assert r["unwritten"] == 0 and r["rel_err"] < 1e-2, (cfg, r)
+        new = A.paged_attention(q, kv, ctx, scale, config=cfg)
+        # the same products of the same bf16 values; only the order of fp32 sums may differ
+        assert testing.rel_err(new, old) < 2e-3, cfg
