@@ -1,0 +1,398 @@
+"""Sweep the launch shapes of the paged-attention kernel for decode and verify, bf16 and int8 pages.
+
+    PYTHONUNBUFFERED=1 python tools/tune_decode_attention.py [--contexts 8192,32768] [--out FILE.json]
+
+On one CUDA device, qwen3-8b shapes (32 q heads, 8 KV heads, head_dim 128, pages of 16): batch 1
+and 8, query_len 1 (decode) and 4 (verify of 3 drafts), the given contexts. The pages hold random
+K/V written through the project's own write path (`write_kv`; int8 pages quantized by it, with
+per-token-per-head scales), the same values for both dtypes; block tables are shuffled.
+
+Every timing is CUDA-graph captured: CALLS launches in one graph, replayed REPLAYS times, median
+per launch (tools/gpu_kernels_check.bench_graph), so launch overhead does not count. The launches
+of a graph rotate over several copies of the KV pages (as the layers of a step do), enough that
+the pages cannot stay in L2.
+
+Phases, each bounded by --budget-s (what is cut is listed at the end):
+  1. per case: the default plan (`plan`), for int8 also the plan of before the in-register int8
+     conversion (DECODE, int8_upcast off: "old default"), the output of each against the float32
+     torch twin;
+  2. the grid: block_n x num_warps x num_stages (int8: with int8_upcast, plus a few shapes without
+     it), block_m, num_splits and min_tiles from the plan. A shape that fails (compile error, out
+     of shared memory) is recorded and skipped; every output is checked against the default's
+     (max abs) and against the twin (relative error); a wrong one never counts as best;
+  3. num_splits x2 and /2 around the three fastest shapes of each case.
+Prints the copy bandwidth, one line per timing, then the summary table (last). --out writes all of
+it as JSON (after each phase, so a crash keeps what was measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.forward_context import build_forward_context
+from engine.kernels import attention as A
+from engine.kernels.testing import rel_err
+from engine.layers.attention import LayerKV, paged_attention_reference
+from tools import gpu_kernels_check as G
+
+DEV = torch.device("cuda")
+H, KVH, D = G.H, G.KVH, G.D                 # qwen3-8b
+PAGE = 16
+Q_STD = 4.0                                 # q ~ N(0, 4^2): peaked softmax, so wrong key ranges show
+WRITE_CHUNK = 65536                         # tokens per write_kv call while filling the pages
+MAX_LAYERS = 16
+TOL = 1e-2                                  # relative error against the twin, as the GPU tests
+CALLS, REPLAYS = 20, 20
+
+
+class Fatal(RuntimeError):
+    """The CUDA context is broken (e.g. an illegal address): nothing after this can be trusted."""
+
+
+@dataclasses.dataclass
+class Case:
+    dtype: str
+    batch: int
+    q_len: int
+    ctx_len: int
+    kvs: list
+    ctx: object
+    q: torch.Tensor
+    out: torch.Tensor
+    scale: float
+    nbytes: int
+    plan: A.AttnConfig
+    ref: torch.Tensor | None = None
+    default_out: torch.Tensor | None = None
+    rows: list = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.dtype} b{self.batch} q{self.q_len} ctx{self.ctx_len}"
+
+    @property
+    def key(self) -> tuple:
+        return self.batch, self.q_len, self.ctx_len
+
+
+def label(cfg: A.AttnConfig) -> str:
+    return (f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} sp{cfg.num_splits} "
+            f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}")
+
+
+# -- pages -------------------------------------------------------------------------------------------
+
+def empty_kv(blocks: int, dtype: torch.dtype) -> LayerKV:
+    shape = (blocks, PAGE, KVH, D)
+    if dtype == torch.int8:
+        return LayerKV(torch.zeros(shape, dtype=dtype, device=DEV), torch.zeros(shape, dtype=dtype, device=DEV),
+                       torch.zeros(shape[:3], dtype=torch.float32, device=DEV),
+                       torch.zeros(shape[:3], dtype=torch.float32, device=DEV))
+    return LayerKV(torch.zeros(shape, dtype=dtype, device=DEV), torch.zeros(shape, dtype=dtype, device=DEV))
+
+
+def build_pages(batch: int, ctx_len: int, seed: int, l2_bytes: int) -> tuple[dict, list[list[int]]]:
+    """{"bf16": [LayerKV...], "int8": [LayerKV...]} holding the same random K/V (the int8 pages
+    quantized by write_kv), each dtype as many copies as keep the pages out of L2, and the tables."""
+    gen = torch.Generator().manual_seed(seed)
+    need = -(-ctx_len // PAGE)
+    blocks = batch * need + 1
+    perm = torch.randperm(blocks, generator=gen).tolist()
+    tables = [perm[i * need:(i + 1) * need] for i in range(batch)]
+    # a prefill-shaped context over every position: its slot_mapping is where each token lives
+    _, full = build_forward_context([ctx_len] * batch, [ctx_len] * batch, tables, PAGE, DEV)
+    pools = {"bf16": empty_kv(blocks, torch.bfloat16), "int8": empty_kv(blocks, torch.int8)}
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    total = batch * ctx_len
+    for at in range(0, total, WRITE_CHUNK):
+        n = min(WRITE_CHUNK, total - at)
+        kv_new = torch.randn(2, n, KVH, D, generator=g, device=DEV).to(torch.bfloat16)
+        for kv in pools.values():
+            A.write_kv(kv, kv_new[0], kv_new[1], full.slot_mapping[at:at + n])
+    out = {}
+    for name, kv in pools.items():
+        per_layer = A.attention_bytes(kv, [ctx_len] * batch, [0] * batch, H, 2)
+        layers = max(2, min(MAX_LAYERS, math.ceil(3 * l2_bytes / per_layer)))
+        out[name] = [kv] + [LayerKV(*(t.clone() if t is not None else None
+                                      for t in (kv.k, kv.v, kv.k_scale, kv.v_scale))) for _ in range(layers - 1)]
+    torch.cuda.synchronize()
+    return out, tables
+
+
+def make_case(dtype: str, kvs: list, tables, batch: int, q_len: int, ctx_len: int, seed: int) -> Case:
+    _, ctx = build_forward_context([q_len] * batch, [ctx_len] * batch, tables, PAGE, DEV)
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    T = batch * q_len
+    q = (torch.randn(T, H, D, generator=g, device=DEV) * Q_STD).to(torch.bfloat16)
+    nbytes = A.attention_bytes(kvs[0], [ctx_len] * batch, [q_len] * batch, H, 2)
+    return Case(dtype, batch, q_len, ctx_len, kvs, ctx, q, torch.empty_like(q), D ** -0.5, nbytes,
+                A.plan(q, kvs[0], ctx))
+
+
+# -- one measurement ---------------------------------------------------------------------------------
+
+def cuda_ok() -> bool:
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:                            # torch.AcceleratorError is one
+        return False
+    return True
+
+
+def measure(case: Case, cfg: A.AttnConfig, tag: str, log: bool = True) -> dict:
+    """Time `cfg` on `case` (graph of CALLS launches, median of REPLAYS) and check its output."""
+    row = {"tag": tag, "config": dataclasses.asdict(cfg), "label": label(cfg)}
+    try:
+        out = A.paged_attention(case.q, case.kvs[0], case.ctx, case.scale, config=cfg)    # compiles
+        torch.cuda.synchronize()
+        if case.default_out is not None:
+            row["max_abs_vs_default"] = float((out.float() - case.default_out.float()).abs().max())
+        if case.ref is not None:
+            row["rel_err"] = rel_err(out, case.ref)
+        row["nan"] = bool(torch.isnan(out).any())
+
+        def launches():
+            for i in range(CALLS):
+                A.paged_attention(case.q, case.kvs[i % len(case.kvs)], case.ctx, case.scale, out=case.out,
+                                  config=cfg)
+        t = G.bench_graph(launches, calls=CALLS, replays=REPLAYS)
+        row.update(ms=t["ms"], p20=t["p20"], p80=t["p80"], GBps=case.nbytes / t["ms"] / 1e6)
+        row["ok"] = (not row["nan"]) and row.get("rel_err", 0.0) <= TOL
+    except Exception as exc:
+        row.update(ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}")
+        if not cuda_ok():
+            traceback.print_exc()
+            case.rows.append(row)
+            raise Fatal(f"CUDA context broken at {case.name} {label(cfg)}: {row['error']}") from exc
+    finally:
+        if cuda_ok():                               # a broken context is reported above
+            torch.cuda.empty_cache()
+    case.rows.append(row)
+    if log:
+        if "ms" in row:
+            err = f"rel {row['rel_err']:.1e}" if "rel_err" in row else ""
+            dev = f" dmax {row['max_abs_vs_default']:.1e}" if "max_abs_vs_default" in row else ""
+            bad = "" if row["ok"] else "  WRONG"
+            print(f"  {case.name:24s} {tag:8s} {row['label']:38s} {row['ms'] * 1e3:9.2f} us "
+                  f"{row['GBps']:7.0f} GB/s  {err}{dev}{bad}", flush=True)
+        else:
+            print(f"  {case.name:24s} {tag:8s} {row['label']:38s} skipped: {row['error'][:90]}", flush=True)
+    return row
+
+
+def best(case: Case) -> dict | None:
+    rows = [r for r in case.rows if r.get("ok") and "ms" in r]
+    return min(rows, key=lambda r: r["ms"]) if rows else None
+
+
+def old_default(plan: A.AttnConfig) -> A.AttnConfig:
+    """What plan() returned for a decode shape before DECODE_INT8: DECODE, no in-register conversion."""
+    return dataclasses.replace(plan, **{k: v for k, v in A.DECODE.items() if k != "num_warps"}, int8_upcast=False)
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, read + write (as gpu_kernels_check)."""
+    src = torch.randn(2**29, dtype=torch.bfloat16, device=DEV)
+    dst = torch.empty_like(src)
+    ms = G.bench(lambda: dst.copy_(src), flush=False)["ms"]
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)     # the buffers go with this frame
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="8192,32768", help="context lengths (keys per sequence)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--qlens", default="1,4", help="new tokens per sequence: 1 decode, k+1 verify")
+    ap.add_argument("--dtypes", default="bf16,int8")
+    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--stages", default="1,2,3,4")
+    ap.add_argument("--no-grid", action="store_true", help="phase 1 only (defaults and old default)")
+    ap.add_argument("--budget-s", type=float, default=140.0,
+                    help="wall-clock budget: the grid stops at 75%%, the split sweep at 100%%")
+    ap.add_argument("--out", type=Path, default=None, help="write every result as JSON here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+
+    def elapsed() -> float:
+        return time.perf_counter() - started
+
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "decode_default": A.DECODE, "decode_int8_default": A.DECODE_INT8, "calls": CALLS, "replays": REPLAYS}
+    info["commit"] = os.environ.get("NINFER_COMMIT")        # set by whoever copied the tree (its .git may be stale)
+    if not info["commit"]:
+        try:
+            info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                            text=True, check=False).stdout.strip()
+        except OSError:
+            pass
+    print(info, flush=True)
+    l2_bytes = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+    copy_Bps = copy_bandwidth()
+    print(f"copy bandwidth {copy_Bps / 1e12:.3f} TB/s (read + write), L2 {l2_bytes / 2**20:.0f} MiB", flush=True)
+
+    dtypes = [d for d in args.dtypes.split(",") if d in ("bf16", "int8")]
+    cases: list[Case] = []
+    for seed, (ctx_len, batch) in enumerate(itertools.product(ints(args.contexts), ints(args.batches)), 1):
+        pools, tables = build_pages(batch, ctx_len, seed, l2_bytes)
+        for q_len, dtype in itertools.product(ints(args.qlens), dtypes):
+            cases.append(make_case(dtype, pools[dtype], tables, batch, q_len, ctx_len, seed * 100 + q_len))
+    print(f"{len(cases)} cases, pages built in {elapsed():.0f} s "
+          f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the device)", flush=True)
+
+    state = {"info": info, "copy_Bps": copy_Bps, "cut": [], "fatal": None}
+
+    def save() -> None:
+        if args.out is None:
+            return
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        state["seconds"] = elapsed()
+        state["cases"] = [{"name": c.name, "dtype": c.dtype, "batch": c.batch, "q_len": c.q_len,
+                           "ctx_len": c.ctx_len, "bytes": c.nbytes, "floor_ms": c.nbytes / copy_Bps * 1e3,
+                           "layers": len(c.kvs), "plan": dataclasses.asdict(c.plan), "rows": c.rows}
+                          for c in cases]
+        args.out.write_text(json.dumps(state, indent=1))
+
+    try:
+        run_phases(args, cases, elapsed, state, save)
+    except Fatal as exc:
+        state["fatal"] = str(exc)
+        print(f"FATAL: {exc}", flush=True)
+    finally:
+        save()
+    summary(cases, copy_Bps, state, elapsed())
+    if args.out is not None:
+        print(f"results: {args.out}")
+    return 1 if state["fatal"] else 0
+
+
+def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
+    # 1. defaults (and the old int8 default), checked against the float32 twin
+    print("phase 1: default plans", flush=True)
+    for case in cases:
+        case.ref = paged_attention_reference(case.q.float(), case.kvs[0], case.ctx, case.scale)
+        row = measure(case, case.plan, "default")
+        if "ms" in row:
+            case.default_out = A.paged_attention(case.q, case.kvs[0], case.ctx, case.scale, config=case.plan).clone()
+        if case.dtype == "int8":
+            measure(case, old_default(case.plan), "old-def")
+    print(f"phase 1 done at {elapsed():.0f} s", flush=True)
+    save()
+    if args.no_grid:
+        return
+
+    # 2. the grid, most promising shapes first so a cut loses the least
+    shapes = []
+    for bn, w, s in itertools.product(ints(args.block_n), ints(args.warps), ints(args.stages)):
+        shapes.append((bn, w, s, True))
+        if bn in (64, 128) and w == 4 and s in (2, 3):
+            shapes.append((bn, w, s, False))           # the int8 path without the conversion, for comparison
+    shapes.sort(key=lambda x: (x[1] != 4, x[0] == 32, x[2] > 2, x[2], -x[0], not x[3]))
+    print(f"phase 2: {len(shapes)} shapes over {len(cases)} cases", flush=True)
+    for i, (bn, w, s, up) in enumerate(shapes):
+        if elapsed() > 0.75 * args.budget_s:
+            state["cut"].append(f"grid: {len(shapes) - i} of {len(shapes)} shapes not run (budget)")
+            break
+        for case in cases:
+            if not up and case.dtype != "int8":
+                continue                               # bf16 pages: int8_upcast means nothing
+            cfg = dataclasses.replace(case.plan, block_n=bn, num_warps=w, num_stages=s,
+                                      int8_upcast=up and case.dtype == "int8")
+            if any(r["config"] == dataclasses.asdict(cfg) for r in case.rows):
+                continue
+            measure(case, cfg, "grid")
+        print(f"  [{i + 1}/{len(shapes)} shapes, {elapsed():.0f} s]", flush=True)
+
+    save()
+
+    # 3. splits around the three fastest shapes of each case
+    print("phase 3: num_splits x2, /2 around the three fastest shapes", flush=True)
+    for case in cases:
+        if elapsed() > args.budget_s:
+            state["cut"].append(f"splits: {case.name} and later cases not run (budget)")
+            break
+        top = sorted((r for r in case.rows if r.get("ok") and "ms" in r), key=lambda r: r["ms"])[:3]
+        for r in top:
+            cfg = A.AttnConfig(**r["config"])
+            for splits in (cfg.num_splits * 2, cfg.num_splits // 2):
+                if 1 <= splits <= 256 and splits != cfg.num_splits:
+                    alt = dataclasses.replace(cfg, num_splits=splits)
+                    if not any(x["config"] == dataclasses.asdict(alt) for x in case.rows):
+                        measure(case, alt, "splits")
+
+
+def _us(r: dict | None) -> str:
+    return f"{r['ms'] * 1e3:8.2f}" if r and "ms" in r else "       -"
+
+
+def _gbps(r: dict | None) -> str:
+    return f"{r['GBps']:5.0f}" if r and "ms" in r else "    -"
+
+
+def _ratio(slow: dict | None, fast: dict | None) -> str:
+    return f"{slow['ms'] / fast['ms']:.2f}x" if slow and fast and "ms" in slow and "ms" in fast else "-"
+
+
+def summary(cases: list[Case], copy_Bps: float, state: dict, seconds: float) -> None:
+    us, gb = _us, _gbps
+    print(f"\n=== decode attention sweep: {state['info']['device']}, torch {state['info']['torch']}, "
+          f"triton {state['info']['triton']}, {seconds:.0f} s; copy {copy_Bps / 1e12:.2f} TB/s ===")
+    print("times are us per call (CUDA graph, pages rotated out of L2); floor = bytes / copy bandwidth; "
+          "GB/s = bytes / time; 'up' = int8_upcast")
+    print(f"{'case':24s} {'MB':>6s} {'floor':>7s} | {'default':>8s} {'GB/s':>5s} {'old-def':>8s} | "
+          f"{'best':>8s} {'GB/s':>5s} {'of fl':>5s}  best config")
+    by_key = {}
+    for c in cases:
+        d = next((r for r in c.rows if r["tag"] == "default"), None)
+        o = next((r for r in c.rows if r["tag"] == "old-def"), None)
+        b = best(c)
+        by_key.setdefault(c.key, {})[c.dtype] = (d, b)
+        floor_us = c.nbytes / copy_Bps * 1e6
+        bad = "" if d and d.get("ok") else "  (default FAILED or WRONG)"
+        print(f"{c.name:24s} {c.nbytes / 1e6:6.1f} {floor_us:7.2f} | {us(d)} {gb(d)} {us(o) if o else '       -'} | "
+              f"{us(b)} {gb(b)} {(floor_us / 1e3 / b['ms']) if b else 0:5.2f}  {b['label'] if b else '-'}{bad}")
+    pairs = [(k, v) for k, v in by_key.items() if "bf16" in v and "int8" in v]
+    if pairs:
+        print("int8 pages against bf16 pages (bf16 time / int8 time; goal >= 1.10 at 32k):")
+        for (batch, q_len, ctx_len), v in pairs:
+            (bd, bb), (idf, ib) = v["bf16"], v["int8"]
+            print(f"  b{batch} q{q_len} ctx{ctx_len}: defaults {_ratio(bd, idf)}, best of each {_ratio(bb, ib)}")
+    wrong = [(c.name, r["label"]) for c in cases for r in c.rows if "ms" in r and not r.get("ok")]
+    failed = sum(1 for c in cases for r in c.rows if "error" in r)
+    print(f"{sum(len(c.rows) for c in cases)} timings, {failed} shapes skipped (compile/resources), "
+          f"{len(wrong)} wrong outputs{': ' + str(wrong[:6]) if wrong else ''}")
+    for line in state["cut"]:
+        print(f"cut: {line}")
+    if state["fatal"]:
+        print(f"FATAL: {state['fatal']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
