@@ -98,3 +98,29 @@ def test_tp2_equals_tp1_fp32(fp32_k0, tp_comm):
 def test_tp2_eager_equals_tp1_fp32(fp32_k0):
     # the rank threads' eager path (the graphed one replays from the engine thread)
     assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2, enforce_eager=True) == fp32_k0
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=[
+    pytest.mark.multi_gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])])
+def test_automatic_kv_capacity_fits_the_devices(tp):
+    """kv_capacity=None sizes the KV pool from free memory; with MTP KV, graphs of every bucket, a
+    full prefill chunk and a full decode batch in flight, no device may go past memory_utilization."""
+    import random
+    utilization, slack = 0.9, 1 << 30              # slack: rank 1's CUDA context, the allocator's rounding
+    llm = LLM("preset:qwen3-8b", device="cuda", tensor_parallel_size=tp, draft_tokens=3, prefill_chunk=4096,
+              max_batch=16, memory_utilization=utilization, max_model_len=16384)
+    llm.engine.warmup()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(8192)]] + \
+              [[rng.randrange(1000, 100000) for _ in range(64)] for _ in range(15)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs)
+    assert llm.engine.kv.capacity_tokens > 100_000       # the pool took the room there was
+    for device in llm.engine.executor.devices:
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        print(f"TP={tp} {device}: {used / 2**30:.1f} of {total / 2**30:.1f} GiB used, "
+              f"KV {llm.engine.kv.capacity_tokens} tokens")
+        assert used <= utilization * total + slack, f"{device}: {used / 2**30:.1f} GiB used"
+    llm.engine.executor.shutdown()

@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, gpu-tests, tp-tests, comm-tests, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +22,10 @@ step() {
     gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gpu.py -m "gpu and not multi_gpu" -s -rA 2>&1 | grep -E "agreement|PASS|FAIL|Error|error|passed|failed" | tail -n 80 ;;
     tp-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py -m multi_gpu -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     comm-tests) python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
+    kernel-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_int8_upcast.py tests/test_kernels_gpu.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 70 ;;
+    tune-attn) python3 tools/tune_decode_attention.py --budget-s 100 --out "$OUT/tune_decode.json" ;;
+    bench-kv) python3 -m tools.bench --sections roofline,kv --out "$OUT/bench-kv" ;;
+    engine-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py -s -rA -k "int8 or capacity" 2>&1 | grep -E "agreement|used|PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     kernels) python3 tools/gpu_kernels_check.py --skip-tests --no-sweep ;;
     profile) for args in "--context 512" "--context 32768" "--context 512 --draft-tokens 3 --draft-vocab 32768"; do
                python3 tools/profile_decode.py $args 2>&1 | grep -v "^20..-..-.. " ; done ;;
