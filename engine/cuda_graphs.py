@@ -89,6 +89,11 @@ class GraphedRounds:
         start = time.perf_counter()
         self.classes = [c for c in CONTEXT_CLASSES if c < runner.max_seq_len] + [runner.max_seq_len]
         pool = torch.cuda.graph_pool_handle()
+        # One side stream for every warm-up and capture: the caching allocator keeps freed blocks per
+        # stream (and cuBLAS a workspace per stream), so a fresh stream per capture left the warm-up
+        # memory of all 45 captures cached apart -- 11.7 GiB beyond the memory plan at qwen3-8b,
+        # batch 16, k = 3 on an H200 (tests/test_engine_gpu.py, automatic capacity).
+        side = torch.cuda.Stream()
         for batch in reversed(self.buckets):
             cap = self._by_batch[batch] = _Captured(batch, runner)
             cap.pack(runner, [])                                 # all rows padding
@@ -96,7 +101,6 @@ class GraphedRounds:
             for cls, variant in ((c, v) for c in self.classes for v in VARIANTS):
                 args = (runner.model, runner.hidden_pool, cap.inputs, runner.k, runner.block_size,
                         cls, *variant, runner.draft_vocab)
-                side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):

@@ -109,18 +109,20 @@ def test_automatic_kv_capacity_fits_the_devices(tp):
     utilization, slack = 0.9, 1 << 30              # slack: rank 1's CUDA context, the allocator's rounding
     llm = LLM("preset:qwen3-8b", device="cuda", tensor_parallel_size=tp, draft_tokens=3, prefill_chunk=4096,
               max_batch=16, memory_utilization=utilization, max_model_len=16384)
-    llm.engine.warmup()
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(8192)]] + \
-              [[rng.randrange(1000, 100000) for _ in range(64)] for _ in range(15)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    assert all(len(o.token_ids) == 16 for o in outs)
-    assert llm.engine.kv.capacity_tokens > 100_000       # the pool took the room there was
-    for device in llm.engine.executor.devices:
-        torch.cuda.synchronize(device)
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        print(f"TP={tp} {device}: {used / 2**30:.1f} of {total / 2**30:.1f} GiB used, "
-              f"KV {llm.engine.kv.capacity_tokens} tokens")
-        assert used <= utilization * total + slack, f"{device}: {used / 2**30:.1f} GiB used"
-    llm.engine.executor.shutdown()
+    try:
+        llm.engine.warmup()
+        rng = random.Random(0)
+        prompts = [[rng.randrange(1000, 100000) for _ in range(8192)]] + \
+                  [[rng.randrange(1000, 100000) for _ in range(64)] for _ in range(15)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        assert all(len(o.token_ids) == 16 for o in outs)
+        assert llm.engine.kv.capacity_tokens > 100_000       # the pool took the room there was
+        for device in llm.engine.executor.devices:
+            torch.cuda.synchronize(device)
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            print(f"TP={tp} {device}: {used / 2**30:.1f} of {total / 2**30:.1f} GiB used, "
+                  f"KV {llm.engine.kv.capacity_tokens} tokens; plan: {llm.engine.memory.describe()}")
+            assert used <= utilization * total + slack, f"{device}: {used / 2**30:.1f} GiB used"
+    finally:
+        llm.engine.executor.shutdown()
