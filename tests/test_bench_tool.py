@@ -176,7 +176,9 @@ def test_concurrency_kv_and_tp_ratios(cpu_run):
         assert close(p["aggregate_tok_s"], sum(p["per_stream_tok_s"]))
     assert close(r["headline"]["agg_decode_2_streams"], conc[2]["aggregate_tok_s"] / conc[1]["aggregate_tok_s"])
     inter = r["sections"]["concurrency"]["prefill_interference"]
-    assert {"max_gap_ms", "chunk_ms", "ok"} <= set(inter)
+    assert {"max_gap_ms", "chunk_ms", "ok", "chunks", "chunk_gaps"} <= set(inter)
+    assert inter["ok"] == (inter["stream_outlived_prefill"] and inter["chunk_gaps"] >= inter["chunks"])
+    assert inter["chunks"] == -(-inter["long_prompt"] // inter["chunk"])
     kv = r["sections"]["kv"]
     assert kv["int8_over_bf16"] == r["headline"]["int8_over_bf16_kv_decode_32k"]
     tp = r["sections"]["tp"]

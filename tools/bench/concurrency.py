@@ -8,9 +8,11 @@ the sum over streams (the seed's 合计), with a client wall-clock cross-check
 (sum of decoded tokens / time from resume to the last stream's end).
 
 Prefill interference: one stream decodes; once it has produced a few tokens a long prompt is
-submitted. The longest gap between the stream's outputs while that prompt prefills should be
-about one chunk's time (one step = one chunk + the decode round that shares it), never the whole
-prompt's.
+submitted. The stream must get a token between any two chunks of that prompt (one step = one
+chunk + the decode round that shares it): `ok` when the gaps longer than twice the stream's usual
+gap are at least as many as the chunks, i.e. no gap held two chunks. Chunks late in a long prompt
+attend to more context, so their gaps grow: the longest gap is reported beside the mean chunk but
+is not the criterion (the first H200 run's gaps went 107, 138, ... 301 ms over 8 chunks: one each).
 """
 
 from __future__ import annotations
@@ -56,9 +58,9 @@ def run(bench, sec: dict) -> None:
     if bench.budget.allows(est):
         sec["prefill_interference"] = interference(bench, session, ctx, plan.interference_prompt, s_tok)
         i = sec["prefill_interference"]
-        say("concurrency", f"prefill of P={i['long_prompt']} (chunk {i['chunk']}) mid-decode: longest gap "
-                           f"{i['max_gap_ms']:.1f} ms vs one chunk {i['chunk_ms']:.1f} ms + one step "
-                           f"{i['baseline_gap_ms']:.1f} ms -> {'ok' if i['ok'] else 'TOO LONG'}")
+        say("concurrency", f"prefill of P={i['long_prompt']} ({i['chunks']} chunks of {i['chunk']}) mid-decode: "
+                           f"the stream waited {i['chunk_gaps']} times (longest {i['max_gap_ms']:.1f} ms, mean "
+                           f"chunk {i['chunk_ms']:.1f} ms) -> {'ok: one chunk per wait' if i['ok'] else 'STALLED'}")
     else:
         sec["prefill_interference"] = {"skipped": bench.budget.skip_reason(est)}
     sec["status"] = "ok"
@@ -113,9 +115,11 @@ def interference(bench, session, ctx: int, long_prompt: int, s_tok: float) -> di
     baseline_ms = statistics.median(gaps_before) * 1e3 if gaps_before else 0.0
     max_gap_ms = max((b - a for a, b in during), default=0.0) * 1e3
     covered = bool(times) and times[-1] >= t_done
-    return {"long_prompt": long_prompt, "chunk": chunk, "long_prefill_s": long["prefill_s"],
+    chunks = math.ceil(long["computed_prefill_tokens"] / chunk)
+    chunk_gaps = sum(1 for a, b in during if (b - a) * 1e3 > 2 * baseline_ms)
+    return {"long_prompt": long_prompt, "chunk": chunk, "chunks": chunks, "long_prefill_s": long["prefill_s"],
             "long_prefill_tok_s": long["prefill_tok_s"], "chunk_ms": chunk_ms, "baseline_gap_ms": baseline_ms,
             "max_gap_ms": max_gap_ms, "gap_over_chunk": max_gap_ms / chunk_ms if chunk_ms else None,
-            "ok": covered and max_gap_ms <= 1.25 * (chunk_ms + baseline_ms),
+            "chunk_gaps": chunk_gaps, "ok": covered and chunk_gaps >= chunks,
             "stream_outlived_prefill": covered, "stream": result.get("stats"), "stream_error": result.get("error"),
             "gaps_during_ms": [round((b - a) * 1e3, 2) for a, b in during][:400]}
