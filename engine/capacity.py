@@ -21,7 +21,8 @@ CPU_AUTO_KV_TOKENS = 32768
 # sorting buffers of the largest bucket), cuBLAS workspaces, the caching allocator's rounding and
 # the CUDA context; with TP also NCCL's buffers, the P2P staging areas and each rank thread's
 # handles. Measured on an H200, qwen3-8b, k = 3, batch 16, an 8k prompt (tests/test_engine_gpu.py,
-# automatic capacity): 1.8 GiB past a 1 GiB reserve at TP1, 3.6 GiB at TP2, hence these.
+# automatic capacity): 1.8 GiB past a 1 GiB reserve at TP1, 3.6 GiB at TP2 (0.6 GiB of which was
+# the plan counting a rank's vocabulary rows at 1/tp of their size, since fixed), hence these.
 CUDA_RESERVE_BYTES = 3 * GiB
 CUDA_TP_RESERVE_BYTES = 2 * GiB
 
@@ -60,6 +61,18 @@ def available_memory(cfg: EngineConfig) -> int:
     return int(total * cfg.memory_utilization) - used_by_others
 
 
+def shard_bytes(model: ModelConfig, tp: int, with_mtp: bool, max_position: int, elt: int) -> int:
+    """Bytes of one rank's shard: its parameters in the model dtype and its buffers (the RoPE table),
+    counted on a shard built on the meta device -- exact for whatever each layer splits or keeps
+    whole (norms, the MTP fc, KV heads fewer than ranks, padded vocabulary rows)."""
+    from engine.models.qwen3 import Qwen3ForCausalLM
+    from engine.parallel import TPGroup
+    with torch.device("meta"):
+        shard = Qwen3ForCausalLM(model, TPGroup(rank=0, size=tp), with_mtp=with_mtp, max_position=max_position)
+    return (sum(p.numel() for p in shard.parameters()) * elt
+            + sum(b.numel() * b.element_size() for b in shard.buffers()))
+
+
 def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_model_len: int,
                 available: int | None = None) -> MemoryPlan:
     tp = cfg.tensor_parallel_size
@@ -70,10 +83,7 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     per_token = kv_layers * 2 * kv_heads * model.head_dim * kv_elt
     if cfg.kv_dtype_name == "int8":
         per_token += kv_layers * 2 * kv_heads * 4                   # float32 scale per token and head
-    # every weight is split over ranks; the vocabulary rows round up to a multiple of tp
-    vocab = model.vocab_size * model.hidden_size * (1 if model.tie_word_embeddings else 2)
-    padded_vocab = -(-model.vocab_size // tp) * model.hidden_size * (1 if model.tie_word_embeddings else 2)
-    weights = ((model.num_params(include_mtp=draft_tokens > 0) - vocab) // tp + padded_vocab // tp) * elt
+    weights = shard_bytes(model, tp, draft_tokens > 0, max_model_len + draft_tokens + 1, elt)
     h, f = model.hidden_size, model.intermediate_size // tp
     qkv = (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim // tp
     chunk = min(cfg.prefill_chunk, max_model_len)

@@ -14,6 +14,7 @@ rank 0's tokens -- one host read per round, no thread hand-offs on the path the 
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -30,9 +31,18 @@ from engine.scheduler import ModelOutput, SchedulerOutput
 log = structlog.get_logger(__name__)
 
 
-# With tp_comm p2p/auto, messages up to this size take the one-shot peer-to-peer all-reduce
-# (prefill chunks and gathered logits included): a decode graph then holds no NCCL call.
-P2P_MAX_BYTES = 64 << 20
+# With tp_comm p2p/auto, messages up to the P2P limit take the one-shot peer-to-peer all-reduce:
+# at least this much (a 4096-token prefill chunk of hidden 8192 in bf16), more when the gathered
+# verify logits of the largest decode bucket are larger, up to P2P_MAX_BYTES_CAP (each rank stages
+# twice the limit). Within the limit a decode graph holds no NCCL call.
+P2P_MIN_BYTES = 64 << 20
+P2P_MAX_BYTES_CAP = 256 << 20
+
+
+def p2p_limit(config: EngineConfig, model_config: ModelConfig, draft_tokens: int) -> int:
+    itemsize = 4 if config.torch_dtype_name == "float32" else 2
+    logits = config.max_batch * (draft_tokens + 1) * model_config.vocab_size * itemsize
+    return min(P2P_MAX_BYTES_CAP, max(P2P_MIN_BYTES, -(-logits // (1 << 20)) << 20))
 
 
 def rank_devices(config: EngineConfig) -> list[torch.device]:
@@ -48,25 +58,28 @@ def rank_devices(config: EngineConfig) -> list[torch.device]:
     return [torch.device("cuda", first + r) for r in range(tp)]
 
 
-def make_groups(config: EngineConfig, devices: list[torch.device]) -> list[TPGroup]:
+def make_groups(config: EngineConfig, devices: list[torch.device], p2p_max_bytes: int) -> list[TPGroup]:
     if len(devices) == 1:
         return [SINGLE_RANK]
     if devices[0].type == "cpu":
         return LocalCommunicator(len(devices)).groups()
     from engine.parallel_cuda import make_communicator
     kind = config.tp_comm
-    if kind == "nccl" and not config.enforce_eager:
-        log.warning("nccl_in_cuda_graphs", detail="a graph of 100 NCCL all-reduces never finished on 2 x H200 "
-                    "(bench/results/2026-11-30-h200-tp2); graphs of 8-10 did. Prefer tp_comm=auto or enforce_eager.")
-    options = {} if kind == "nccl" else {"max_bytes": P2P_MAX_BYTES}
-    return make_communicator(kind, [d.index for d in devices], **options).groups()
+    options = {} if kind == "nccl" else {"max_bytes": p2p_max_bytes}
+    comm = make_communicator(kind, [d.index for d in devices], **options)
+    if comm.kind == "nccl" and not config.enforce_eager:
+        log.warning("nccl_in_cuda_graphs", requested=kind,
+                    detail="a graph of 100 NCCL all-reduces never finished on 2 x H200 "
+                           "(bench/results/2026-11-30-h200-tp2); graphs of 8-10 did")
+    return comm.groups()
 
 
 class Executor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, num_blocks: int,
                  draft_tokens: int, max_model_len: int):
         self.devices = rank_devices(config)
-        groups = make_groups(config, self.devices)
+        groups = make_groups(config, self.devices, p2p_limit(config, model_config, draft_tokens))
+        self._comm = groups[0].comm                      # closed at shutdown (CUDA: buffers, NCCL)
         # built one after the other on this thread: construction touches process-wide defaults
         self.runners = [ModelRunner(config, model_config, weights, num_blocks, draft_tokens, max_model_len,
                                     tp=g, device=d) for g, d in zip(groups, self.devices)]
@@ -109,9 +122,9 @@ class Executor:
         cap.pack(driver, works)
         caps = [cap] + [runner.graphs.select(runner, works, all_greedy, any_filter)[0] for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):
-            with torch.cuda.device(runner.device):
+            with _on(runner.device):
                 mine.upload(cap.host)
-                if mine is not cap:
+                if mine is not cap and runner.device.type == "cuda":
                     self._uploads.append(torch.cuda.current_stream().record_event())
         # the launches back to back: a rank launched early waits in its first collective for the rest
         tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
@@ -123,7 +136,11 @@ class Executor:
             return [fn(self.runners[0])]
         for worker, runner in zip(self._workers, self.runners):
             worker.submit(lambda r=runner: fn(r))
-        return [worker.result() for worker in self._workers]
+        outcomes = [worker.outcome() for worker in self._workers]   # every rank's, so none is left queued
+        for ok, value in outcomes:
+            if not ok:
+                raise value
+        return [value for _, value in outcomes]
 
     def shutdown(self) -> None:
         """Stop the rank threads and drop the shards (weights, KV, graphs), returning device memory."""
@@ -136,8 +153,20 @@ class Executor:
         self.runners = []
         if on_cuda:
             import gc
-            gc.collect()
+            gc.collect()                                 # the graphs go before the buffers they use
+            close = getattr(self._comm, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception as e:  # noqa: BLE001 - shutting down: report, free the rest
+                    log.warning("communicator_close_failed", error=repr(e))
             torch.cuda.empty_cache()
+        self._comm = None
+
+
+def _on(device: torch.device):
+    """The device as current for CUDA work; nothing on the CPU (tests run the lockstep path there)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 class _RankThread:
@@ -153,11 +182,9 @@ class _RankThread:
     def submit(self, fn: Callable[[], Any]) -> None:
         self._calls.put(fn)
 
-    def result(self) -> Any:
-        ok, value = self._results.get()
-        if not ok:
-            raise value
-        return value
+    def outcome(self) -> tuple[bool, Any]:
+        """(True, result) or (False, the exception) of the oldest call not yet collected."""
+        return self._results.get()
 
     def stop(self) -> None:
         self._calls.put(None)

@@ -1,8 +1,9 @@
 """Tensor-parallel groups and their communicators.
 
 A model shard is built for one rank of a `TPGroup`; its row-parallel layers call
-`group.all_reduce` once per block (after attention and after the MLP), its vocabulary-parallel
-embedding once, and its lm_head `group.all_gather`. With one rank every call is a no-op.
+`group.all_reduce` once per block (after attention and after the MLP), and so do its
+vocabulary-parallel embedding and lm_head (each rank's rows, zeros elsewhere; see
+`engine.layers.embedding`). With one rank every call is a no-op.
 
 `LocalCommunicator` runs all ranks inside one process, each rank in its own thread (CPU tests and
 the reference for the GPU communicators): a collective is a barrier, a sum of the ranks' buffers,

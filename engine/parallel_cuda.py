@@ -1,15 +1,16 @@
 """Tensor-parallel communicators for one engine process that drives several GPUs itself.
 
 Each rank's shard runs in its own Python thread on its own device (rank r on `devices[r]`); a
-row-parallel layer calls `all_reduce(rank, x)` on its partial output, the vocabulary-parallel
-lm_head calls `all_gather(rank, x)`. Both work eagerly and inside a CUDA graph that the rank's
-thread captures; every call uses the current torch stream of x's device.
+row-parallel layer calls `all_reduce(rank, x)` on its partial output, and so do the
+vocabulary-parallel embedding and lm_head (zero-padded: `engine.layers.embedding`). `all_gather`
+is there for other callers. Both work eagerly and inside a CUDA graph that the rank's thread
+captures; every call uses the current torch stream of x's device.
 
 `NcclCommunicator` -- NCCL through CuPy, one communicator per rank from `ncclCommInitAll`.
 
 `P2PCommunicator` -- a one-shot all-reduce for the decode case (8-64 KB: one token, or a batch x
-(k+1) tokens, of hidden 4096-5120 in bf16) that reads the peers' data over NVLink; NCCL for
-larger messages and for all_gather. The one-shot idea (stage the input where every peer can read
+(k+1) tokens, of hidden 4096-5120 in bf16; and the zero-padded logits) that reads the peers' data
+over NVLink; NCCL above its size limit and for all_gather. The one-shot idea (stage the input where every peer can read
 it, publish an epoch in the peers' flag slots, each rank sums all inputs itself) is the one of
 vLLM's custom all-reduce and TensorRT-LLM's one-shot all-reduce; this kernel is written anew.
 

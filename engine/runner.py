@@ -93,8 +93,10 @@ class ModelRunner:
 
     def capture_graphs(self, buckets: list[int]) -> float:
         from engine.cuda_graphs import GraphedRounds
-        self.graphs = GraphedRounds(buckets, thread_local=self.tp.size > 1)
-        return self.graphs.capture(self)
+        graphs = GraphedRounds(buckets, thread_local=self.tp.size > 1)
+        seconds = graphs.capture(self)
+        self.graphs = graphs                             # only a complete set is ever replayed
+        return seconds
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, with_decode: bool = True) -> ModelOutput:

@@ -108,3 +108,104 @@ def test_tp2_shards_the_vocabulary(tp_pair):
     for runner in two.engine.executor.runners:
         assert runner.model.lm_head.weight.shape[0] == -(-full // 2)
         assert runner.model.model.embed_tokens.weight.shape[0] == -(-full // 2)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("draft_tokens", [0, 2])
+def test_memory_plan_counts_the_bytes_each_rank_holds(tp, draft_tokens):
+    """The plan's weight bytes are what every rank's loaded shard holds: parameters (norms and the
+    MTP fc whole on each rank, the vocabulary in ceil(V / tp) rows) and the RoPE table."""
+    llm = make_llm(None, tensor_parallel_size=tp, draft_tokens=draft_tokens, kv_capacity=256)
+    for runner in llm.engine.executor.runners:
+        model = runner.model
+        held = (sum(p.numel() * p.element_size() for p in model.parameters())
+                + sum(b.numel() * b.element_size() for b in model.buffers()))
+        assert held == llm.engine.memory.weights_bytes
+
+
+class _StandInRounds:
+    """What `Executor._replay_all` needs of `engine.cuda_graphs.GraphedRounds`, without CUDA: pinned
+    staging becomes numpy, `upload` copies, and `launch` runs the round eagerly on the rank's thread
+    (ranks meet in the local communicator, so each must run on its own thread, as graphs do on their
+    own GPU). Rank 0's tokens come back through `tolist`, the executor's one read."""
+
+    class Bucket:
+        def __init__(self, runner, batch):
+            from engine.decode_round import pack_round
+            self.runner, self.batch = runner, batch
+            self.host = pack_round([], batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch, {})
+
+        def pack(self, runner, works):
+            from engine.decode_round import pack_round
+            pack_round(works, self.batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch,
+                       runner._pool_row, out=self.host)
+
+        def upload(self, host=None):
+            self.device = tuple(torch.from_numpy(a.copy()) for a in (host or self.host))
+
+    class Tokens:
+        def __init__(self, workers):
+            self.workers = workers
+
+        def tolist(self):
+            outcomes = [w.outcome() for w in self.workers]
+            bad = [v for ok, v in outcomes if not ok]
+            if bad:
+                raise bad[0]
+            return outcomes[0][1].tolist()
+
+    def __init__(self, executor, runner, buckets):
+        self.executor, self.runner, self.buckets = executor, runner, buckets
+        self.bucket = {b: self.Bucket(runner, b) for b in buckets}
+        self.launches = 0
+
+    def fits(self, n):
+        return n <= self.buckets[-1]
+
+    def select(self, runner, works, all_greedy, any_filter):
+        return self.bucket[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
+
+    def launch(self, bucket, key):
+        from engine.decode_round import RoundInputs, run_round
+        r, ex = bucket.runner, self.executor
+        rank = ex.runners.index(r)
+        inputs = RoundInputs.from_packed(*bucket.device, k=r.k)
+        ex._workers[rank].submit(lambda: run_round(r.model, r.hidden_pool, inputs, r.k, r.block_size,
+                                                   r.max_seq_len, *key, r.draft_vocab)[0])
+        self.launches += 1
+        return self.Tokens(ex._workers) if rank == 0 else None
+
+
+@pytest.mark.parametrize("kw, buckets", [
+    ({"draft_tokens": 3, "draft_vocab": 3000, "max_batch": 4}, [1, 2]),   # rounds of 3-4 run eagerly
+    ({"draft_tokens": 2, "max_batch": 3}, [1, 2, 3]),
+    ({"draft_tokens": 0, "max_batch": 2}, [1, 2]),
+])
+def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets):
+    """The engine thread packs once, uploads rank 0's staging to every rank, launches every rank and
+    reads rank 0: same tokens as TP=1, greedy and sampled, with chunked prefills in between."""
+    prompts = [s * 4 for s in ("def f(x):\n    return", "Hello world, this is", "Line 1: the quick brown fox",
+                               "import numpy as np\n", "The capital of", "a b c d e f g")]
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    sampled = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, top_k=50, seed=s, ignore_eos=True)
+               for s in range(len(prompts))]
+    one = make_llm(shared_model, prefill_chunk=16, **kw)
+    two = make_llm(shared_model, prefill_chunk=16, tensor_parallel_size=2, **kw)
+    ex = two.engine.executor
+    for runner in ex.runners:
+        runner.graphs = _StandInRounds(ex, runner, buckets)
+    for params in (greedy, sampled):
+        assert [o.token_ids for o in two.generate(prompts, params)] == \
+               [o.token_ids for o in one.generate(prompts, params)]
+    assert ex.runners[0].graphs.launches > 0 and ex.runners[1].graphs.launches == ex.runners[0].graphs.launches
+    assert ex.runners[0]._pool_row == ex.runners[1]._pool_row     # (the last row goes at the next step)
+    assert_kv_idle(two.engine)
+
+
+def test_a_rank_that_raises_leaves_no_stale_result(tp_pair):
+    _, two = tp_pair
+    ex = two.engine.executor
+    for failing in (0, 1):
+        with pytest.raises(ZeroDivisionError):
+            ex.run_all(lambda r, f=failing: 1 / 0 if r.tp.rank == f else r.tp.rank)
+        assert ex.run_all(lambda r: r.tp.rank) == [0, 1]
