@@ -117,6 +117,10 @@ class GraphedRounds:
                  variants=len(VARIANTS), seconds=round(seconds, 2))
         return seconds
 
+    def bucket(self, batch: int) -> _Captured:
+        """The captured bucket of exactly this batch size (every rank captures the same buckets)."""
+        return self._by_batch[batch]
+
     def select(self, runner, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
         cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]

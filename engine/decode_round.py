@@ -27,6 +27,12 @@ from engine.forward_context import ForwardContext, forward_context
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
+def sampling_variant(works: list) -> tuple[bool, bool]:
+    """(all_greedy, any_filter) of a round's requests: which sampling code its graph runs."""
+    return (all(w.sampling.greedy for w in works),
+            any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works))
+
+
 @dataclass
 class RoundInputs:
     """Device tensors of one round for B requests (a graph's static buffers when graphed)."""

@@ -25,6 +25,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel import SINGLE_RANK, LocalCommunicator, TPGroup
+from engine.decode_round import sampling_variant
 from engine.runner import ModelRunner, read_tokens
 from engine.scheduler import ModelOutput, SchedulerOutput
 
@@ -113,14 +114,12 @@ class Executor:
         for runner in self.runners[1:]:
             if runner._pool_row != driver._pool_row:      # every rank assigns rows in the same order
                 raise RuntimeError("hidden-pool rows differ between ranks")
-        all_greedy = all(w.sampling.greedy for w in works)
-        any_filter = any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works)
         for event in self._uploads:        # the other ranks' last copies out of the staging arrays
             event.synchronize()
         self._uploads = []
-        cap, key = driver.graphs.select(driver, works, all_greedy, any_filter)
+        cap, key = driver.graphs.select(driver, works, *sampling_variant(works))
         cap.pack(driver, works)
-        caps = [cap] + [runner.graphs.select(runner, works, all_greedy, any_filter)[0] for runner in self.runners[1:]]
+        caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):
             with _on(runner.device):
                 mine.upload(cap.host)

@@ -19,7 +19,7 @@ import torch
 
 from engine import sampler
 from engine.config import EngineConfig, ModelConfig
-from engine.decode_round import RoundInputs, pack_round, run_round
+from engine.decode_round import RoundInputs, pack_round, run_round, sampling_variant
 from engine.forward_context import build_forward_context, forward_context
 from engine.layers.attention import LayerKV
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -149,8 +149,7 @@ class ModelRunner:
     # -- decode ---------------------------------------------------------------------------------
 
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
-        all_greedy = all(w.sampling.greedy for w in works)
-        any_filter = any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works)
+        all_greedy, any_filter = sampling_variant(works)
         if self.graphed(works):
             tokens = self.graphs.replay(self, works, all_greedy, any_filter)
         else:

@@ -156,14 +156,17 @@ class _StandInRounds:
 
     def __init__(self, executor, runner, buckets):
         self.executor, self.runner, self.buckets = executor, runner, buckets
-        self.bucket = {b: self.Bucket(runner, b) for b in buckets}
+        self.bucket_of = {b: self.Bucket(runner, b) for b in buckets}
         self.launches = 0
 
     def fits(self, n):
         return n <= self.buckets[-1]
 
+    def bucket(self, batch):
+        return self.bucket_of[batch]
+
     def select(self, runner, works, all_greedy, any_filter):
-        return self.bucket[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
+        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
 
     def launch(self, bucket, key):
         from engine.decode_round import RoundInputs, run_round

@@ -24,6 +24,16 @@ def _title(r: dict, what: str) -> str:
     return f"{what} — {run['shape']} on {run['device']['name']} ({run['mode']}, {run['date'][:10]})"
 
 
+def _finish(plt, fig, ax, title: str, path: Path, **legend) -> bool:
+    ax.grid(alpha=0.3)
+    ax.legend(**legend)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return True
+
+
 def write_all(r: dict, out: Path) -> list[str]:
     written = []
     for name, fn in (("prefill.png", prefill), ("decode.png", decode), ("concurrency.png", concurrency)):
@@ -52,13 +62,7 @@ def prefill(r: dict, path: Path) -> bool:
     ax.set_xlabel("prompt tokens P (computed)")
     ax.set_ylabel("prefill tok/s (peak; dots: median)")
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(_title(r, "prefill"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, ax, _title(r, "prefill"), path, fontsize=8)
 
 
 def decode(r: dict, path: Path) -> bool:
@@ -88,13 +92,7 @@ def decode(r: dict, path: Path) -> bool:
     ax.set_ylabel("decode tok/s, batch 1")
     ax.set_xticks(sorted({p["draft_tokens"] for p in measured} | {e["k"] for e in entries}))
     ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    ax.set_title(_title(r, f"decode at context {ctx}"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, ax, _title(r, f"decode at context {ctx}"), path, fontsize=7, ncol=2)
 
 
 def concurrency(r: dict, path: Path) -> bool:
@@ -112,10 +110,4 @@ def concurrency(r: dict, path: Path) -> bool:
     ax.set_xlabel("streams N")
     ax.set_ylabel("decode tok/s")
     ax.set_xticks(ns)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(_title(r, "concurrent decode"), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return True
+    return _finish(plt, fig, ax, _title(r, "concurrent decode"), path, fontsize=8)
