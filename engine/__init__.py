@@ -1,11 +1,40 @@
-"""ninfer's inference engine: Qwen3 + MTP, paged KV, chunked prefill, speculative decoding. No gRPC."""
+"""ninfer's inference engine: Qwen3 + MTP, paged KV, chunked prefill, speculative decoding. No gRPC.
 
-from engine.config import EngineConfig, ModelConfig
-from engine.errors import (CapacityError, EngineError, InvalidArgumentError, ModelLoadError, QueueFullError,
-                           QueueTimeoutError, RequestNotFoundError)
-from engine.llm import LLM, CompletionOutput
-from engine.sampling_params import SamplingParams
+Names are re-exported lazily: importing `engine` (or its pure-Python parts: config, scheduler,
+kv_cache, request, sampling_params, stats, errors, tokenizer) loads no torch. `engine.LLM` does.
+"""
 
-__all__ = ["LLM", "SamplingParams", "CompletionOutput", "EngineConfig", "ModelConfig", "EngineError",
-           "InvalidArgumentError", "CapacityError", "ModelLoadError", "QueueFullError", "QueueTimeoutError",
-           "RequestNotFoundError"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LLM": "engine.llm", "CompletionOutput": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "EngineConfig": "engine.config", "ModelConfig": "engine.config",
+    "RequestStats": "engine.stats", "FinishReason": "engine.stats",
+    "EngineInfo": "engine.info",
+    "EngineError": "engine.errors", "InvalidArgumentError": "engine.errors", "CapacityError": "engine.errors",
+    "ModelLoadError": "engine.errors", "QueueFullError": "engine.errors", "QueueTimeoutError": "engine.errors",
+    "RequestNotFoundError": "engine.errors",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, ModelConfig
+    from engine.errors import (CapacityError, EngineError, InvalidArgumentError, ModelLoadError, QueueFullError,
+                               QueueTimeoutError, RequestNotFoundError)
+    from engine.info import EngineInfo
+    from engine.llm import LLM, CompletionOutput
+    from engine.sampling_params import SamplingParams
+    from engine.stats import FinishReason, RequestStats
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

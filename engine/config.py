@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidArgumentError, ModelLoadError
@@ -71,22 +71,6 @@ class ModelConfig:
             model_type=model_type,
         )
 
-    def to_hf(self) -> dict[str, Any]:
-        """The `config.json` a Hugging Face loader reads for this architecture."""
-        return {
-            "architectures": ["Qwen3ForCausalLM"], "model_type": self.model_type,
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "mtp_num_hidden_layers": self.mtp_num_hidden_layers, "hidden_act": "silu",
-            "attention_bias": False, "eos_token_id": list(self.eos_token_ids) or None,
-            "bos_token_id": self.eos_token_ids[0] if self.eos_token_ids else None,
-        }
-
     def num_params(self, include_mtp: bool = True) -> int:
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
@@ -104,7 +88,7 @@ class EngineConfig:
     """Everything the engine needs besides the weights. Field names follow vLLM's flags."""
 
     model: str | None = None                # HF directory; None = the embedded default model
-    device: str = "cpu"                     # "cpu" or "cuda[:N]"
+    device: str = "auto"                    # "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]"
     dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
     kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
     block_size: int = 16                    # tokens per KV page
@@ -122,9 +106,12 @@ class EngineConfig:
     enforce_eager: bool = False             # no CUDA graphs
     draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
     stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
-    extra: dict[str, Any] = field(default_factory=dict)
+    lease_seconds: float = 60.0             # how long a prefilled (parked) request keeps its KV for a decode
 
     def __post_init__(self) -> None:
+        if self.device == "auto":
+            import torch                    # only here: a config made with an explicit device needs no torch
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidArgumentError("dtype", f"must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.kv_dtype not in ("auto", "int8", *DTYPES):
@@ -151,6 +138,9 @@ class EngineConfig:
             raise InvalidArgumentError("memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
         if not (self.stats_interval_s > 0 and math.isfinite(self.stats_interval_s)):
             raise InvalidArgumentError("stats_interval_s", "must be a positive number")
+        if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
+                or not (0 < self.lease_seconds <= 86_400 and math.isfinite(self.lease_seconds)):
+            raise InvalidArgumentError("lease_seconds", f"must be in (0, 86400] seconds, got {self.lease_seconds!r}")
 
     @property
     def torch_dtype_name(self) -> str:

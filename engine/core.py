@@ -18,13 +18,15 @@ from engine.default_model import DEFAULT_MODEL_NAME, build_default_tokenizer, bu
 from engine.errors import InvalidArgumentError
 from engine.kv_cache import KVCacheManager
 from engine.loader import MTP_PREFIX, RandomWeights, check_tensors, read_model_dir
-from engine.metrics import EngineMetrics, request_stats
+from engine.info import EngineInfo, WarmupReport
+from engine.metrics import EngineMetrics
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.presets import PREFIX as PRESET_PREFIX, preset
-from engine.request import FinishReason, PhaseTimes, Request, SpecStats
+from engine.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.executor import Executor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from engine.stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 log = structlog.get_logger(__name__)
@@ -37,8 +39,10 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
-    stats: dict[str, Any] | None = None          # set when finished
+    finish_reason: FinishReason | None = None
+    # Set when finished, and on the first output of a request parked after its prefill (then the
+    # figures of its prefill phase, taken on the engine thread in the step that parked it).
+    stats: RequestStats | None = None
     text: str | None = None                      # final text when a stop string ended it
 
 
@@ -87,36 +91,55 @@ class EngineCore:
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=float(config.extra.get("lease_s", 60.0))), self.kv, clock)
+            lease_s=config.lease_seconds), self.kv, clock)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
+        self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
 
-    def warmup(self) -> dict[str, Any]:
-        """Run one short request end to end (compiles kernels), then capture the decode graphs.
+    def warmup(self) -> WarmupReport:
+        """What every entry point runs before it serves: one short request through the split path
+        (prefill, park, resume, decode: every kernel compiles), then the decode CUDA graphs.
 
         Services report NOT_SERVING until this returns. Leaves no trace in metrics or the prefix cache."""
         start = time.perf_counter()
         if self.has_work:
             raise RuntimeError("warm up before serving requests")
         prompt = list(range(1, min(self.max_model_len - 8, 2 * self.config.block_size + 3) + 1))
-        self.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True), request_id="warmup")
+        req = self.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+                               request_id=f"warmup-{uuid.uuid4().hex}", park_after_prefill=True)
+        while req.status is not RequestStatus.PARKED and not req.finished:
+            self.step()
+        if not req.finished:
+            self.resume(req.request_id)
         while self.has_work:
             self.step()
+        buckets: list[int] = []
         graph_s = 0.0
-        if self.executor.driver.device.type == "cuda" and not self.config.enforce_eager:
+        if self.executor.driver.device.type != "cuda":
+            why = "CPU engine: CUDA graphs need a CUDA device"
+        elif self.config.enforce_eager:
+            why = "--enforce-eager"
+        else:
             from engine.cuda_graphs import default_buckets
             buckets = default_buckets(self.config.max_batch)
+            log.info("cuda_graphs_capturing", buckets=buckets, ranks=self.executor.num_ranks)
             graph_s = max(self.executor.run_all(lambda runner: runner.capture_graphs(buckets)))
+            why = ""
         self.kv.reset_prefix_cache()
         self.metrics = EngineMetrics(interval_s=self.config.stats_interval_s)
-        return {"seconds": time.perf_counter() - start, "graph_capture_seconds": graph_s}
+        self.warmup_report = WarmupReport(done=True, seconds=time.perf_counter() - start, cuda_graphs=bool(buckets),
+                                          graph_buckets=tuple(buckets), graph_capture_seconds=graph_s,
+                                          no_graphs_reason=why)
+        log.info("engine_warm", **self.warmup_report.log_fields())
+        return self.warmup_report
 
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    park_after_prefill: bool = False, arrival: float | None = None) -> Request:
+                    park_after_prefill: bool = False, arrival: float | None = None,
+                    prefix_cache: bool = True) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgumentError("prompt", "must not be empty")
@@ -134,7 +157,7 @@ class EngineCore:
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids))
+            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache)
         self.scheduler.add_request(req)
         if params.stop:
             self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
@@ -172,8 +195,12 @@ class EngineCore:
         self._record(sched, prefilling, events)
         for ev in events:
             req = ev.request
-            outputs.append(self._finished_output(req, ev.new_token_ids) if req.finished else
-                           RequestOutput(req.request_id, ev.new_token_ids, False))
+            if req.finished:
+                outputs.append(self._finished_output(req, ev.new_token_ids))
+            else:
+                parked = req.status is RequestStatus.PARKED
+                outputs.append(RequestOutput(req.request_id, ev.new_token_ids, False, stats=(
+                    req.stats(self.config.prefill_chunk) if parked else None)))
         return outputs
 
     def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:
@@ -197,9 +224,9 @@ class EngineCore:
 
     def _finished_output(self, req: Request, tokens: list[int]) -> RequestOutput:
         self._stops.pop(req.request_id, None)
-        stats = request_stats(req, self.config.prefill_chunk)
+        stats = req.stats(self.config.prefill_chunk)
         self.metrics.record_request(stats)
-        return RequestOutput(req.request_id, tokens, True, req.finish_reason.value, stats,
+        return RequestOutput(req.request_id, tokens, True, req.finish_reason, stats,
                              self._stop_text.pop(req.request_id, None))
 
     def _record(self, sched, prefilling: Request | None, events) -> None:
@@ -213,20 +240,34 @@ class EngineCore:
             self.metrics.record_step(self.clock(), prefill, decode, hits)
 
     def snapshot(self) -> dict[str, Any]:
+        """The metrics contract (history / last / performance), KV (with its reference counters) and queue."""
         kv = {"num_blocks": self.kv.num_blocks, "free_blocks": self.kv.num_free_blocks,
               "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
-              "usage": self.kv.usage}
+              "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": int(s.prefilling is not None),
                  "running": len(s.running), "parked": len(s.parked)}
         return self.metrics.snapshot(self.clock(), kv, queue)
 
-    def describe(self) -> dict[str, Any]:
+    def info(self) -> EngineInfo:
         c = self.config
-        return {"model": self.model_name, "device": c.device, "dtype": c.torch_dtype_name,
-                "kv_dtype": c.kv_dtype_name, "draft_tokens": self.draft_tokens, "prefill_chunk": c.prefill_chunk,
-                "max_model_len": self.max_model_len, "kv_capacity_tokens": self.kv.capacity_tokens,
-                "block_size": c.block_size, "tensor_parallel_size": self.executor.num_ranks}
+        return EngineInfo(
+            model=self.model_name, vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+            kv_capacity_tokens=self.kv.capacity_tokens, block_size=c.block_size, prefill_chunk=c.prefill_chunk,
+            draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
+            tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
+            kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
+            warmup=self.warmup_report)
+
+    @torch.inference_mode()
+    def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
+        """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill.
+        The prefix cache is not used: a cached prefix would skip the logits of its positions."""
+        req = self.add_request(prompt, SamplingParams(max_tokens=1), prefix_cache=False)
+        with self.executor.collect_prompt_logits(req.request_id) as chunks:
+            while not req.finished:
+                self.step()
+        return torch.cat(chunks)[-len(req.prompt_token_ids):]
 
     def shutdown(self) -> None:
         """Release the model, KV and graphs on every rank (the core is unusable afterwards)."""

@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from engine.decode_round import RoundInputs, pack_round, run_round
+from engine.decode_round import RoundInputs, RoundSetup, pack_round, run_round
 
 log = structlog.get_logger(__name__)
 
@@ -36,21 +36,21 @@ def default_buckets(max_batch: int) -> list[int]:
 
 
 class _Captured:
-    def __init__(self, batch: int, runner):
-        k, dev = runner.k, runner.device
+    def __init__(self, batch: int, setup: RoundSetup):
+        k, dev = setup.k, setup.device
         self.batch = batch
+        self.setup = setup
         pin = dict(pin_memory=True)
         self.host = (torch.zeros(9 * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
                      torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
-                     torch.zeros(batch, runner.max_blocks, dtype=torch.int32, **pin).numpy())
+                     torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
         # (context class, variant) -> (graph, its output tokens)
         self.graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def pack(self, runner, works) -> None:
-        pack_round(works, self.batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch,
-                   runner._pool_row, out=self.host)
+    def pack(self, works) -> None:
+        pack_round(self.setup, works, self.batch, self.setup.max_blocks, out=self.host)
 
     def upload(self, host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         """Copy packed inputs (this bucket's own staging arrays, or another rank's) to the device."""
@@ -74,7 +74,8 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None, mode: str = "globa
 
 
 class GraphedRounds:
-    def __init__(self, buckets: list[int], thread_local: bool = False):
+    def __init__(self, setup: RoundSetup, buckets: list[int], thread_local: bool = False):
+        self.setup = setup
         self.buckets = sorted(buckets)
         # ranks of one process capture at once, each on its own thread
         self.capture_mode = "thread_local" if thread_local else "global"
@@ -84,10 +85,11 @@ class GraphedRounds:
         return n <= self.buckets[-1]
 
     @torch.inference_mode()
-    def capture(self, runner) -> float:
+    def capture(self) -> float:
         """Capture every bucket, class and variant (largest first, one memory pool). -> seconds."""
         start = time.perf_counter()
-        self.classes = [c for c in CONTEXT_CLASSES if c < runner.max_seq_len] + [runner.max_seq_len]
+        setup = self.setup
+        self.classes = [c for c in CONTEXT_CLASSES if c < setup.max_seq_len] + [setup.max_seq_len]
         pool = torch.cuda.graph_pool_handle()
         # One side stream for every warm-up and capture: the caching allocator keeps freed blocks per
         # stream (and cuBLAS a workspace per stream), so a fresh stream per capture left the warm-up
@@ -95,12 +97,11 @@ class GraphedRounds:
         # batch 16, k = 3 on an H200 (tests/test_engine_gpu.py, automatic capacity).
         side = torch.cuda.Stream()
         for batch in reversed(self.buckets):
-            cap = self._by_batch[batch] = _Captured(batch, runner)
-            cap.pack(runner, [])                                 # all rows padding
+            cap = self._by_batch[batch] = _Captured(batch, setup)
+            cap.pack([])                                         # all rows padding
             cap.upload()
             for cls, variant in ((c, v) for c in self.classes for v in VARIANTS):
-                args = (runner.model, runner.hidden_pool, cap.inputs, runner.k, runner.block_size,
-                        cls, *variant, runner.draft_vocab)
+                args = (setup, cap.inputs, cls, *variant)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
@@ -121,10 +122,10 @@ class GraphedRounds:
         """The captured bucket of exactly this batch size (every rank captures the same buckets)."""
         return self._by_batch[batch]
 
-    def select(self, runner, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
+    def select(self, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
         cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
-        longest = max(w.num_tokens for w in works) + runner.k
+        longest = max(w.num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
         return cap, (cls, (True, False) if all_greedy else (False, any_filter))
 
@@ -135,8 +136,8 @@ class GraphedRounds:
         graph.replay()
         return tokens
 
-    def replay(self, runner, works, all_greedy: bool, any_filter: bool) -> torch.Tensor:
-        cap, key = self.select(runner, works, all_greedy, any_filter)
-        cap.pack(runner, works)
+    def replay(self, works, all_greedy: bool, any_filter: bool) -> torch.Tensor:
+        cap, key = self.select(works, all_greedy, any_filter)
+        cap.pack(works)
         cap.upload()
         return self.launch(cap, key)

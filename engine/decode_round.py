@@ -24,6 +24,7 @@ import torch
 
 from engine import sampler
 from engine.forward_context import ForwardContext, forward_context
+from engine.hidden_pool import HiddenStatePool
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -31,6 +32,27 @@ def sampling_variant(works: list) -> tuple[bool, bool]:
     """(all_greedy, any_filter) of a round's requests: which sampling code its graph runs."""
     return (all(w.sampling.greedy for w in works),
             any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works))
+
+
+@dataclass(frozen=True)
+class RoundSetup:
+    """What every decode round of one rank needs besides its inputs. The runner builds it once and
+    hands it to the eager rounds and to the graphed ones (`engine.cuda_graphs`)."""
+
+    model: Qwen3ForCausalLM
+    hidden: HiddenStatePool | None    # None without MTP (k = 0)
+    k: int                            # draft tokens per round
+    block_size: int
+    max_blocks: int                   # block-table width of a graphed round (the context limit's blocks)
+    max_seq_len: int                  # the context limit plus draft slots, in positions
+    null_block: int                   # scratch KV block the padded rows of a bucket write
+    max_batch: int                    # scratch hidden-pool row of padded rows
+    draft_vocab: int | None           # draft over the first N token ids; None = all
+    device: torch.device
+
+    @property
+    def pool_rows(self) -> dict[str, int]:
+        return self.hidden.rows if self.hidden is not None else {}
 
 
 @dataclass
@@ -90,12 +112,14 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
 
 
 @torch.inference_mode()
-def run_round(model: Qwen3ForCausalLM, hidden_pool: torch.Tensor | None, inp: RoundInputs, k: int,
-              block_size: int, max_seq_len: int, all_greedy: bool, any_filter: bool,
-              draft_vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
+              any_filter: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """-> tokens [B, k+1] (accepted drafts, bonus, then -1) and num_accepted [B].
 
-    hidden_pool: [rows, k+1, hidden], updated in place with this round's target hidden states."""
+    The hidden pool's rows ([rows, k+1, hidden]) are updated in place with this round's target hidden
+    states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
+    model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
+    hidden_pool = setup.hidden.states if setup.hidden is not None else None
     s = inp.sampling(all_greedy, any_filter)
     tables = inp.block_tables
     if k == 0:
@@ -135,10 +159,11 @@ def run_round(model: Qwen3ForCausalLM, hidden_pool: torch.Tensor | None, inp: Ro
     return tokens, num_accepted
 
 
-def pack_round(works: list, batch: int, width: int, k: int, null_block: int, scratch_row: int,
-               pool_row: dict[str, int], out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
+def pack_round(setup: RoundSetup, works: list, batch: int, width: int,
+               out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
     """Host arrays of a round for `batch` rows (rows past len(works) are padding that writes only
     the scratch block and the scratch pool row). `out` reuses (pinned) staging arrays."""
+    k, null_block, scratch_row, pool_row = setup.k, setup.null_block, setup.max_batch, setup.pool_rows
     ints, floats, tables = out if out is not None else (
         np.zeros(9 * batch + batch * (k + 1), np.int64), np.zeros(2 * batch, np.float32),
         np.zeros((batch, width), np.int32))

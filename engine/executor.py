@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
@@ -26,7 +26,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel import SINGLE_RANK, LocalCommunicator, TPGroup
 from engine.decode_round import sampling_variant
-from engine.runner import ModelRunner, read_tokens
+from engine.runner import ModelRunner, PromptLogits, read_tokens
 from engine.scheduler import ModelOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -111,14 +111,15 @@ class Executor:
     @torch.inference_mode()
     def _replay_all(self, works, result: ModelOutput) -> None:
         driver = self.driver
+        rows = driver.round_setup.pool_rows
         for runner in self.runners[1:]:
-            if runner._pool_row != driver._pool_row:      # every rank assigns rows in the same order
+            if runner.round_setup.pool_rows != rows:      # every rank assigns rows in the same order
                 raise RuntimeError("hidden-pool rows differ between ranks")
         for event in self._uploads:        # the other ranks' last copies out of the staging arrays
             event.synchronize()
         self._uploads = []
-        cap, key = driver.graphs.select(driver, works, *sampling_variant(works))
-        cap.pack(driver, works)
+        cap, key = driver.graphs.select(works, *sampling_variant(works))
+        cap.pack(works)
         caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):
             with _on(runner.device):
@@ -140,6 +141,19 @@ class Executor:
             if not ok:
                 raise value
         return [value for _, value in outcomes]
+
+    @contextlib.contextmanager
+    def collect_prompt_logits(self, request_id: str) -> Iterator[list[torch.Tensor]]:
+        """While open, the request's prefill chunks append their logits [n, vocab] (float32, host) to
+        the yielded list. Every rank computes them (the same collectives run everywhere); rank 0's count."""
+        collectors = [PromptLogits([]) for _ in self.runners]
+        for runner, c in zip(self.runners, collectors):
+            runner.prompt_logits[request_id] = c
+        try:
+            yield collectors[0].chunks
+        finally:
+            for runner in self.runners:
+                runner.prompt_logits.pop(request_id, None)
 
     def shutdown(self) -> None:
         """Stop the rank threads and drop the shards (weights, KV, graphs), returning device memory."""

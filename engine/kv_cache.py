@@ -95,11 +95,12 @@ class KVCacheManager:
         hit.num_tokens = len(hit.block_ids) * bs
         return hit
 
-    def admit(self, req: KVRequest, token_ids: list[int], num_slots: int) -> PrefixHit | None:
-        """Give a new request its cached prefix plus fresh blocks for `num_slots` slots, or nothing."""
+    def admit(self, req: KVRequest, token_ids: list[int], num_slots: int, reuse: bool = True) -> PrefixHit | None:
+        """Give a new request its cached prefix (unless `reuse` is off) plus fresh blocks for
+        `num_slots` slots, or nothing."""
         if req.block_ids:
             raise RuntimeError(f"request {req.request_id} already holds blocks")
-        hit = self.find_prefix(token_ids)
+        hit = self.find_prefix(token_ids) if reuse else PrefixHit()
         reclaimed = sum(self._blocks[b].ref_count == 0 for b in hit.block_ids)   # cached but free
         if self.blocks_for(num_slots) - len(hit.block_ids) + reclaimed > len(self._free):
             return None

@@ -1,15 +1,19 @@
-"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`."""
+"""The offline Python API: `LLM(...).generate(prompts, SamplingParams(...))`.
+
+The engine warms up in the constructor exactly as a served one does (`EngineCore.warmup`: kernels
+compiled, CUDA graphs captured), so that what this API measures is what `ninfer serve` runs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import FinishReason, RequestStats
 
 
 @dataclass
@@ -18,19 +22,20 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]            # generated ids only
     text: str
-    finish_reason: str              # "stop" | "length"
-    stats: dict[str, Any]
+    finish_reason: FinishReason
+    stats: RequestStats
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str = "cpu", dtype: str = "auto",
+    def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
                  kv_dtype: str = "auto", prefill_chunk: int = 2048, kv_capacity: int | None = None,
-                 draft_tokens: int = 0, **engine_args: Any):
+                 draft_tokens: int = 0, **engine_args):
         self.config = EngineConfig(model=model, device=device, dtype=dtype, kv_dtype=kv_dtype,
                                    prefill_chunk=prefill_chunk, kv_capacity=kv_capacity,
                                    draft_tokens=draft_tokens, **engine_args)
         self.engine = EngineCore(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.warmup = self.engine.warmup()
 
     def generate(self, prompts: str | list[int] | list[str | list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
@@ -42,7 +47,7 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
         reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
-        results: dict[str, Any] = {}
+        results: dict[str, RequestOutput] = {}
         while len(results) < len(reqs):
             for out in self.engine.step():
                 if out.finished:
@@ -57,20 +62,4 @@ class LLM:
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill."""
-        from engine.runner import PromptLogits
-        req = self.engine.add_request(prompt, SamplingParams(max_tokens=1))
-        runners = self.engine.executor.runners         # every rank runs the same collectives
-        collectors = [PromptLogits([]) for _ in runners]
-        for runner, c in zip(runners, collectors):
-            runner.prompt_logits[req.request_id] = c
-        # a cached prefix would skip the logits of its positions: compute every position
-        kv = self.engine.kv
-        reuse, kv.prefix_reuse = kv.prefix_reuse, False
-        try:
-            while not req.finished:
-                self.engine.step()
-        finally:
-            kv.prefix_reuse = reuse
-            for runner in runners:
-                runner.prompt_logits.pop(req.request_id, None)
-        return torch.cat(collectors[0].chunks)[-len(req.prompt_token_ids):]
+        return self.engine.prompt_logits(prompt)

@@ -1,13 +1,16 @@
 """The engine loop: one thread owns the `EngineCore` and steps it; other threads talk to it through
-commands and read per-request streams. This is the API the services use.
+the typed front door below and read per-request streams. Services and tools use this and nothing
+behind it: every method runs its work on the engine thread, between steps.
 
-    loop = EngineLoop(EngineCore(config)); loop.start()
+    loop = EngineLoop(EngineCore(config)).start()
+    loop.warmup()                                              # before serving: graphs captured
     stream = loop.submit(prompt_ids, SamplingParams(...))      # validated at once, then queued
     for out in stream: ...                                     # RequestOutput deltas, last one finished
     loop.abort(stream.request_id)                              # from any thread
 
-A prefill/decode split: `submit(..., park_after_prefill=True)`, read the first output (the first
-token), later `resume(request_id)` returns the same stream, now decoding.
+A prefill/decode split: `submit(..., park_after_prefill=True)`; its first output carries the first
+token and the prefill's stats (taken on the engine thread when it parked); later `resume(request_id)`
+returns the same stream, now decoding, or `release(request_id)` drops it.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import structlog
 
 from engine.core import EngineCore, RequestOutput
 from engine.errors import EngineDeadError, QueueTimeoutError, RequestNotFoundError
-from engine.request import FinishReason
+from engine.info import EngineInfo, WarmupReport
 from engine.sampling_params import SamplingParams
+from engine.stats import FinishReason
 
 log = structlog.get_logger(__name__)
 IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked requests checks timeouts
@@ -51,7 +55,7 @@ class RequestStream:
             raise item
         if item.finished:
             self.finished = True
-            if item.finish_reason == FinishReason.QUEUE_TIMEOUT.value:
+            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:
                 raise QueueTimeoutError(
                     f"request waited longer than pending_timeout_ms={self._loop.core.config.pending_timeout_ms}")
         return item
@@ -83,9 +87,13 @@ class EngineLoop:
         return self
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread; once it is out of its step, free the model, KV and graphs on every rank."""
         self._stop.set()
         self._commands.put((lambda: None, None))
-        self._thread.join(timeout)
+        if self._thread.is_alive() or self._thread.ident is not None:
+            self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.core.shutdown()
 
     @property
     def alive(self) -> bool:
@@ -115,16 +123,47 @@ class EngineLoop:
 
     def resume(self, request_id: str) -> RequestStream:
         """Attach to a parked (prefilled) request: it joins the decode batch; returns its stream."""
-        def do() -> RequestStream:
-            self.core.resume(request_id)
-            return self._streams[request_id]
+        return self.resume_all([request_id])[0]
+
+    def resume_all(self, request_ids: list[str]) -> list[RequestStream]:
+        """Attach several parked requests in one command: they join the decode batch in the same step."""
+        def do() -> list[RequestStream]:
+            for rid in request_ids:
+                self.core.resume(rid)
+            return [self._streams[rid] for rid in request_ids]
         return self._call(do)
 
-    def snapshot(self) -> dict[str, Any]:
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (`engine.tokenizer.Tokenizer`; safe to use from any thread)."""
+        return self.core.tokenizer
+
+    def release(self, request_id: str) -> None:
+        """Drop a parked (prefilled, not attached) request and its KV; NOT_FOUND when it is not parked."""
+        def do() -> None:
+            if not self.core.scheduler.is_parked(request_id):
+                raise RequestNotFoundError(f"no prefilled handle {request_id!r} (unknown, attached, expired or finished)")
+            self._deliver(self.core.abort(request_id, FinishReason.ABORT))
+        self._call(do)
+
+    def warmup(self) -> WarmupReport:
+        """Compile every kernel a request takes and capture the CUDA graphs (see `EngineCore.warmup`)."""
+        return self._call(self.core.warmup)
+
+    def info(self) -> EngineInfo:
+        return self._call(self.core.info)
+
+    def metrics(self) -> dict[str, Any]:
+        """The metrics snapshot: history / last / performance, KV (block reference counters too), queue."""
         return self._call(self.core.snapshot)
 
+    def num_unfinished(self) -> int:
+        """Requests admitted and not finished (queued, prefilling, parked or decoding)."""
+        return self._call(lambda: self.core.scheduler.num_unfinished)
+
     def call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Run `fn(core)` on the engine thread between steps (inspection, tests)."""
+        """Run `fn(core)` on the engine thread between steps: for tests and diagnostics only; the
+        services use the typed methods above."""
         return self._call(lambda: fn(self.core))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
@@ -155,7 +194,7 @@ class EngineLoop:
             self._fail_pending_commands(e)
 
     def _drain(self, block: bool) -> None:
-        timeout = IDLE_TICK_S if (self.core.scheduler.parked or self.core.scheduler.waiting) else 0.5
+        timeout = IDLE_TICK_S if self.core.scheduler.has_timeouts else 0.5
         try:
             item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
         except queue.Empty:

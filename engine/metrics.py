@@ -1,10 +1,7 @@
-"""Per-request statistics and the engine snapshot (the seed's metrics contract). No torch.
+"""The engine snapshot (the seed's metrics contract), fed by steps and finished requests. No torch.
 
-Rates come from each request's own phase wall-clock, never from sampling windows:
-    prefill_tok_s = computed_prefill_tokens / timings.prefill
-    decode_tok_s  = (completion_tokens - 1) / timings.decode
 `history` holds raw counts per interval (tokens, seconds), never rates, so that any window can be
-re-aggregated exactly; session peaks are copied from the request stats they came from.
+re-aggregated exactly; session peaks are copied from the request stats (`engine.stats`) they came from.
 """
 
 from __future__ import annotations
@@ -14,47 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.request import Request
-
-
-def _rate(tokens: int, seconds: float) -> float:
-    return tokens / seconds if seconds > 0 and tokens > 0 else 0.0
-
-
-def request_stats(req: Request, prefill_chunk: int) -> dict[str, Any]:
-    t = req.times
-    end = t.finish if t.finish is not None else t.arrival
-    first = t.first_token if t.first_token is not None else end
-    start = t.prefill_start if t.prefill_start is not None else end
-    decode_start = t.decode_start if t.decode_start is not None else first
-    timings = {
-        "queue": max(0.0, start - t.arrival),
-        "prefill": max(0.0, first - start),
-        "decode": max(0.0, end - decode_start) if t.first_token is not None else 0.0,
-        "total": max(0.0, end - t.arrival),
-        "ttft": max(0.0, first - t.arrival) if t.first_token is not None else 0.0,
-    }
-    completion = req.num_output_tokens
-    spec = req.spec
-    return {
-        "prompt_tokens": len(req.prompt_token_ids),
-        "computed_prefill_tokens": req.computed_prefill_tokens,
-        "cached_tokens": req.num_cached_tokens,
-        "completion_tokens": completion,
-        "prefill_chunk": prefill_chunk,
-        "preemptions": req.num_preemptions,
-        "timings_seconds": timings,
-        "prefill_tok_s": _rate(req.computed_prefill_tokens, timings["prefill"]),
-        "decode_tok_s": _rate(completion - 1, timings["decode"]),
-        "speculative": {
-            "draft_tokens": spec.draft_tokens,
-            "rounds": spec.rounds,
-            "drafted": spec.drafted,
-            "accepted": spec.accepted,
-            "accepted_per_position": list(spec.accepted_per_position),
-        },
-        "finish_reason": req.finish_reason.value if req.finish_reason else None,
-    }
+from engine.stats import RequestStats
 
 
 @dataclass
@@ -91,31 +48,31 @@ class EngineMetrics:
             cur.decode_tokens += decode_tokens
             cur.cache_hit_tokens += cache_hit_tokens
 
-    def record_request(self, stats: dict[str, Any]) -> None:
+    def record_request(self, stats: RequestStats) -> None:
         with self._lock:
-            reason = stats.get("finish_reason") or "unknown"
+            reason = stats.finish_reason.value if stats.finish_reason else "unknown"
             self._requests_by_reason[reason] = self._requests_by_reason.get(reason, 0) + 1
-            spec = stats["speculative"]
-            per_pos = spec["accepted_per_position"]
+            per_pos = stats.speculative.accepted_per_position
             if len(per_pos) > len(self._accepted_per_position):
                 self._accepted_per_position += [0] * (len(per_pos) - len(self._accepted_per_position))
             for i, n in enumerate(per_pos):
                 self._accepted_per_position[i] += n
-            self._rounds += spec["rounds"]
-            if stats["completion_tokens"] < 1:
+            self._rounds += stats.speculative.rounds
+            if stats.usage.completion_tokens < 1:
                 return
-            self._peak_prefill = max(self._peak_prefill, stats["prefill_tok_s"])
-            self._peak_decode = max(self._peak_decode, stats["decode_tok_s"])
-            self._sum_prefill_rate += stats["prefill_tok_s"]
-            self._sum_decode_rate += stats["decode_tok_s"]
+            rates = stats.rates
+            self._peak_prefill = max(self._peak_prefill, rates.prefill_tok_s)
+            self._peak_decode = max(self._peak_decode, rates.decode_tok_s)
+            self._sum_prefill_rate += rates.prefill_tok_s
+            self._sum_decode_rate += rates.decode_tok_s
             self._rated += 1
             self._last = {
-                "prompt_tokens": stats["prompt_tokens"],
-                "computed_prefill_tokens": stats["computed_prefill_tokens"],
-                "completion_tokens": stats["completion_tokens"],
-                "prefill_tok_s": stats["prefill_tok_s"],
-                "decode_tok_s": stats["decode_tok_s"],
-                "ttft_s": stats["timings_seconds"]["ttft"],
+                "prompt_tokens": stats.usage.prompt_tokens,
+                "computed_prefill_tokens": stats.usage.computed_prefill_tokens,
+                "completion_tokens": stats.usage.completion_tokens,
+                "prefill_tok_s": rates.prefill_tok_s,
+                "decode_tok_s": rates.decode_tok_s,
+                "ttft_s": stats.timings.ttft,
             }
 
     def snapshot(self, now: float, kv: dict[str, Any], queue: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,9 @@ import enum
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage, rate
+
+__all__ = ["FinishReason", "PhaseTimes", "Request", "RequestStatus", "SpecStats"]
 
 
 class RequestStatus(enum.Enum):
@@ -14,14 +17,6 @@ class RequestStatus(enum.Enum):
     PARKED = "parked"            # prefilled; KV held under a handle until a decode attaches
     RUNNING = "running"          # in the decode batch
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"                # EOS, a stop token id or a stop string
-    LENGTH = "length"            # max_tokens reached
-    ABORT = "abort"              # cancelled by the caller
-    QUEUE_TIMEOUT = "queue_timeout"
-    LEASE_EXPIRED = "lease_expired"
 
 
 @dataclass
@@ -69,6 +64,7 @@ class Request:
     num_preemptions: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     stop_token_ids: frozenset[int] = frozenset()
+    prefix_cache: bool = True                # may take cached prefix blocks (off when scoring every position)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -97,6 +93,27 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_prefill_tokens
+    def stats(self, prefill_chunk: int) -> RequestStats:
+        """This request's figures as they stand now (finished, or parked after its prefill)."""
+        req = self
+        t = req.times
+        end = t.finish if t.finish is not None else t.arrival
+        first = t.first_token if t.first_token is not None else end
+        start = t.prefill_start if t.prefill_start is not None else end
+        decode_start = t.decode_start if t.decode_start is not None else first
+        started = t.first_token is not None
+        timings = Timings(
+            queue=max(0.0, start - t.arrival),
+            prefill=max(0.0, first - start),
+            decode=max(0.0, end - decode_start) if started and t.finish is not None else 0.0,
+            total=max(0.0, end - t.arrival),
+            ttft=max(0.0, first - t.arrival) if started else 0.0)
+        completion = req.num_output_tokens
+        spec = req.spec
+        return RequestStats(
+            usage=Usage(len(req.prompt_token_ids), req.computed_prefill_tokens, req.num_cached_tokens, completion),
+            timings=timings,
+            rates=Rates(rate(req.computed_prefill_tokens, timings.prefill), rate(completion - 1, timings.decode)),
+            speculative=SpeculativeCounts(spec.draft_tokens, spec.rounds, spec.drafted, spec.accepted,
+                                          tuple(spec.accepted_per_position)),
+            prefill_chunk=prefill_chunk, preemptions=req.num_preemptions, finish_reason=req.finish_reason)

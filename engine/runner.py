@@ -4,9 +4,8 @@ Prefill chunks run eagerly (one request per step: the lane). Decode rounds run t
 `engine.decode_round.run_round`, replayed from a CUDA graph of the smallest batch bucket that
 fits when graphs are captured (`engine.cuda_graphs`), eagerly otherwise.
 
-Each request holding KV also holds a row of the hidden-state pool: the target hidden states of the
-positions whose MTP entries the next round recomputes. Row `max_batch` is scratch for the padded
-rows of a graph bucket, and so is the extra KV block at the end of the pool.
+Each request holding KV also holds a row of the hidden-state pool (`engine.hidden_pool`). The extra
+KV block at the end of the pool is scratch for the padded rows of a graph bucket.
 """
 
 from __future__ import annotations
@@ -19,9 +18,10 @@ import torch
 
 from engine import sampler
 from engine.config import EngineConfig, ModelConfig
-from engine.decode_round import RoundInputs, pack_round, run_round, sampling_variant
+from engine.decode_round import RoundInputs, RoundSetup, pack_round, run_round, sampling_variant
 from engine.forward_context import build_forward_context, forward_context
-from engine.layers.attention import LayerKV
+from engine.hidden_pool import HiddenStatePool
+from engine.kv_pages import LayerKV
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.parallel import SINGLE_RANK, TPGroup
 from engine.scheduler import DecodeWork, ModelOutput, PrefillWork, SchedulerOutput
@@ -84,17 +84,19 @@ class ModelRunner:
                               layers[0].head_dim, kv_dtype, self.device)
         for layer, kv in zip(layers, self.kv):
             layer.kv = kv
-        self.hidden_pool = (torch.zeros(self.max_batch + 1, draft_tokens + 1, model_config.hidden_size,
-                                        dtype=self.dtype, device=self.device) if draft_tokens > 0 else None)
-        self._pool_row: dict[str, int] = {}
-        self._free_rows = list(range(self.max_batch - 1, -1, -1))
+        self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
+                                       self.device) if draft_tokens > 0 else None)
+        self.round_setup = RoundSetup(
+            model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
+            max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
+            max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device)
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
     def capture_graphs(self, buckets: list[int]) -> float:
         from engine.cuda_graphs import GraphedRounds
-        graphs = GraphedRounds(buckets, thread_local=self.tp.size > 1)
-        seconds = graphs.capture(self)
+        graphs = GraphedRounds(self.round_setup, buckets, thread_local=self.tp.size > 1)
+        seconds = graphs.capture()
         self.graphs = graphs                             # only a complete set is ever replayed
         return seconds
 
@@ -110,10 +112,8 @@ class ModelRunner:
         return result
 
     def release_rows(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            row = self._pool_row.pop(rid, None)
-            if row is not None:
-                self._free_rows.append(row)
+        if self.hidden is not None:
+            self.hidden.release(request_ids)
 
     def graphed(self, works: list[DecodeWork]) -> bool:
         return self.graphs is not None and self.graphs.fits(len(works))
@@ -139,11 +139,8 @@ class ModelRunner:
             return
         s = sampler.SamplingBatch.build([w.sampling], [w.seed], [w.output_index], self.device)
         token = sampler.sample(self.model.compute_logits(hidden[-1:]), s)
-        if self.k > 0:
-            row = self._pool_row.get(w.request_id)
-            if row is None:
-                row = self._pool_row[w.request_id] = self._free_rows.pop()
-            self.hidden_pool[row, 0] = hidden[-1]
+        if self.hidden is not None:
+            self.hidden.states[self.hidden.row_for(w.request_id), 0] = hidden[-1]
         result.sampled[w.request_id] = token.tolist()
 
     # -- decode ---------------------------------------------------------------------------------
@@ -151,14 +148,13 @@ class ModelRunner:
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
         all_greedy, any_filter = sampling_variant(works)
         if self.graphed(works):
-            tokens = self.graphs.replay(self, works, all_greedy, any_filter)
+            tokens = self.graphs.replay(works, all_greedy, any_filter)
         else:
             width = max(len(w.block_ids) for w in works)
-            packed = pack_round(works, len(works), width, self.k, self.null_block, self.max_batch, self._pool_row)
+            packed = pack_round(self.round_setup, works, len(works), width)
             inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
             max_len = max(w.num_tokens for w in works) + self.k
-            tokens, _ = run_round(self.model, self.hidden_pool, inp, self.k, self.block_size, max_len,
-                                  all_greedy, any_filter, self.draft_vocab)
+            tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter)
         read_tokens(works, tokens, result)
 
 

@@ -239,6 +239,14 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def has_timeouts(self) -> bool:
+        """Requests whose pending timeout or lease may expire while nothing else happens."""
+        return bool(self.parked or self.waiting)
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self.parked
+
     # -- internals ------------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -247,7 +255,7 @@ class Scheduler:
             return
         req = self.waiting[0]
         hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
-                            req.num_prefill_tokens + self.config.draft_tokens)
+                            req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache)
         if hit is None:
             return
         self.waiting.popleft()

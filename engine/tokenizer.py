@@ -29,8 +29,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_id(self, token: str) -> int | None:
-        return self.inner.token_to_id(token)
+    def to_json(self) -> str:
+        """The tokenizer.json text: engines hand it to gateways, which tokenize with it."""
+        return self.inner.to_str()
 
     def apply_chat_template(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True) -> str:
         """ChatML, the Qwen family's format: <|im_start|>role\\ncontent<|im_end|>\\n ..."""

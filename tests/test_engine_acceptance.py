@@ -26,9 +26,9 @@ def acceptance(llm, prompts: list[str], temperature: float) -> tuple[list[float]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=1000 + i, ignore_eos=True)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
-    rounds = sum(o.stats["speculative"]["rounds"] for o in outs)
+    rounds = sum(o.stats.speculative.rounds for o in outs)
     k = llm.engine.draft_tokens
-    per_pos = [sum(o.stats["speculative"]["accepted_per_position"][i] for o in outs) / rounds for i in range(k)]
+    per_pos = [sum(o.stats.speculative.accepted_per_position[i] for o in outs) / rounds for i in range(k)]
     return per_pos, rounds
 
 

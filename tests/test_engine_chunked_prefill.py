@@ -72,8 +72,8 @@ def test_chunked_prefill_with_mtp_gives_identical_drafts(shared_model, prompts, 
     got = make_llm(shared_model, draft_tokens=3, prefill_chunk=chunk, prefix_reuse=False).generate(batch, params)
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids
-        assert g.stats["speculative"] == r.stats["speculative"]
-    assert sum(r.stats["speculative"]["accepted"] for r in ref) > 0
+        assert g.stats.speculative == r.stats.speculative
+    assert sum(r.stats.speculative.accepted for r in ref) > 0
 
 
 def test_prompt_logits_covers_every_position_with_a_cached_prefix(shared_model, prompts):

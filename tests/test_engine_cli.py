@@ -22,7 +22,7 @@ PROMPT = "Hello, world"
 def ninfer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("ninfer")
     cmd = [str(script)] if script.exists() else ([shutil.which("ninfer")] if shutil.which("ninfer") else
-                                                 [sys.executable, "-m", "gateway.cli"])
+                                                 [sys.executable, "-m", "ninfer"])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env,
                           cwd=Path(__file__).resolve().parents[1])
@@ -49,9 +49,9 @@ def test_generate_json_lines_and_final_stats(api_tokens):
     assert tokens == api_tokens                                   # the same engine, the same greedy tokens
     assert final["finish_reason"] == "length"
     stats = final["stats"]
-    assert stats["completion_tokens"] == 8 and stats["prompt_tokens"] == len(PROMPT.encode())
-    assert stats["computed_prefill_tokens"] == stats["prompt_tokens"]
-    assert set(stats["timings_seconds"]) == {"queue", "prefill", "decode", "total", "ttft"}
+    assert stats["usage"]["completion_tokens"] == 8 and stats["usage"]["prompt_tokens"] == len(PROMPT.encode())
+    assert stats["usage"]["computed_prefill_tokens"] == stats["usage"]["prompt_tokens"]
+    assert set(stats["timings"]) == {"queue", "prefill", "decode", "total", "ttft"}
     assert "".join(d["text"] for d in deltas) == make_llm(None, kv_capacity=256).tokenizer.decode(tokens)
 
 

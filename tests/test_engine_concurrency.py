@@ -64,7 +64,7 @@ def test_sixteen_threads_get_their_solo_outputs(shared_model, k):
             tokens, outs = results[i]
             assert tokens == alone[i], f"request {i} ({params(i)})"
             assert outs[-1].finished and all(not o.finished for o in outs[:-1])
-            assert outs[-1].stats["completion_tokens"] == len(tokens)
+            assert outs[-1].stats.usage.completion_tokens == len(tokens)
             assert outs[-1].finish_reason in ("length", "stop")
         assert max_running["running"] == 0 and max_running["waiting"] == 0
         assert loop.call(lambda c: (c.kv.num_free_blocks, c.kv.refs_taken - c.kv.refs_dropped)) == (

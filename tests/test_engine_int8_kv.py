@@ -8,7 +8,8 @@ import torch
 
 from conftest import WORKLOADS, make_llm, runner_of
 from engine import SamplingParams
-from engine.layers.attention import INT8_MAX, LayerKV, quantize_int8, write_kv_reference
+from engine.kv_pages import LayerKV
+from engine.layers.attention import INT8_MAX, quantize_int8, write_kv_reference
 
 
 def test_quantizer_error_is_at_most_half_a_step():

@@ -165,7 +165,7 @@ def test_checkpoint_without_mtp_runs_with_speculation_off(random_hf_model):
     assert llm.engine.draft_tokens == 0
     out = llm.generate([list(range(1, 30))], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert len(out.token_ids) == 6
-    assert out.stats["speculative"]["draft_tokens"] == 0 and out.stats["speculative"]["rounds"] == 0
+    assert out.stats.speculative.draft_tokens == 0 and out.stats.speculative.rounds == 0
 
 
 def test_mtp_weights_are_dropped_when_speculation_is_off(llm_k0):

@@ -48,9 +48,9 @@ def test_park_then_resume_equals_a_plain_request(k):
         rest = list(stream)
         assert first.new_token_ids + [t for o in rest for t in o.new_token_ids] == plain
         final = rest[-1]
-        assert final.finished and final.finish_reason == "length" and final.stats["completion_tokens"] == 20
-        t = final.stats["timings_seconds"]
-        assert t["total"] >= t["ttft"] + t["decode"] + 0.05 - 1e-6     # the parked time is in neither phase
+        assert final.finished and final.finish_reason == "length" and final.stats.usage.completion_tokens == 20
+        t = final.stats.timings
+        assert t.total >= t.ttft + t.decode + 0.05 - 1e-6     # the parked time is in neither phase
         with pytest.raises(RequestNotFoundError):
             loop.resume("handle-1")                       # attached once
         assert kv_state(loop) == (0, 0, 0)
@@ -59,7 +59,7 @@ def test_park_then_resume_equals_a_plain_request(k):
 
 
 def test_expired_lease_frees_the_kv():
-    loop = start(extra={"lease_s": 0.05})
+    loop = start(lease_seconds=0.05)
     try:
         stream = loop.submit(PROMPT, SamplingParams(max_tokens=10), request_id="h", park_after_prefill=True)
         assert not stream.next(timeout=30).finished
@@ -101,7 +101,7 @@ def test_abort_from_another_thread_ends_the_stream():
         threading.Thread(target=stream.abort).start()
         got += list(stream)
         assert got[-1].finished and got[-1].finish_reason == "abort"
-        assert got[-1].stats["completion_tokens"] == sum(len(o.new_token_ids) for o in got) < 1900
+        assert got[-1].stats.usage.completion_tokens == sum(len(o.new_token_ids) for o in got) < 1900
         assert kv_state(loop) == (0, 0, 0)
         loop.abort("no-such-request")                     # unknown ids are ignored
         assert loop.alive

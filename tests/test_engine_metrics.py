@@ -18,34 +18,34 @@ def drive(core, requests) -> list:
 def check_snapshot(core, finished) -> dict:
     snap = core.snapshot()
     stats = [o.stats for o in finished]
-    rated = [s for s in stats if s["completion_tokens"] >= 1]
+    rated = [s for s in stats if s.usage.completion_tokens >= 1]
     last = rated[-1]
     assert snap["last"] == {
-        "prompt_tokens": last["prompt_tokens"], "computed_prefill_tokens": last["computed_prefill_tokens"],
-        "completion_tokens": last["completion_tokens"], "prefill_tok_s": last["prefill_tok_s"],
-        "decode_tok_s": last["decode_tok_s"], "ttft_s": last["timings_seconds"]["ttft"],
-        "peak_prefill_tok_s": max(s["prefill_tok_s"] for s in rated),
-        "peak_tok_s": max(s["decode_tok_s"] for s in rated),
+        "prompt_tokens": last.usage.prompt_tokens, "computed_prefill_tokens": last.usage.computed_prefill_tokens,
+        "completion_tokens": last.usage.completion_tokens, "prefill_tok_s": last.rates.prefill_tok_s,
+        "decode_tok_s": last.rates.decode_tok_s, "ttft_s": last.timings.ttft,
+        "peak_prefill_tok_s": max(s.rates.prefill_tok_s for s in rated),
+        "peak_tok_s": max(s.rates.decode_tok_s for s in rated),
     }
     h = snap["history"]
     assert len(h["prefill_tokens"]) == len(h["decode_tokens"]) == len(h["cache_hit_tokens"]) == len(h["interval_seconds"])
-    assert sum(h["prefill_tokens"]) == sum(s["computed_prefill_tokens"] for s in stats)
-    assert sum(h["decode_tokens"]) == sum(max(0, s["completion_tokens"] - 1) for s in stats)
-    assert sum(h["cache_hit_tokens"]) == sum(s["cached_tokens"] for s in stats)
+    assert sum(h["prefill_tokens"]) == sum(s.usage.computed_prefill_tokens for s in stats)
+    assert sum(h["decode_tokens"]) == sum(max(0, s.usage.completion_tokens - 1) for s in stats)
+    assert sum(h["cache_hit_tokens"]) == sum(s.usage.cached_tokens for s in stats)
     perf = snap["performance"]
     reasons = {}
     for s in stats:
-        reasons[s["finish_reason"]] = reasons.get(s["finish_reason"], 0) + 1
+        reasons[s.finish_reason.value] = reasons.get(s.finish_reason.value, 0) + 1
     assert perf["requests"] == reasons
-    rounds = sum(s["speculative"]["rounds"] for s in stats)
-    per_pos = [0] * max(len(s["speculative"]["accepted_per_position"]) for s in stats)
+    rounds = sum(s.speculative.rounds for s in stats)
+    per_pos = [0] * max(len(s.speculative.accepted_per_position) for s in stats)
     for s in stats:                        # a request's own k may be below the engine's
-        for i, n in enumerate(s["speculative"]["accepted_per_position"]):
+        for i, n in enumerate(s.speculative.accepted_per_position):
             per_pos[i] += n
     assert perf["rounds"] == rounds and perf["accepted_per_position"] == per_pos
     assert perf["acceptance_per_position"] == ([n / rounds for n in per_pos] if rounds else [])
-    assert perf["mean_decode_tok_s"] == sum(s["decode_tok_s"] for s in rated) / len(rated)
-    assert perf["mean_prefill_tok_s"] == sum(s["prefill_tok_s"] for s in rated) / len(rated)
+    assert perf["mean_decode_tok_s"] == sum(s.rates.decode_tok_s for s in rated) / len(rated)
+    assert perf["mean_prefill_tok_s"] == sum(s.rates.prefill_tok_s for s in rated) / len(rated)
     assert snap["kv"]["free_blocks"] == snap["kv"]["num_blocks"]
     assert snap["queue"] == {"waiting": 0, "prefilling": 0, "running": 0, "parked": 0}
     return snap
@@ -66,7 +66,7 @@ def test_snapshot_agrees_with_request_stats():
     aborted = core.add_request([7, 8, 9], SamplingParams(max_tokens=4))
     finished.append(core.abort(aborted.request_id))                           # never ran: no rates
     assert len(finished) == len(requests) + 1
-    assert sum(o.stats["cached_tokens"] for o in finished) >= 2 * 64
+    assert sum(o.stats.usage.cached_tokens for o in finished) >= 2 * 64
     snap = check_snapshot(core, finished)
     assert snap["performance"]["requests"] == {"length": 5, "abort": 1}
     # a second wave: `last` moves to it, peaks stay the max over everything

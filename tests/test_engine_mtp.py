@@ -176,8 +176,8 @@ def test_prefill_and_first_round_match_reference(ref, shared_model):
     # the engine's first draft (d_1 for x_{P+1}) is the reference's, and so is its verdict
     d1 = ref.draft(g_ref[p - 1])
     assert int(engine_logits.argmax()) == d1
-    spec = out.stats["speculative"]
-    assert spec["rounds"] == 1 and spec["accepted_per_position"] == [int(d1 == x[p + 1])]
+    spec = out.stats.speculative
+    assert spec.rounds == 1 and spec.accepted_per_position == (int(d1 == x[p + 1]),)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -208,14 +208,14 @@ def test_round_by_round_drafts_match_reference(ref, shared_model, k):
             for i in range(accepted):
                 per_pos[i] += 1
             n += accepted + 1
-        spec = out.stats["speculative"]
+        spec = out.stats.speculative
         if n - len(ids) >= max_tokens:
-            assert (spec["rounds"], spec["accepted_per_position"]) == (rounds, per_pos), prompt
+            assert (spec.rounds, list(spec.accepted_per_position)) == (rounds, per_pos), prompt
         else:
             # the last round ran past the generated tokens: its first `accepted` drafts matched, the
             # rest are unknown here; every earlier round must agree exactly
-            assert spec["rounds"] == rounds + 1, prompt
-            extra = [e - r for e, r in zip(spec["accepted_per_position"], per_pos)]
+            assert spec.rounds == rounds + 1, prompt
+            extra = [e - r for e, r in zip(spec.accepted_per_position, per_pos)]
             assert extra[:accepted] == [1] * accepted, prompt
             assert all(v in (0, 1) for v in extra) and extra == sorted(extra, reverse=True), prompt
-        assert spec["rounds"] >= 1 and sum(spec["accepted_per_position"]) >= 1
+        assert spec.rounds >= 1 and sum(spec.accepted_per_position) >= 1

@@ -49,7 +49,7 @@ def test_preempted_requests_finish_as_if_alone(shared_model, alone, k, prefix_re
         for i, r in enumerate(reqs):
             if r.num_preemptions and i not in first_preempted_at:
                 first_preempted_at[i] = len(r.output_token_ids)
-    preemptions = [finished[r.request_id].stats["preemptions"] for r in reqs]
+    preemptions = [finished[r.request_id].stats.preemptions for r in reqs]
     print(f"\nk={k} prefix_reuse={prefix_reuse}: preemptions per request {preemptions}, "
           f"first at output {first_preempted_at}")
     assert sum(preemptions) > 0 and preemptions == [r.num_preemptions for r in reqs]
@@ -63,7 +63,7 @@ def test_preempted_requests_finish_as_if_alone(shared_model, alone, k, prefix_re
             assert got[:n] == want[:n], f"request {i} diverged before its preemption"
         stats = finished[r.request_id].stats
         # the first prefill is what the request computed; recomputes do not inflate it
-        assert stats["computed_prefill_tokens"] + stats["cached_tokens"] == stats["prompt_tokens"]
+        assert stats.usage.computed_prefill_tokens + stats.usage.cached_tokens == stats.usage.prompt_tokens
     assert any(PARAMS[i].greedy for i in first_preempted_at)          # a greedy request was preempted
     assert_kv_idle(core)
     # the engine is healthy afterwards: a new request runs and matches its solo output

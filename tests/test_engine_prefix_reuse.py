@@ -40,11 +40,11 @@ def test_repeated_prompt_computes_only_the_tail(llm, no_reuse, n):
     first = llm.generate([prompt], PARAMS)[0]
     second = llm.generate([prompt], PARAMS)[0]
     cached = (n - 1) // BS * BS                              # full blocks whose next token is in the prompt
-    assert first.stats["cached_tokens"] == 0 and first.stats["computed_prefill_tokens"] == n
-    assert second.stats["cached_tokens"] == cached
-    assert second.stats["computed_prefill_tokens"] == n - cached >= 1
+    assert first.stats.usage.cached_tokens == 0 and first.stats.usage.computed_prefill_tokens == n
+    assert second.stats.usage.cached_tokens == cached
+    assert second.stats.usage.computed_prefill_tokens == n - cached >= 1
     assert second.token_ids == first.token_ids == no_reuse.generate([prompt], PARAMS)[0].token_ids
-    assert second.stats["speculative"] == first.stats["speculative"]   # identical drafts: MTP cache exact
+    assert second.stats.speculative == first.stats.speculative   # identical drafts: MTP cache exact
     assert_kv_idle(llm.engine)
 
 
@@ -54,7 +54,7 @@ def test_block_key_includes_the_next_token(llm, no_reuse):
     # equal up to position 31, different token at 32: block 1 (16..31) is keyed with token 32
     forked = base[:32] + [(base[32] + 1) % 8000 + 1] + base[33:]
     out = llm.generate([forked], PARAMS)[0]
-    assert out.stats["cached_tokens"] == 16
+    assert out.stats.usage.cached_tokens == 16
     assert out.token_ids == no_reuse.generate([forked], PARAMS)[0].token_ids
 
 
@@ -63,7 +63,7 @@ def test_blocks_written_while_decoding_are_reused(llm, no_reuse):
     first = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True))[0]
     follow = prompt + first.token_ids[:45]                   # 65 tokens: 4 blocks, 2 of them decoded
     out = llm.generate([follow], SamplingParams(max_tokens=15, ignore_eos=True))[0]
-    assert out.stats["cached_tokens"] == 64
+    assert out.stats.usage.cached_tokens == 64
     assert out.token_ids == first.token_ids[45:60]           # the greedy continuation
     assert out.token_ids == no_reuse.generate([follow], SamplingParams(max_tokens=15, ignore_eos=True))[0].token_ids
     assert_kv_idle(llm.engine)
@@ -72,8 +72,8 @@ def test_blocks_written_while_decoding_are_reused(llm, no_reuse):
 def test_prefix_reuse_off_never_caches(no_reuse):
     prompt = list(range(100, 180))
     outs = [no_reuse.generate([prompt], PARAMS)[0] for _ in range(2)]
-    assert [o.stats["cached_tokens"] for o in outs] == [0, 0]
-    assert [o.stats["computed_prefill_tokens"] for o in outs] == [80, 80]
+    assert [o.stats.usage.cached_tokens for o in outs] == [0, 0]
+    assert [o.stats.usage.computed_prefill_tokens for o in outs] == [80, 80]
     assert outs[0].token_ids == outs[1].token_ids
 
 
@@ -82,5 +82,5 @@ def test_identical_prompts_in_one_batch_share_blocks(llm):
     outs = llm.generate([prompt, prompt, prompt], PARAMS)
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
     # the lane prefills one request at a time: the later ones find the first one's registered blocks
-    assert [o.stats["cached_tokens"] for o in outs] == [0, 64, 64]
+    assert [o.stats.usage.cached_tokens for o in outs] == [0, 64, 64]
     assert_kv_idle(llm.engine)

@@ -14,6 +14,7 @@ import pytest
 from conftest import FakeClock, assert_kv_idle, make_llm, run_to_idle, runner_of
 from engine import EngineConfig, SamplingParams
 from engine.core import EngineCore
+from engine.stats import FinishReason, RequestStats, Timings
 
 TICK = 0.25
 
@@ -38,16 +39,16 @@ def test_timings_are_the_phase_boundaries():
     stats = finished_stats(run_to_idle(core))
     a, b = stats["a"], stats["b"]
     # a: queued 2 s, 3 prefill chunks, 4 decode steps (the first token comes from the prefill)
-    assert a["timings_seconds"] == {"queue": 2.0, "prefill": 3 * TICK, "decode": 4 * TICK,
-                                    "total": 2.0 + 7 * TICK, "ttft": 2.0 + 3 * TICK}
-    assert (a["prompt_tokens"], a["computed_prefill_tokens"], a["cached_tokens"], a["completion_tokens"]) == (40, 40, 0, 5)
-    assert a["prefill_tok_s"] == 40 / (3 * TICK) and a["decode_tok_s"] == 4 / (4 * TICK)
-    assert a["prefill_chunk"] == 16 and a["preemptions"] == 0 and a["finish_reason"] == "length"
+    assert a.timings == Timings(queue=2.0, prefill=3 * TICK, decode=4 * TICK, total=2.0 + 7 * TICK,
+                                ttft=2.0 + 3 * TICK)
+    assert (a.usage.prompt_tokens, a.usage.computed_prefill_tokens, a.usage.cached_tokens, a.usage.completion_tokens) == (40, 40, 0, 5)
+    assert a.rates.prefill_tok_s == 40 / (3 * TICK) and a.rates.decode_tok_s == 4 / (4 * TICK)
+    assert a.prefill_chunk == 16 and a.preemptions == 0 and a.finish_reason is FinishReason.LENGTH
     # b waited for a to finish, then found a's first two blocks in the prefix cache: one 8-token chunk
-    assert (b["cached_tokens"], b["computed_prefill_tokens"]) == (32, 8)
-    assert b["timings_seconds"] == {"queue": 2.0 + 7 * TICK, "prefill": TICK, "decode": 2 * TICK,
-                                    "total": 2.0 + 10 * TICK, "ttft": 2.0 + 8 * TICK}
-    assert b["prefill_tok_s"] == 8 / TICK and b["decode_tok_s"] == 2 / (2 * TICK)
+    assert (b.usage.cached_tokens, b.usage.computed_prefill_tokens) == (32, 8)
+    assert b.timings == Timings(queue=2.0 + 7 * TICK, prefill=TICK, decode=2 * TICK, total=2.0 + 10 * TICK,
+                                ttft=2.0 + 8 * TICK)
+    assert b.rates.prefill_tok_s == 8 / TICK and b.rates.decode_tok_s == 2 / (2 * TICK)
     assert_kv_idle(core)
 
 
@@ -55,20 +56,20 @@ def test_speculative_decode_time_counts_rounds():
     core, clock = engine_with_ticking_clock(draft_tokens=2)
     core.add_request(list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True), request_id="a")
     a = finished_stats(run_to_idle(core))["a"]
-    spec = a["speculative"]
-    assert spec["draft_tokens"] == 2 and spec["drafted"] == 2 * spec["rounds"]
-    assert a["timings_seconds"]["prefill"] == 2 * TICK                 # 20 tokens: chunks 16 + 4
-    assert a["timings_seconds"]["decode"] == spec["rounds"] * TICK     # one verify forward per round
-    assert a["decode_tok_s"] == (a["completion_tokens"] - 1) / (spec["rounds"] * TICK)
-    assert a["completion_tokens"] == 12
+    spec = a.speculative
+    assert spec.draft_tokens == 2 and spec.drafted == 2 * spec.rounds
+    assert a.timings.prefill == 2 * TICK                 # 20 tokens: chunks 16 + 4
+    assert a.timings.decode == spec.rounds * TICK     # one verify forward per round
+    assert a.rates.decode_tok_s == (a.usage.completion_tokens - 1) / (spec.rounds * TICK)
+    assert a.usage.completion_tokens == 12
 
 
 def test_single_token_request_has_no_decode_rate():
     core, _ = engine_with_ticking_clock()
     core.add_request([5, 6, 7], SamplingParams(max_tokens=1), request_id="a")
     a = finished_stats(run_to_idle(core))["a"]
-    assert a["completion_tokens"] == 1 and a["timings_seconds"]["decode"] == 0.0 and a["decode_tok_s"] == 0.0
-    assert a["timings_seconds"]["prefill"] == TICK and a["prefill_tok_s"] == 3 / TICK
+    assert a.usage.completion_tokens == 1 and a.timings.decode == 0.0 and a.rates.decode_tok_s == 0.0
+    assert a.timings.prefill == TICK and a.rates.prefill_tok_s == 3 / TICK
 
 
 def test_aborted_in_queue_spent_its_time_queued():
@@ -76,23 +77,23 @@ def test_aborted_in_queue_spent_its_time_queued():
     core.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id="a")
     clock.advance(1.5)
     out = core.abort("a")
-    t = out.stats["timings_seconds"]
+    t = out.stats.timings
     assert out.finish_reason == "abort"
-    assert t == {"queue": 1.5, "prefill": 0.0, "decode": 0.0, "total": 1.5, "ttft": 0.0}
-    assert out.stats["completion_tokens"] == 0 and out.stats["prefill_tok_s"] == 0.0
+    assert t == Timings(queue=1.5, prefill=0.0, decode=0.0, total=1.5, ttft=0.0)
+    assert out.stats.usage.completion_tokens == 0 and out.stats.rates.prefill_tok_s == 0.0
     assert_kv_idle(core)
 
 
-def check_identities(stats: dict) -> None:
-    t = stats["timings_seconds"]
-    assert all(v >= 0 for v in t.values())
-    assert t["ttft"] == pytest.approx(t["queue"] + t["prefill"], abs=1e-9)
-    assert t["total"] >= t["ttft"] + t["decode"] - 1e-9
-    if stats["computed_prefill_tokens"] and t["prefill"] > 0:
-        assert stats["prefill_tok_s"] == stats["computed_prefill_tokens"] / t["prefill"]
-    if stats["completion_tokens"] > 1 and t["decode"] > 0:
-        assert stats["decode_tok_s"] == (stats["completion_tokens"] - 1) / t["decode"]
-    assert stats["prompt_tokens"] == stats["computed_prefill_tokens"] + stats["cached_tokens"]
+def check_identities(stats: RequestStats) -> None:
+    t = stats.timings
+    assert all(v >= 0 for v in (t.queue, t.prefill, t.decode, t.total, t.ttft))
+    assert t.ttft == pytest.approx(t.queue + t.prefill, abs=1e-9)
+    assert t.total >= t.ttft + t.decode - 1e-9
+    if stats.usage.computed_prefill_tokens and t.prefill > 0:
+        assert stats.rates.prefill_tok_s == stats.usage.computed_prefill_tokens / t.prefill
+    if stats.usage.completion_tokens > 1 and t.decode > 0:
+        assert stats.rates.decode_tok_s == (stats.usage.completion_tokens - 1) / t.decode
+    assert stats.usage.prompt_tokens == stats.usage.computed_prefill_tokens + stats.usage.cached_tokens
 
 
 def test_real_clock_stats_satisfy_the_definitions():
@@ -101,7 +102,7 @@ def test_real_clock_stats_satisfy_the_definitions():
     outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 9, 17, 6)])
     for out, prompt in zip(outs, prompts):
         check_identities(out.stats)
-        assert out.stats["prompt_tokens"] == len(prompt) and out.stats["completion_tokens"] == len(out.token_ids)
-        assert out.stats["timings_seconds"]["total"] == pytest.approx(
-            out.stats["timings_seconds"]["ttft"] + out.stats["timings_seconds"]["decode"], abs=1e-9)
-    assert outs[1].stats["prefill_tok_s"] > 0 and outs[1].stats["decode_tok_s"] > 0
+        assert out.stats.usage.prompt_tokens == len(prompt) and out.stats.usage.completion_tokens == len(out.token_ids)
+        assert out.stats.timings.total == pytest.approx(
+            out.stats.timings.ttft + out.stats.timings.decode, abs=1e-9)
+    assert outs[1].stats.rates.prefill_tok_s > 0 and outs[1].stats.rates.decode_tok_s > 0

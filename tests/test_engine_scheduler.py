@@ -155,7 +155,7 @@ def core():
 def test_abort_while_queued(core):
     a = core.add_request(list(range(1, 50)), SamplingParams(max_tokens=5))
     out = core.abort(a.request_id)
-    assert out.finished and out.finish_reason == "abort" and out.stats["completion_tokens"] == 0
+    assert out.finished and out.finish_reason == "abort" and out.stats.usage.completion_tokens == 0
     assert_kv_idle(core)
     assert run_to_idle(core) == []
 
@@ -206,7 +206,7 @@ def test_finished_requests_release_their_hidden_state_rows(core):
     the next prompt must wait for it -- must still give its row back; otherwise, a few such endings
     later, a prefill finds no row at all."""
     runner = runner_of(core)
-    rows = len(runner._free_rows)
+    rows = len(runner.hidden._free)
     for i in range(rows + 2):
         parked = core.add_request(ids(700), SamplingParams(max_tokens=2), park_after_prefill=True)
         run_to_idle(core)
@@ -222,7 +222,7 @@ def test_finished_requests_release_their_hidden_state_rows(core):
     core.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     run_to_idle(core)
     core.step()                                        # the next step hands the last ending to the runner
-    assert len(runner._free_rows) == rows and not runner._pool_row
+    assert len(runner.hidden._free) == rows and not runner.hidden.rows
 
 
 def test_pending_timeout_on_a_real_engine_with_a_busy_lane():
@@ -240,7 +240,7 @@ def test_pending_timeout_on_a_real_engine_with_a_busy_lane():
     outs = core.step()
     assert [(o.request_id, o.finish_reason) for o in outs if o.finished] == [(queued.request_id, "queue_timeout")]
     timed_out = next(o for o in outs if o.finished)
-    assert timed_out.stats["completion_tokens"] == 0 and timed_out.stats["timings_seconds"]["queue"] == pytest.approx(0.11)
+    assert timed_out.stats.usage.completion_tokens == 0 and timed_out.stats.timings.queue == pytest.approx(0.11)
     assert long.status is RequestStatus.PREFILLING
     run_to_idle(core)
     assert long.finish_reason is FinishReason.LENGTH and core.metrics.snapshot(clock(), {}, {})["performance"][

@@ -46,18 +46,18 @@ def check_lossless(llm, reference, k):
             assert got == want, f"k={k} {attempt}: prompt {i} diverges at token " \
                 f"{next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))}"
         for out, params in zip(outs, PARAMS):
-            spec = out.stats["speculative"]
+            spec = out.stats.speculative
             k_r = k if params.draft_tokens is None else min(k, params.draft_tokens)
-            assert spec["draft_tokens"] == k_r and len(spec["accepted_per_position"]) == k_r
-            assert spec["drafted"] == spec["rounds"] * k_r
+            assert spec.draft_tokens == k_r and len(spec.accepted_per_position) == k_r
+            assert spec.drafted == spec.rounds * k_r
             # every round emits its accepted drafts plus one token (the last round may be cut short)
-            assert spec["rounds"] + spec["accepted"] >= out.stats["completion_tokens"] - 1
+            assert spec.rounds + spec.accepted >= out.stats.usage.completion_tokens - 1
         if attempt == "cold":
-            assert sum(o.stats["cached_tokens"] for o in outs) > 0     # the duplicate shares blocks
+            assert sum(o.stats.usage.cached_tokens for o in outs) > 0     # the duplicate shares blocks
         else:
-            assert all(o.stats["cached_tokens"] > 0 for o, p in zip(outs, PROMPTS)
+            assert all(o.stats.usage.cached_tokens > 0 for o, p in zip(outs, PROMPTS)
                        if len(llm.tokenizer.encode(p)) > 16)
-        total = sum(o.stats["speculative"]["accepted"] for o in outs)
+        total = sum(o.stats.speculative.accepted for o in outs)
         assert total > 0                               # drafts really were accepted
 
 
@@ -70,7 +70,7 @@ def test_greedy_k3_without_prefix_reuse_equals_k0(shared_model, reference):
     llm = make_llm(shared_model, draft_tokens=3, prefix_reuse=False)
     tokens, outs = generate(llm)
     assert tokens == reference
-    assert all(o.stats["cached_tokens"] == 0 for o in outs)
+    assert all(o.stats.usage.cached_tokens == 0 for o in outs)
 
 
 @pytest.mark.parametrize("k", [2, 3])

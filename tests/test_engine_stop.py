@@ -36,7 +36,7 @@ def test_eos_stops_and_ignore_eos_runs_on(llm):
     assert out.finish_reason == "stop"
     assert len(out.token_ids) == EOS_AT and out.token_ids[-1] == 0 and 0 not in out.token_ids[:-1]
     assert out.text == llm.tokenizer.decode(out.token_ids) and "<|endoftext|>" not in out.text
-    assert out.stats["completion_tokens"] == EOS_AT and out.stats["finish_reason"] == "stop"
+    assert out.stats.usage.completion_tokens == EOS_AT and out.stats.finish_reason == "stop"
     on = gen(llm, EOS_PROMPT, max_tokens=EOS_AT + 6, ignore_eos=True)
     assert on.finish_reason == "length" and len(on.token_ids) == EOS_AT + 6
     assert on.token_ids[:EOS_AT] == out.token_ids
@@ -51,7 +51,7 @@ def test_eos_as_the_very_first_token(llm):
 def test_max_tokens_is_exact(llm, max_tokens):
     out = gen(llm, ENUM, max_tokens=max_tokens, ignore_eos=True)
     assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
-    assert out.stats["completion_tokens"] == max_tokens
+    assert out.stats.usage.completion_tokens == max_tokens
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_stop_string_cuts_text_and_tokens(llm, baseline, stop):
     assert out.finish_reason == "stop"
     assert out.text == text[:text.index(stop)]
     assert out.token_ids == tokens[:completing_index(llm, tokens, stop) + 1]
-    assert out.stats["completion_tokens"] == len(out.token_ids)
+    assert out.stats.usage.completion_tokens == len(out.token_ids)
 
 
 def test_earliest_of_several_stop_strings_wins(llm, baseline):

@@ -133,12 +133,11 @@ class _StandInRounds:
         def __init__(self, runner, batch):
             from engine.decode_round import pack_round
             self.runner, self.batch = runner, batch
-            self.host = pack_round([], batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch, {})
+            self.host = pack_round(runner.round_setup, [], batch, runner.max_blocks)
 
-        def pack(self, runner, works):
+        def pack(self, works):
             from engine.decode_round import pack_round
-            pack_round(works, self.batch, runner.max_blocks, runner.k, runner.null_block, runner.max_batch,
-                       runner._pool_row, out=self.host)
+            pack_round(self.runner.round_setup, works, self.batch, self.runner.max_blocks, out=self.host)
 
         def upload(self, host=None):
             self.device = tuple(torch.from_numpy(a.copy()) for a in (host or self.host))
@@ -165,7 +164,7 @@ class _StandInRounds:
     def bucket(self, batch):
         return self.bucket_of[batch]
 
-    def select(self, runner, works, all_greedy, any_filter):
+    def select(self, works, all_greedy, any_filter):
         return self.bucket_of[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
 
     def launch(self, bucket, key):
@@ -173,8 +172,7 @@ class _StandInRounds:
         r, ex = bucket.runner, self.executor
         rank = ex.runners.index(r)
         inputs = RoundInputs.from_packed(*bucket.device, k=r.k)
-        ex._workers[rank].submit(lambda: run_round(r.model, r.hidden_pool, inputs, r.k, r.block_size,
-                                                   r.max_seq_len, *key, r.draft_vocab)[0])
+        ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, *key)[0])
         self.launches += 1
         return self.Tokens(ex._workers) if rank == 0 else None
 
@@ -201,7 +199,7 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets):
         assert [o.token_ids for o in two.generate(prompts, params)] == \
                [o.token_ids for o in one.generate(prompts, params)]
     assert ex.runners[0].graphs.launches > 0 and ex.runners[1].graphs.launches == ex.runners[0].graphs.launches
-    assert ex.runners[0]._pool_row == ex.runners[1]._pool_row     # (the last row goes at the next step)
+    assert ex.runners[0].round_setup.pool_rows == ex.runners[1].round_setup.pool_rows  # (the last row goes at the next step)
     assert_kv_idle(two.engine)
 
 

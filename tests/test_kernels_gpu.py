@@ -3,7 +3,7 @@
 Each case draws fresh random inputs, poisons the outputs with NaN and requires every element
 written; attention must be within 1e-2 relative error of the float32 twin (bf16 inputs land near
 2e-3), KV writes bit-exact. The same checks run at tiny shapes under Triton's interpreter in
-tests/test_kernels_interpret.py; engine.kernels.testing holds them.
+tests/test_kernels_interpret.py; tools.kernel_checks holds them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import testing
+from tools import kernel_checks as testing
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")]

@@ -78,7 +78,7 @@ def test_s8_to_bf16_ptx_is_exact_for_every_byte():
 
 def _decode_inputs(q_dtype, kv_dtype, query_len=1, seq_len=500):
     from engine.forward_context import build_forward_context
-    from engine.kernels.testing import random_kv
+    from tools.kernel_checks import random_kv
     gen = torch.Generator().manual_seed(3)
     kv = random_kv(40, 16, 8, 128, kv_dtype, "cpu", gen)
     _, ctx = build_forward_context([query_len], [seq_len], [list(range(32))], 16, torch.device("cpu"))
@@ -115,7 +115,7 @@ def test_plan_converts_int8_in_registers_for_decode_and_verify_only():
 @pytest.mark.parametrize("query_len", [1, 4])
 def test_int8_upcast_matches_the_float32_route(query_len):
     from engine.kernels import attention as A
-    from engine.kernels import testing
+    from tools import kernel_checks as testing
     q, kv, ctx = testing.attention_case([query_len] * 4, [query_len, 100, 2000, 33000], 32, 8, 128, 16, I8, BF16,
                                         "cuda", 61 + query_len)
     plan = A.plan(q, kv, ctx)

@@ -2,7 +2,7 @@
 
 Opt-in, because CI has no Triton and the interpreter is slow (about a minute here): run with
     NINFER_TRITON_INTERPRET_TESTS=1 pytest tests/test_kernels_interpret.py
-The same checks run at real shapes on the GPU in tests/test_kernels_gpu.py (engine.kernels.testing
+The same checks run at real shapes on the GPU in tests/test_kernels_gpu.py (tools.kernel_checks
 holds them). Enabling this module sets TRITON_INTERPRET=1 for the process before the kernels are
 defined (Triton reads it when a kernel is decorated), so run it apart from GPU tests.
 """
@@ -44,7 +44,7 @@ TOL = 1e-2
 @pytest.fixture(scope="module", autouse=True)
 def interpreted_kernels():
     """Define (or redefine) the kernels in interpreter mode and patch two interpreter gaps."""
-    from engine.kernels import testing
+    from tools import kernel_checks as testing
     for name in ("engine.kernels.attention", "engine.kernels.fused"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])

@@ -36,7 +36,9 @@ sys.path.insert(0, str(ROOT))
 from engine.forward_context import build_forward_context                         # noqa: E402
 from engine.kernels import attention as A                                          # noqa: E402
 from engine.kernels import fused                                                   # noqa: E402
-from engine.layers.attention import LayerKV, paged_attention_reference, write_kv_reference  # noqa: E402
+from engine.kv_pages import LayerKV                                                # noqa: E402
+from engine.layers.attention import paged_attention_reference, write_kv_reference  # noqa: E402
+from tools import kernel_checks                                                    # noqa: E402
 
 DEV = torch.device("cuda")
 H, KVH, D, LAYERS = 32, 8, 128, 36          # qwen3-8b
@@ -233,7 +235,7 @@ def attention_case(name: str, ceil: dict, query_lens: list[int], seq_lens: list[
         record(f"{name} [{label}]", t, floor, plan=dataclasses.asdict(cfg), sweep_of=name)
     if len(seq_lens) == 1 and query_lens[0] * H // KVH > A.DECODE_MAX_ROWS:
         try:                                             # the optional torch route (PREFILL_VIA_SDPA)
-            t = bench(lambda: A.sdpa_prefill(q, kvs[0], ctx, scale))
+            t = bench(lambda: kernel_checks.sdpa_prefill(q, kvs[0], ctx, scale))
             record(f"{name} [gather+sdpa]", t, floor, sweep_of=name)
         except Exception as exc:
             print(f"    gather+sdpa not timed: {repr(exc)[:160]}")
@@ -261,7 +263,7 @@ def prefill_total(ceil: dict, prompt: int, chunk: int, page: int = 16) -> None:
         q = torch.randn(n, H, D, dtype=torch.bfloat16, device=DEV)
         totals["triton"] += bench(lambda: A.paged_attention(q, kvs[0], ctx, D ** -0.5), budget_ms=60)["ms"]
         if totals["gather+sdpa"] is not None:
-            ms = attempt(lambda: bench(lambda: A.sdpa_prefill(q, kvs[0], ctx, D ** -0.5), budget_ms=60))
+            ms = attempt(lambda: bench(lambda: kernel_checks.sdpa_prefill(q, kvs[0], ctx, D ** -0.5), budget_ms=60))
             totals["gather+sdpa"] = None if ms is None else totals["gather+sdpa"] + ms
         flops += A.attention_flops([start + n], [n], H, D)
     floor = flops / ceil["matmul_flops"] * 1e3

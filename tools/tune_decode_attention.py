@@ -46,8 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 from engine.forward_context import build_forward_context
 from engine.kernels import attention as A
-from engine.kernels.testing import rel_err
-from engine.layers.attention import LayerKV, paged_attention_reference
+from tools.kernel_checks import rel_err
+from engine.kv_pages import LayerKV
+from engine.layers.attention import paged_attention_reference
 from tools import gpu_kernels_check as G
 
 DEV = torch.device("cuda")

@@ -2,7 +2,7 @@
 
 `attention`: KV writes and paged attention (prefill, decode, verify); `fused`: RMSNorm with the
 residual add, q/k RMSNorm + RoPE, SiLU·mul. Each kernel has a torch twin in `engine.layers`
-that the tests hold it to; `testing` builds those checks (GPU tests, interpreter tests and the
+that the tests hold it to; `tools/kernel_checks.py` builds those checks (GPU tests, interpreter tests and the
 GPU check script share it). NOTES.md has the floors, the design choices and the measurements.
 
 Nothing here is imported on the CPU path: importing these modules needs Triton.

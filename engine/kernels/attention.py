@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.layers.attention import LayerKV
+from engine.kv_pages import LayerKV
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan
@@ -451,8 +451,6 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     if T == 0 or ctx.num_seqs == 0:
         return out
     group = H // kvh
-    if PREFILL_VIA_SDPA and config is None and ctx.num_seqs == 1 and ctx.max_query_len * group > DECODE_MAX_ROWS:
-        return sdpa_prefill(q, kv, ctx, scale, out=out)
     cfg = plan(q, kv, ctx) if config is None else config
     block_q = cfg.block_m // group
     if block_q < 1:
@@ -486,45 +484,6 @@ def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
     PTX makes bf16), and compiled (the interpreter runs no PTX; it takes the float32 route, same values)."""
     return (cfg.int8_upcast and kv.quantized and q.dtype == torch.bfloat16
             and type(_attn_kernel).__name__ != "InterpretedFunction")
-
-
-# Route single-sequence prefill chunks through torch SDPA (gather + flash/cuDNN) instead of the Triton
-# kernel; off until tools/gpu_kernels_check.py shows it faster on the machine ("[gather+sdpa]" rows).
-PREFILL_VIA_SDPA = False
-
-
-def sdpa_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, *,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """One sequence's prefill chunk through torch's SDPA: gather its pages into contiguous K/V
-    [kv_heads, S, head_dim] (one copy, dequantizing int8), then causal attention aligned to the
-    bottom right (query j at position S - T + j). q: [T, heads, head_dim] -> same shape.
-
-    Needs ctx.max_seq_len exact (true when eager: prefill is never graph-captured) and one sequence.
-    """
-    from torch.nn.attention.bias import causal_lower_right
-    T, H, d = q.shape
-    if ctx.num_seqs != 1:
-        raise ValueError("sdpa_prefill takes one sequence")
-    S, page = ctx.max_seq_len, kv.k.shape[1]
-    table = ctx.block_tables[0, :-(-S // page)].long()
-
-    def gather(pages, scales):
-        x = pages[table].flatten(0, 1)[:S]                                      # [S, kv_heads, d]
-        if scales is not None:
-            x = x.float() * scales[table].flatten(0, 1)[:S].unsqueeze(-1)
-        return x.to(q.dtype).transpose(0, 1).unsqueeze(0)                      # [1, kv_heads, S, d]
-
-    k, v = gather(kv.k, kv.k_scale), gather(kv.v, kv.v_scale)
-    qq = q.transpose(0, 1).unsqueeze(0)                                          # [1, heads, T, d]
-    kw = dict(is_causal=True) if T == S else dict(attn_mask=causal_lower_right(T, S))
-    try:
-        o = F.scaled_dot_product_attention(qq, k, v, scale=scale, enable_gqa=True, **kw)
-    except (TypeError, RuntimeError):                       # a backend without GQA: expand the heads
-        g = H // k.shape[1]
-        o = F.scaled_dot_product_attention(qq, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), scale=scale, **kw)
-    out = torch.empty_like(q) if out is None else out
-    out.copy_(o[0].transpose(0, 1))
-    return out
 
 
 def attention_bytes(kv: LayerKV, seq_lens: list[int], query_lens: list[int], heads: int, q_itemsize: int) -> int:

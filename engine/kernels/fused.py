@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.attention import _load_halves, _store_kv_token, page_args
-from engine.layers.attention import LayerKV
+from engine.kv_pages import LayerKV
 
 
 # -- RMSNorm (+ residual) -------------------------------------------------------------------------

@@ -6,29 +6,14 @@ The reference path below is plain torch and serves the CPU; on CUDA the Triton k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import ForwardContext, get_forward_context
+from engine.kv_pages import LayerKV
 
 INT8_MAX = 127.0
-
-
-@dataclass
-class LayerKV:
-    """One layer's KV pages. int8 pages carry a float32 scale per token and KV head."""
-
-    k: torch.Tensor                        # [num_blocks, block_size, kv_heads, head_dim]
-    v: torch.Tensor                        # [num_blocks, block_size, kv_heads, head_dim]
-    k_scale: torch.Tensor | None = None    # [num_blocks, block_size, kv_heads] when int8
-    v_scale: torch.Tensor | None = None
-
-    @property
-    def quantized(self) -> bool:
-        return self.k.dtype == torch.int8
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,9 +10,11 @@ same points), plus how many output elements were left unwritten.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.forward_context import ForwardContext, build_forward_context
-from engine.layers.attention import LayerKV, paged_attention_reference, write_kv_reference
+from engine.kv_pages import LayerKV
+from engine.layers.attention import paged_attention_reference, write_kv_reference
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -108,7 +110,7 @@ def attention_case(query_lens: list[int], seq_lens: list[int], heads: int, kv_he
 def check_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float | None = None,
                     config=None, via_sdpa: bool = False) -> dict:
     """paged_attention (or, with via_sdpa, the gather + torch SDPA prefill path) against the twin."""
-    from engine.kernels.attention import paged_attention, sdpa_prefill
+    from engine.kernels.attention import paged_attention
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.full_like(q, float("nan"))
     if via_sdpa:
@@ -293,3 +295,39 @@ def check_silu_and_mul(rows: int, ffn: int, dtype: torch.dtype, device, seed: in
     out = torch.full((rows, ffn), float("nan"), dtype=dtype, device=device)
     silu_and_mul(x, out=out)
     return {"rel_err": rel_err(out, SiluAndMul()(x)), "unwritten": unwritten(out)}
+
+
+# A comparison route for single-sequence prefill chunks: torch SDPA (gather + flash/cuDNN) instead of
+# the Triton kernel. Not in the engine; tools/gpu_kernels_check.py times it ("[gather+sdpa]" rows).
+def sdpa_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """One sequence's prefill chunk through torch's SDPA: gather its pages into contiguous K/V
+    [kv_heads, S, head_dim] (one copy, dequantizing int8), then causal attention aligned to the
+    bottom right (query j at position S - T + j). q: [T, heads, head_dim] -> same shape.
+
+    Needs ctx.max_seq_len exact (true when eager: prefill is never graph-captured) and one sequence.
+    """
+    from torch.nn.attention.bias import causal_lower_right
+    T, H, d = q.shape
+    if ctx.num_seqs != 1:
+        raise ValueError("sdpa_prefill takes one sequence")
+    S, page = ctx.max_seq_len, kv.k.shape[1]
+    table = ctx.block_tables[0, :-(-S // page)].long()
+
+    def gather(pages, scales):
+        x = pages[table].flatten(0, 1)[:S]                                      # [S, kv_heads, d]
+        if scales is not None:
+            x = x.float() * scales[table].flatten(0, 1)[:S].unsqueeze(-1)
+        return x.to(q.dtype).transpose(0, 1).unsqueeze(0)                      # [1, kv_heads, S, d]
+
+    k, v = gather(kv.k, kv.k_scale), gather(kv.v, kv.v_scale)
+    qq = q.transpose(0, 1).unsqueeze(0)                                          # [1, heads, T, d]
+    kw = dict(is_causal=True) if T == S else dict(attn_mask=causal_lower_right(T, S))
+    try:
+        o = F.scaled_dot_product_attention(qq, k, v, scale=scale, enable_gqa=True, **kw)
+    except (TypeError, RuntimeError):                       # a backend without GQA: expand the heads
+        g = H // k.shape[1]
+        o = F.scaled_dot_product_attention(qq, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), scale=scale, **kw)
+    out = torch.empty_like(q) if out is None else out
+    out.copy_(o[0].transpose(0, 1))
+    return out
