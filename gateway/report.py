@@ -11,6 +11,7 @@ import grpc
 import structlog
 from opentelemetry.trace import Span, Status, StatusCode
 
+from engine.stats import RequestStats
 from ninfer.v1 import common_pb2, gateway_pb2
 from services.prometheus import GatewayPrometheus, observe_per_token
 from services.telemetry import stats_attributes
@@ -33,7 +34,7 @@ class RequestRecord:
     prefill_call_s: float = 0.0
     first_token_at: float | None = None
     last_token_at: float | None = None
-    stats: dict[str, Any] | None = None                  # the engine's final stats
+    stats: RequestStats | None = None                    # the engine's final stats
     result: gateway_pb2.GenerateResult | None = field(default=None, repr=False)
 
     def token_sent(self, num_tokens: int, metrics: GatewayPrometheus) -> None:

@@ -28,7 +28,8 @@ class GatewayServer(NinferServer):
                                    on_change=self._engines_changed)
         self.tracer = options.tracer_provider.get_tracer("ninfer.gateway")
         self.metrics = GatewayPrometheus(self.registry, self.router.loads)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(self), self.server)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(
+            GatewayServicer(self.router, self.state, self.tracer, self.metrics), self.server)
 
     def start(self) -> "GatewayServer":
         super().start()

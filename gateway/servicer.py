@@ -12,24 +12,22 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 from opentelemetry.propagate import inject
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Tracer
 from structlog.contextvars import bound_contextvars
 
 from ninfer.v1 import common_pb2, decode_pb2, engine_info_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from services.convert import stats_from_proto
 from services.errors import RpcAbort, status_for
+from services.lifecycle import ServingState
+from services.prometheus import GatewayPrometheus
 from gateway.prepare import prepare
 from gateway.report import RequestRecord, report
-from gateway.router import Engine
+from gateway.router import Engine, EngineRouter
 from gateway.text import StreamingText
-
-if TYPE_CHECKING:
-    from gateway.server import GatewayServer
 
 log = structlog.get_logger(__name__)
 DECODE_METHOD = "/ninfer.v1.DecodeService/Decode"
@@ -72,24 +70,25 @@ def time_left(context: grpc.ServicerContext) -> float | None:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, server: "GatewayServer"):
-        self.server = server
-        self.router = server.router
-        self.tracer = server.tracer
+    def __init__(self, router: EngineRouter, state: ServingState, tracer: Tracer, metrics: GatewayPrometheus):
+        self.router = router
+        self.state = state
+        self.tracer = tracer
+        self.metrics = metrics
 
     def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext):
         record = RequestRecord(request_id=uuid.uuid4().hex, received=time.monotonic())
         with bound_contextvars(request_id=record.request_id), \
                 self.tracer.start_as_current_span("generate") as span:
             try:
-                with self.server.state.admit():
+                with self.state.admit():
                     yield from self._generate(request, context, record)
                 record.status = grpc.StatusCode.OK
             except BaseException as e:        # GeneratorExit too: the client went away
                 record.status = status_for(e, 0).code
                 raise
             finally:
-                report(record, span, self.server.metrics)
+                report(record, span, self.metrics)
 
     def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord):
         model = self.router.model
@@ -115,7 +114,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return
             # The first token goes out before the decode call starts: starting a gRPC call costs about
             # a millisecond of Python, which would otherwise add to the time to first token.
-            record.token_sent(len(first.token_ids), self.server.metrics)
+            record.token_sent(len(first.token_ids), self.metrics)
             yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
             if not context.is_active():
                 raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away after the prefill")
@@ -132,7 +131,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 try:
                     for msg in call:           # read to the stream's end, so that it ends OK, not cancelled
                         delta = text.push(list(msg.token_ids), final=msg.finished)
-                        record.token_sent(len(msg.token_ids), self.server.metrics)
+                        record.token_sent(len(msg.token_ids), self.metrics)
                         if msg.finished:
                             yield self._final(record, delta, msg.token_ids, msg.stats, opts)
                         elif delta or opts.include_token_ids or opts.continuous_usage_stats:
@@ -195,7 +194,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _final(self, record: RequestRecord, text: str, token_ids, stats: common_pb2.RequestStats,
                opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:
         if record.first_token_at is None:           # the prefill's token was the only one
-            record.token_sent(len(token_ids), self.server.metrics)
+            record.token_sent(len(token_ids), self.metrics)
         record.stats = stats_from_proto(stats)
         record.result = gateway_pb2.GenerateResult(stats=stats, gateway_timings=record.gateway_timings(),
                                                    model=record.model, engine=record.engine)

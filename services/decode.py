@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
 from structlog.contextvars import bound_contextvars
 
 from engine.loop import RequestStream
+from engine.stats import FinishReason, RequestStats
 from ninfer.v1 import decode_pb2, decode_pb2_grpc
 from services.convert import stats_to_proto
+from services.engine_context import EngineContext
 from services.errors import RpcAbort
 from services.prefill import AbortOnTermination
 from services.prometheus import observe_per_token
@@ -21,22 +23,20 @@ from services.telemetry import stats_attributes
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
-    from services.engine_host import EngineHost
-
 log = structlog.get_logger(__name__)
 FINAL_OUTPUT_WAIT_S = 10.0       # an aborted request's final output comes within one engine step
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, host: "EngineHost"):
-        self.host = host
+    def __init__(self, engine: EngineContext):
+        self.ctx = engine
 
     def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.ServicerContext):
-        host = self.host
+        ctx = self.ctx
         # A decode finishes work admitted before a drain began: it passes while draining.
-        with host.state.admit(during_drain=True), bound_contextvars(request_id=request.handle), \
-                host.tracer.start_as_current_span("decode") as span:
-            loop = host.loop
+        with ctx.state.admit(during_drain=True), bound_contextvars(request_id=request.handle), \
+                ctx.tracer.start_as_current_span("decode") as span:
+            loop = ctx.engine
             stream = loop.resume(request.handle)           # RequestNotFoundError: NOT_FOUND
             # Cancelled or past its deadline: the request is aborted before the next engine step.
             guard = AbortOnTermination.register(context, loop, request.handle)
@@ -46,14 +46,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 for out in stream:
                     now = time.monotonic()
                     if out.new_token_ids:
-                        observe_per_token(host.metrics.inter_token, now - last, len(out.new_token_ids))
+                        observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
                     last = now
                     if not out.finished:
                         yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
                         continue
                     guard.disarm()
                     self._report(out.stats, span)
-                    if out.finish_reason == "abort":      # the call ended (cancel, deadline): no one listens
+                    if out.finish_reason is FinishReason.ABORT:  # the call ended (cancel, deadline): no one listens
                         raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
                     yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
                                                     stats=stats_to_proto(out.stats))
@@ -65,9 +65,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                         self._report(final.stats, span)
                 raise
 
-    def _report(self, stats: dict[str, Any], span: "Span") -> None:
+    def _report(self, stats: RequestStats, span: "Span") -> None:
         span.set_attributes(stats_attributes(stats))
-        self.host.metrics.observe_finished(stats)
+        self.ctx.metrics.observe_finished(stats)
         log.info("engine_request_done", **stats_attributes(stats))
 
 

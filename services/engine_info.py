@@ -1,41 +1,44 @@
-"""EngineInfoService: what the engine serves (model, limits, tokenizer) and its metrics snapshot."""
+"""EngineInfoService: what the engine serves (model, limits, tokenizer, warm-up) and its metrics snapshot."""
 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
 
 import grpc
 
-from engine.core import EngineCore
+from engine.info import EngineInfo
 from ninfer.v1 import engine_info_pb2, engine_info_pb2_grpc
 from services.convert import metrics_to_proto
-
-if TYPE_CHECKING:
-    from services.engine_host import EngineHost
+from services.engine_context import EngineContext
 
 
-def model_info(core: EngineCore, lease_seconds: float) -> engine_info_pb2.ModelInfo:
-    d = core.describe()
-    tokenizer_json = core.tokenizer.inner.to_str()
+def model_info_to_proto(info: EngineInfo) -> engine_info_pb2.ModelInfo:
+    w = info.warmup
     return engine_info_pb2.ModelInfo(
-        model=d["model"], vocab_size=core.model_config.vocab_size, max_model_len=d["max_model_len"],
-        kv_capacity_tokens=d["kv_capacity_tokens"], block_size=d["block_size"], prefill_chunk=d["prefill_chunk"],
-        draft_tokens=d["draft_tokens"], eos_token_ids=list(core.model_config.eos_token_ids),
-        tokenizer_json=tokenizer_json, tokenizer_sha256=hashlib.sha256(tokenizer_json.encode()).hexdigest(),
-        device=d["device"], dtype=d["dtype"], kv_dtype=d["kv_dtype"],
-        tensor_parallel_size=d["tensor_parallel_size"], lease_seconds=lease_seconds)
+        model=info.model, vocab_size=info.vocab_size, max_model_len=info.max_model_len,
+        kv_capacity_tokens=info.kv_capacity_tokens, block_size=info.block_size, prefill_chunk=info.prefill_chunk,
+        draft_tokens=info.draft_tokens, eos_token_ids=list(info.eos_token_ids),
+        tokenizer_json=info.tokenizer_json,
+        tokenizer_sha256=hashlib.sha256(info.tokenizer_json.encode()).hexdigest(),
+        device=info.device, dtype=info.dtype, kv_dtype=info.kv_dtype,
+        tensor_parallel_size=info.tensor_parallel_size, lease_seconds=info.lease_seconds,
+        warmup=engine_info_pb2.Warmup(done=w.done, seconds=w.seconds, cuda_graphs=w.cuda_graphs,
+                                      graph_buckets=list(w.graph_buckets),
+                                      graph_capture_seconds=w.graph_capture_seconds,
+                                      no_graphs_reason=w.no_graphs_reason))
 
 
 class EngineInfoServicer(engine_info_pb2_grpc.EngineInfoServiceServicer):
-    def __init__(self, host: "EngineHost"):
-        self.host = host
+    def __init__(self, engine: EngineContext):
+        self.ctx = engine
+        self._model_info: engine_info_pb2.ModelInfo | None = None
 
     def GetModelInfo(self, request, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
-            return self.host.model_info
+        with self.ctx.state.admit(during_drain=True):
+            if self._model_info is None:              # built once: the tokenizer is large
+                self._model_info = model_info_to_proto(self.ctx.info)
+            return self._model_info
 
     def GetMetrics(self, request, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
-            snapshot, refs = self.host.loop.call(lambda core: (core.snapshot(), (core.kv.refs_taken, core.kv.refs_dropped)))
-            return metrics_to_proto(snapshot, refs)
+        with self.ctx.state.admit(during_drain=True):
+            return metrics_to_proto(self.ctx.engine.metrics())

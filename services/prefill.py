@@ -8,22 +8,18 @@ or the lease expires. A call that ends before its first token (cancel, deadline)
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
 from structlog.contextvars import bound_contextvars
 
-from engine.errors import RequestNotFoundError
 from engine.loop import EngineLoop
-from engine.metrics import request_stats
+from engine.stats import FinishReason
 from ninfer.v1 import prefill_pb2, prefill_pb2_grpc
 from services.convert import sampling_from_proto, stats_to_proto
+from services.engine_context import EngineContext
 from services.errors import RpcAbort
 from services.telemetry import prefill_attributes, stats_attributes
-
-if TYPE_CHECKING:
-    from services.engine_host import EngineHost
 
 log = structlog.get_logger(__name__)
 
@@ -54,56 +50,38 @@ class AbortOnTermination:
         return guard
 
 
-def parked_stats(loop: EngineLoop, request_id: str) -> dict[str, Any] | None:
-    """Prefill-phase stats of a parked request, read from this thread without waiting for a step.
-
-    Safe because a parked request does not change until `resume` (which only its decode calls) or
-    until it finishes (then it is gone from `parked` and this returns None).
-    """
-    req = loop.core.scheduler.parked.get(request_id)
-    return None if req is None else request_stats(req, loop.core.config.prefill_chunk)
-
-
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, host: "EngineHost"):
-        self.host = host
+    def __init__(self, engine: EngineContext):
+        self.ctx = engine
 
     def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
-        host = self.host
-        with host.state.admit(), bound_contextvars(request_id=request.request_id or None), \
-                host.tracer.start_as_current_span("prefill") as span:
-            loop = host.loop
+        ctx = self.ctx
+        with ctx.state.admit(), bound_contextvars(request_id=request.request_id or None), \
+                ctx.tracer.start_as_current_span("prefill") as span:
+            loop = ctx.engine
             params = sampling_from_proto(request.sampling)
             stream = loop.submit(list(request.prompt_token_ids), params, request.request_id or None,
                                  park_after_prefill=True)
             guard = AbortOnTermination.register(context, loop, stream.request_id)
             first = stream.next()                     # QueueTimeoutError: RESOURCE_EXHAUSTED
+            guard.disarm()
+            stats = first.stats                       # the prefill's figures, or the finished request's
             if first.finished:
-                guard.disarm()
-                if first.finish_reason == "abort":
+                if first.finish_reason is FinishReason.ABORT:
                     raise RpcAbort(grpc.StatusCode.CANCELLED, "the prefill call ended before its first token")
-                stats = first.stats
                 span.set_attributes(stats_attributes(stats))
-                host.metrics.observe_prefill(stats)
-                host.metrics.observe_finished(stats)
+                ctx.metrics.observe_prefill(stats)
+                ctx.metrics.observe_finished(stats)
                 log.info("engine_request_done", **stats_attributes(stats))
             else:
-                stats = parked_stats(loop, stream.request_id)
-                if stats is None:                     # aborted (the call ended) or expired meanwhile
-                    raise RequestNotFoundError(f"request {stream.request_id!r} ended right after its prefill")
-                guard.disarm()
                 span.set_attributes(prefill_attributes(stats))
-                host.metrics.observe_prefill(stats)
+                ctx.metrics.observe_prefill(stats)
             span.set_attribute("ninfer.request_id", stream.request_id)
             return prefill_pb2.PrefillResponse(
                 handle=stream.request_id, token_ids=first.new_token_ids, finished=first.finished,
-                stats=stats_to_proto(stats), lease_seconds=host.lease_seconds)
+                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds)
 
     def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True), bound_contextvars(request_id=request.handle):
-            loop = self.host.loop
-            handle = request.handle
-            if not loop.call(lambda core: handle in core.scheduler.parked):
-                raise RequestNotFoundError(f"no prefilled handle {handle!r} (unknown, attached, expired or finished)")
-            loop.abort(handle)
+        with self.ctx.state.admit(during_drain=True), bound_contextvars(request_id=request.handle):
+            self.ctx.engine.release(request.handle)         # RequestNotFoundError: NOT_FOUND
             return prefill_pb2.ReleaseResponse()

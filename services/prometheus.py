@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.stats import RequestStats
 from services.address import split_host_port
 
 # Seconds; dense below 100 ms, where CPU tests and GPU decode steps live.
@@ -56,18 +57,17 @@ class EnginePrometheus:
                                 ["position"], registry=r)
         r.register(_EngineSnapshotCollector(snapshot))
 
-    def observe_prefill(self, stats: dict[str, Any]) -> None:
-        t = stats["timings_seconds"]
-        self.ttft.observe(t["ttft"])
-        self.queue_wait.observe(t["queue"])
-        self.prefill_tokens.inc(stats["computed_prefill_tokens"])
-        self.cached_tokens.inc(stats["cached_tokens"])
+    def observe_prefill(self, stats: RequestStats) -> None:
+        self.ttft.observe(stats.timings.ttft)
+        self.queue_wait.observe(stats.timings.queue)
+        self.prefill_tokens.inc(stats.usage.computed_prefill_tokens)
+        self.cached_tokens.inc(stats.usage.cached_tokens)
 
-    def observe_finished(self, stats: dict[str, Any]) -> None:
-        spec = stats["speculative"]
-        self.generated_tokens.inc(stats["completion_tokens"])
-        self.spec_rounds.inc(spec["rounds"])
-        for i, n in enumerate(spec["accepted_per_position"]):
+    def observe_finished(self, stats: RequestStats) -> None:
+        spec = stats.speculative
+        self.generated_tokens.inc(stats.usage.completion_tokens)
+        self.spec_rounds.inc(spec.rounds)
+        for i, n in enumerate(spec.accepted_per_position):
             self.accepted.labels(position=str(i + 1)).inc(n)
 
 
@@ -88,8 +88,8 @@ class _EngineSnapshotCollector(Collector):
         yield requests
         yield GaugeMetricFamily("ninfer_engine_kv_cache_usage_ratio", "Share of KV blocks in use", value=kv["usage"])
         yield GaugeMetricFamily("ninfer_engine_kv_free_blocks", "KV blocks free", value=kv["free_blocks"])
-        finished = CounterMetricFamily("ninfer_engine_requests_finished", "Finished requests by finish reason "
-                                       "(the warm-up request included)", labels=["finish_reason"])
+        finished = CounterMetricFamily("ninfer_engine_requests_finished", "Finished requests by finish reason",
+                                       labels=["finish_reason"])
         for reason, n in sorted(snap["performance"]["requests"].items()):
             finished.add_metric([reason], n)
         yield finished

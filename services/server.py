@@ -26,7 +26,7 @@ SEND_GRACE_S = 5.0      # a handler that returned may still be sending its last 
 
 @dataclass
 class ServerOptions:
-    """Flags every ninfer server takes (see gateway/cli.py for their spelling)."""
+    """Flags every ninfer server takes (see ninfer/cli/flags.py for their spelling)."""
 
     listen: str                                     # HOST:PORT; port 0 = any free port
     metrics_listen: str | None = None               # HOST:PORT of /metrics; None = off

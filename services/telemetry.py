@@ -15,6 +15,8 @@ from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+from engine.stats import RequestStats
+
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
@@ -31,36 +33,36 @@ def build_tracer_provider(service_name: str, otlp_endpoint: str | None = None) -
     return provider
 
 
-def prefill_attributes(stats: dict[str, Any]) -> dict[str, Any]:
+def prefill_attributes(stats: RequestStats) -> dict[str, Any]:
     """What the prefill phase knows: GenAI input usage and ours (ninfer.*)."""
-    t = stats["timings_seconds"]
+    u, t = stats.usage, stats.timings
     return {
-        "gen_ai.usage.input_tokens": stats["prompt_tokens"],
-        "ninfer.computed_prefill_tokens": stats["computed_prefill_tokens"],
-        "ninfer.cached_tokens": stats["cached_tokens"],
-        "ninfer.prefill_chunk": stats["prefill_chunk"],
-        "ninfer.queue_seconds": t["queue"],
-        "ninfer.prefill_seconds": t["prefill"],
-        "ninfer.ttft_seconds": t["ttft"],
-        "ninfer.prefill_tok_s": stats["prefill_tok_s"],
+        "gen_ai.usage.input_tokens": u.prompt_tokens,
+        "ninfer.computed_prefill_tokens": u.computed_prefill_tokens,
+        "ninfer.cached_tokens": u.cached_tokens,
+        "ninfer.prefill_chunk": stats.prefill_chunk,
+        "ninfer.queue_seconds": t.queue,
+        "ninfer.prefill_seconds": t.prefill,
+        "ninfer.ttft_seconds": t.ttft,
+        "ninfer.prefill_tok_s": stats.rates.prefill_tok_s,
     }
 
 
-def stats_attributes(stats: dict[str, Any]) -> dict[str, Any]:
-    """A finished request's stats (engine.metrics.request_stats layout) as flat span attributes.
-    The same dict is logged as `request_done`, so that span and log agree by construction."""
-    t, spec = stats["timings_seconds"], stats["speculative"]
+def stats_attributes(stats: RequestStats) -> dict[str, Any]:
+    """A finished request's stats as flat span attributes. The same dict is logged as `request_done`,
+    so that span and log agree by construction."""
+    t, spec = stats.timings, stats.speculative
     return {
         **prefill_attributes(stats),
-        "gen_ai.usage.output_tokens": stats["completion_tokens"],
-        "gen_ai.response.finish_reasons": (stats["finish_reason"] or "",),
-        "ninfer.preemptions": stats["preemptions"],
-        "ninfer.decode_seconds": t["decode"],
-        "ninfer.total_seconds": t["total"],
-        "ninfer.decode_tok_s": stats["decode_tok_s"],
-        "ninfer.draft_tokens": spec["draft_tokens"],
-        "ninfer.speculative_rounds": spec["rounds"],
-        "ninfer.drafted_tokens": spec["drafted"],
-        "ninfer.accepted_tokens": spec["accepted"],
-        "ninfer.accepted_per_position": tuple(spec["accepted_per_position"]),
+        "gen_ai.usage.output_tokens": stats.usage.completion_tokens,
+        "gen_ai.response.finish_reasons": (stats.finish_reason.value if stats.finish_reason else "",),
+        "ninfer.preemptions": stats.preemptions,
+        "ninfer.decode_seconds": t.decode,
+        "ninfer.total_seconds": t.total,
+        "ninfer.decode_tok_s": stats.rates.decode_tok_s,
+        "ninfer.draft_tokens": spec.draft_tokens,
+        "ninfer.speculative_rounds": spec.rounds,
+        "ninfer.drafted_tokens": spec.drafted,
+        "ninfer.accepted_tokens": spec.accepted,
+        "ninfer.accepted_per_position": spec.accepted_per_position,
     }

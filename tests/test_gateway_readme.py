@@ -6,7 +6,7 @@ import re
 import shlex
 from pathlib import Path
 
-from gateway.cli import build_parser
+from ninfer.cli.main import build_parser
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -18,7 +18,7 @@ def ninfer_invocations(block: str) -> list[list[str]]:
         line = line.split("#", 1)[0]
         for part in re.split(r"&&|;|&|\(|\)", line):
             words = shlex.split(part)
-            if words and words[0] == "ninfer":
+            if words and (words[0] == "ninfer" or words[0].endswith("/bin/ninfer")):
                 out.append(words[1:])
     return out
 
@@ -30,6 +30,16 @@ def test_the_main_job_serves_waits_for_health_and_streams_from_the_gateway():
     serve, generate = (build_parser().parse_args(c) for c in commands)
     assert generate.gateway == serve.listen and generate.wait_ready > 0
     assert "kill $!" in first_block, "the server is stopped (SIGTERM: it drains) when the stream is done"
+
+
+def test_both_commands_install_the_same_pins_that_ci_tests():
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "-c constraints.txt" in blocks[0] and "-c constraints.txt" in ci and blocks[1].startswith("bash .ci/run")
+    pins = [line for line in (README.parent / "constraints.txt").read_text().splitlines()
+            if line and not line.startswith("#")]
+    assert all("==" in line for line in pins) and any(line.startswith("torch==") for line in pins)
+    assert "python3 -m venv .venv" in blocks[0] and "python3 -m venv .venv" in ci
 
 
 def test_every_documented_command_parses():

@@ -52,7 +52,7 @@ def assert_matches_llm_generate(client: GatewayClient, llm: LLM, prompts: list[s
             text, ids, last = collect(client.generate(prompt, sampling=sampling, include_token_ids=True))
             assert ids == ref.token_ids, (prompt, sampling)
             assert text == ref.text, (prompt, sampling)
-            assert stats_from_proto(last.result.stats)["finish_reason"] == ref.finish_reason
+            assert stats_from_proto(last.result.stats).finish_reason == ref.finish_reason
 
 
 def test_stream_equals_llm_generate_embedded_model(client):
@@ -135,11 +135,11 @@ def test_get_engine_metrics_through_the_gateway(client, stack):
 
 
 def test_ninfer_generate_streams_from_the_gateway(stack):
-    out = subprocess.run([sys.executable, "-m", "gateway.cli", "generate", "--gateway", stack.address, "--prompt",
+    out = subprocess.run([sys.executable, "-m", "ninfer", "generate", "--gateway", stack.address, "--prompt",
                           "Hi there", "--max-tokens", "5", "--ignore-eos", "--json", "--wait-ready", "30"],
                          capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     *deltas, final = [json.loads(line) for line in out]
-    assert sum(len(d["token_ids"]) for d in deltas) == 5 == final["stats"]["completion_tokens"]
+    assert sum(len(d["token_ids"]) for d in deltas) == 5 == final["stats"]["usage"]["completion_tokens"]
     assert final["finish_reason"] == "length" and final["model"] == "ninfer-embedded-tiny"
-    assert set(final["stats"]) >= {"timings_seconds", "prefill_tok_s", "decode_tok_s", "speculative"}
+    assert set(final["stats"]) >= {"usage", "timings", "rates", "speculative"}
     assert final["gateway_timings"]["ttft"] > 0

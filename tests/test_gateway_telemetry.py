@@ -20,7 +20,7 @@ from opentelemetry.trace import SpanKind
 
 from engine.config import EngineConfig
 from gateway.client import GatewayClient, SamplingParams
-from gateway.logs import configure_logging
+from ninfer.cli.logs import configure_logging
 from gateway.serve import ServeStack
 from services.convert import stats_from_proto
 from services.server import ServerOptions
@@ -119,8 +119,8 @@ def test_engine_spans_carry_the_engine_stats(run):
     decode = dict(one(en, "decode", SpanKind.INTERNAL).attributes)
     assert decode == {"ninfer.request_id": final.request_id, **stats_attributes(stats)}
     prefill = one(en, "prefill", SpanKind.INTERNAL).attributes
-    assert prefill["ninfer.queue_seconds"] == stats["timings_seconds"]["queue"]
-    assert prefill["ninfer.computed_prefill_tokens"] == stats["computed_prefill_tokens"]
+    assert prefill["ninfer.queue_seconds"] == stats.timings.queue
+    assert prefill["ninfer.computed_prefill_tokens"] == stats.usage.computed_prefill_tokens
     (engine_done,) = [e for e in events if e["event"] == "engine_request_done"]
     assert engine_done["request_id"] == final.request_id, "the request id is bound in the engine's logs too"
 

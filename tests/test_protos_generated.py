@@ -1,4 +1,4 @@
-"""The committed ninfer/ package is exactly what tools/gen_protos.py makes from protos/, for
+"""The committed ninfer/v1 package is exactly what tools/gen_protos.py makes from protos/, for
 grpcio 1.84; every rpc, message, field and enum value in the protos has a doc comment."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_committed_code_is_what_the_generator_makes(tmp_path):
     from tools.gen_protos import generate
     written = generate(tmp_path)
     fresh = {p.relative_to(tmp_path): p.read_bytes() for p in written}
-    committed = {p.relative_to(REPO): p.read_bytes() for p in (REPO / "ninfer").rglob("*")
+    committed = {p.relative_to(REPO): p.read_bytes() for p in (REPO / "ninfer" / "v1").rglob("*")
                  if p.is_file() and "__pycache__" not in p.parts}
     assert sorted(fresh) == sorted(committed), "files differ: run python tools/gen_protos.py"
     stale = [str(name) for name, data in fresh.items() if committed[name] != data]

@@ -24,7 +24,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 @pytest.fixture(scope="module")
 def host():
-    h = EngineHost(EngineConfig(kv_capacity=4096, extra={"lease_s": LEASE_S}),
+    h = EngineHost(EngineConfig(kv_capacity=4096, lease_seconds=LEASE_S),
                    ServerOptions(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")).start().load()
     yield h
     h.stop()
@@ -109,7 +109,7 @@ def test_an_unknown_handle_is_not_found(engine, handle):
 def test_the_metrics_rpc_returns_the_snapshot_contract(engine, host):
     list(engine.decode(engine.prefill(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True)).handle))
     m = engine.metrics()
-    snap = host.loop.snapshot()
+    snap = host.loop.metrics()
     assert list(m.history.decode_tokens) == snap["history"]["decode_tokens"][:len(m.history.decode_tokens)]
     assert sum(m.history.decode_tokens) > 0 and len(m.history.interval_seconds) == len(m.history.prefill_tokens)
     assert m.last.completion_tokens == 4 and m.last.HasField("ttft_s")

@@ -1,7 +1,8 @@
 """Regenerate the committed protobuf code: `python tools/gen_protos.py` (needs grpcio-tools 1.84.*).
 
 protos/ninfer/v1/*.proto -> ninfer/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py, so that
-`from ninfer.v1 import gateway_pb2` matches the proto package `ninfer.v1`. The GPU machine has grpcio
+`from ninfer.v1 import gateway_pb2` matches the proto package `ninfer.v1`. Only ninfer/v1 is generated:
+the rest of the `ninfer` package (the command line) is written by hand. The GPU machine has grpcio
 and protobuf but no grpcio-tools, hence committed code; tests/test_protos_generated.py regenerates
 into a temporary directory and fails when the committed files differ.
 """
@@ -39,9 +40,8 @@ def generate(out_dir: Path) -> list[Path]:
             f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}", *protos]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    for init in (out_dir / "ninfer" / "__init__.py", out_dir / PACKAGE_DIR / "__init__.py"):
-        init.write_text(PACKAGE_INIT)
-    return sorted(p for p in (out_dir / "ninfer").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    (out_dir / PACKAGE_DIR / "__init__.py").write_text(PACKAGE_INIT)
+    return sorted(p for p in (out_dir / PACKAGE_DIR).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
 def main(argv: list[str] | None = None) -> int:

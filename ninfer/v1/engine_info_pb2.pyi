@@ -11,7 +11,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "kv_capacity_tokens", "block_size", "prefill_chunk", "draft_tokens", "eos_token_ids", "tokenizer_json", "tokenizer_sha256", "device", "dtype", "kv_dtype", "tensor_parallel_size", "lease_seconds")
+    __slots__ = ("model", "vocab_size", "max_model_len", "kv_capacity_tokens", "block_size", "prefill_chunk", "draft_tokens", "eos_token_ids", "tokenizer_json", "tokenizer_sha256", "device", "dtype", "kv_dtype", "tensor_parallel_size", "lease_seconds", "warmup")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class ModelInfo(_message.Message):
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARMUP_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -42,7 +43,24 @@ class ModelInfo(_message.Message):
     kv_dtype: str
     tensor_parallel_size: int
     lease_seconds: float
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    warmup: Warmup
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., warmup: _Optional[_Union[Warmup, _Mapping]] = ...) -> None: ...
+
+class Warmup(_message.Message):
+    __slots__ = ("done", "seconds", "cuda_graphs", "graph_buckets", "graph_capture_seconds", "no_graphs_reason")
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CUDA_GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_CAPTURE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_GRAPHS_REASON_FIELD_NUMBER: _ClassVar[int]
+    done: bool
+    seconds: float
+    cuda_graphs: bool
+    graph_buckets: _containers.RepeatedScalarFieldContainer[int]
+    graph_capture_seconds: float
+    no_graphs_reason: str
+    def __init__(self, done: _Optional[bool] = ..., seconds: _Optional[float] = ..., cuda_graphs: _Optional[bool] = ..., graph_buckets: _Optional[_Iterable[int]] = ..., graph_capture_seconds: _Optional[float] = ..., no_graphs_reason: _Optional[str] = ...) -> None: ...
 
 class GetMetricsRequest(_message.Message):
     __slots__ = ()
