@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance"]
+ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e"]
 NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance"}
 
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report_only(args)
 
     import torch
-    from tools.bench import acceptance, concurrency, decode, kv, peer, prefill, report, roofline, runinfo, tp
+    from tools.bench import acceptance, concurrency, decode, e2e, kv, peer, prefill, report, roofline, runinfo, tp
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
     from tools.bench.progress import Budget, say
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

@@ -73,7 +73,7 @@ def streams_point(session, n: int, ctx: int, max_tokens: int, timeout: float) ->
         s.next(timeout=timeout)
     ids = [s.request_id for s in streams]
     t0 = time.monotonic()
-    session.loop.call(lambda core: [core.resume(rid) for rid in ids])
+    session.loop.resume_all(ids)
     reps = [compact(session.wait(s, timeout)) for s in streams]
     wall = time.monotonic() - t0
     rates = [r["decode_tok_s"] for r in reps]

@@ -56,6 +56,12 @@ class Bench:
         base.update(overrides)
         return EngineSpec(**base)
 
+    def gpu_count(self) -> int:
+        if self.kind == "cpu":
+            return 0
+        import torch
+        return torch.cuda.device_count()
+
     def build_guess_s(self) -> float:
         """Predicted seconds to build and warm an engine: the last build's, else a guess."""
         return self.pool.last_setup_s or GUESS_ENGINE_BUILD_S[self.kind]

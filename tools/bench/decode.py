@@ -54,7 +54,7 @@ def decode_point(bench, session, context: int, repeats: int, max_tokens: int, la
     return point
 
 
-def speed_from_warmup(stats: dict) -> float:
+def speed_from_warmup(stats) -> float:
     """Seconds per generated token seen in one request (a prediction for sizing requests)."""
     rep = compact(stats)
     n = rep["completion_tokens"] - 1
@@ -64,7 +64,7 @@ def speed_from_warmup(stats: dict) -> float:
 def seconds_per_token(session, context: int) -> float:
     """From the engine's first request when it decoded enough, else from a short request now."""
     stats = session.warm_stats
-    if stats is None or stats["completion_tokens"] < 16:
+    if stats is None or stats.usage.completion_tokens < 16:
         stats = session.generate(random_prompt(context, session.vocab), SamplingParams(max_tokens=24, ignore_eos=True))
     return speed_from_warmup(stats)
 

@@ -24,6 +24,10 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
     "agg_decode_8_streams": (">=", 6.5, "aggregate decode, 8 streams: >= 6.5x one"),
     "int8_over_bf16_kv_decode_32k": (">=", 1.10, "int8 KV vs bf16 KV, decode at 32k context: >= 1.10x"),
     "context_192k_ok": ("==", True, "a 192k-token context on qwen3-32b int8 KV, TP2: prefill + >= 512 decoded tokens"),
+    "e2e_decode_b1_over_inproc": (">=", 0.97, "served (engine + gateway processes, gRPC client) over in-process: "
+                                              "decode, 1 stream >= 0.97"),
+    "e2e_agg_8_over_inproc": (">=", 0.95, "served over in-process: aggregate decode, 8 streams >= 0.95"),
+    "e2e_ttft_added_ms": ("<=", 2.0, "served: TTFT added over in-process <= 2 ms (median, 512-token prompt)"),
 }
 
 
@@ -210,6 +214,14 @@ def headline(results: dict) -> tuple[dict, dict]:
                             "single_tok_s": conc[1]["aggregate_tok_s"]}
         else:
             why[name] = missing("concurrency") or f"needs N=1 and N={n}"
+
+    e2e = secs.get("e2e", {})
+    for name in ("e2e_decode_b1_over_inproc", "e2e_agg_8_over_inproc", "e2e_ttft_added_ms"):
+        if e2e.get(name) is not None:
+            values[name] = e2e[name]
+            inputs[name] = e2e.get(name + "_inputs", {})
+        else:
+            why[name] = missing("e2e") or e2e.get("e2e_reason") or "not measured"
 
     kv = secs.get("kv", {})
     if kv.get("int8_over_bf16") is not None:

@@ -85,6 +85,18 @@ class AcceptancePlan:
 
 
 @dataclass
+class E2EPlan:
+    prompt: int                     # prompt tokens of every request
+    decode_tokens: int              # max_tokens of the decode points (ignore_eos)
+    streams: list[int]              # streams sent together; 1 = decode batch 1
+    ttft_repeats: int               # requests alone whose TTFT gives the median
+    tps: list[int]
+    ks: list[int]
+    draft_vocab: int                # the reduced draft vocabulary of the k > 0 engines
+    kv_capacity: int                # every stream of the largest point fits
+
+
+@dataclass
 class Plan:
     mode: str
     shape: str
@@ -100,6 +112,7 @@ class Plan:
     kv: KVPlan
     tp: TPPlan
     acceptance: AcceptancePlan
+    e2e: E2EPlan
     # The points the headline figures read (BENCH.md's: P=4096 and 32768 at chunk 4096, decode at a
     # 512-token context, int8 KV at 32768); the CPU dry run reads its own small stand-ins.
     reference: dict[str, int] = field(default_factory=lambda: dict(
@@ -125,8 +138,8 @@ def _gpu_full(shape: str) -> Plan:
     return Plan(
         mode="full", shape=shape, chunk=4096, kv_capacity=131 * K + 512,
         budgets={"roofline": 20, "peer": 60, "prefill": 150, "concurrency": 60, "decode": 170, "kv": 40,
-                 "tp": 300, "acceptance": 45},
-        global_s=480,
+                 "tp": 300, "acceptance": 45, "e2e": 600},
+        global_s=1080,
         roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
                               gemv_rows=151936, gemv_cols=4096),
         peer=PeerPlan(prefill_prompts=[4 * K, 32 * K], prefill_repeats=3, decode_prompt=512, decode_new_tokens=32),
@@ -142,6 +155,8 @@ def _gpu_full(shape: str) -> Plan:
                   prefill_prompts=[512, 4 * K, 32 * K]),
         acceptance=AcceptancePlan(ks=[1, 2, 3, 5], temperatures=[0.0, 0.7], prompts_per_workload=3, max_tokens=192,
                                   implied_context=512),
+        e2e=E2EPlan(prompt=512, decode_tokens=256, streams=[1, 8, 32], ttft_repeats=10, tps=[1, 2], ks=[0, 3],
+                    draft_vocab=32768, kv_capacity=32 * K),
     )
 
 
@@ -150,8 +165,10 @@ def _gpu_quick(shape: str) -> Plan:
     plan.mode = "quick"
     plan.kv_capacity = 32 * K + 1024
     plan.budgets = {"roofline": 12, "peer": 35, "prefill": 35, "concurrency": 30, "decode": 60, "kv": 25,
-                    "tp": 200, "acceptance": 25}
-    plan.global_s = 210
+                    "tp": 200, "acceptance": 25, "e2e": 480}
+    plan.global_s = 690
+    plan.e2e = E2EPlan(prompt=512, decode_tokens=128, streams=[1, 8, 32], ttft_repeats=8, tps=[1, 2], ks=[0, 3],
+                       draft_vocab=32768, kv_capacity=24 * K)
     plan.roofline.repeats = 10
     plan.peer.prefill_repeats = 2
     plan.prefill = PrefillPlan(grid={4096: [4 * K, 32 * K]}, repeats={4 * K: 3, 32 * K: 2})
@@ -171,7 +188,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
         mode="cpu-quick" if quick else "cpu", shape=shape, chunk=128, kv_capacity=1024,
         # generous: the CPU run checks code paths (the test), it must not skip points on a slow machine
         budgets={name: 120.0 for name in ("roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp",
-                                          "acceptance")},
+                                          "acceptance", "e2e")},
         global_s=900,
         roofline=RooflinePlan(copy_bytes=64 << 20, matmul_n=512, matmul_dtype="float32", gemv_rows=4096,
                               gemv_cols=1024, repeats=5),
@@ -187,6 +204,8 @@ def _cpu(shape: str, quick: bool) -> Plan:
                   prefill_prompts=[128, 512]),
         acceptance=AcceptancePlan(ks=[3], temperatures=[0.0, 0.7], prompts_per_workload=1, max_tokens=24,
                                   implied_context=64),
+        e2e=E2EPlan(prompt=64, decode_tokens=16, streams=[1, 2, 4], ttft_repeats=3, tps=[1], ks=[0, 3],
+                    draft_vocab=128, kv_capacity=1024),
         reference=dict(prefill_P=128, prefill_long_P=512, prefill_chunk=128, decode_context=64, kv_context=256,
                        streams_small=2, streams_large=4),
     )
@@ -196,4 +215,5 @@ def _cpu(shape: str, quick: bool) -> Plan:
         plan.decode.contexts = {0: [64, 256], 3: [64]}
         plan.concurrency.streams = [1, 2, 4]
         plan.acceptance.max_tokens = 16
+        plan.e2e.ks, plan.e2e.streams, plan.e2e.decode_tokens = [0], [1, 2], 8
     return plan

@@ -99,7 +99,7 @@ def markdown(r: dict) -> str:
                      d.get("reason") or _inputs_text(d.get("inputs")), d["target_text"]])
     L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "BENCH.md"], rows)
 
-    L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r)
+    L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
 
     L += ["## Sections", ""]
     rows = [[name, s.get("status", "?"), fmt(s.get("elapsed_s")), s.get("run_id", ""),
@@ -329,6 +329,37 @@ def _tp(r: dict) -> list[str]:
         L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
                  f"{'ok' if sec.get('context_192k_ok') else 'FAILED'} "
                  f"{lc.get('error', '')}(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    return L + [""]
+
+
+def _e2e(r: dict) -> list[str]:
+    sec = r["sections"].get("e2e")
+    if not sec or sec.get("status") == "skipped":
+        return ["## End to end", "", f"- skipped: {sec.get('reason')}", ""] if sec else []
+    L = ["## End to end — `ninfer engine` + `ninfer gateway` processes over gRPC vs the in-process engine", "",
+         "Client-side timings on both paths: TTFT median of prompts alone; decode = (tokens - 1) / (last - first "
+         "token) per stream, summed over the streams sent together.", ""]
+    rows = []
+    for c in sec.get("configs", []):
+        if "skipped" in c:
+            rows.append([c.get("label", f"tp{c.get('tp')}"), "skipped: " + c["skipped"]] + [""] * 7)
+            continue
+        a, b = c["inproc"], c["e2e"]
+        streams = sorted(int(n) for n in a["streams"])
+        agg = "; ".join(f"{n}: {fmt(a['streams'][str(n)]['aggregate_tok_s'])} / {fmt(b['streams'][str(n)]['aggregate_tok_s'])}"
+                        for n in streams)
+        rows.append([c["label"], f"{a['ttft_ms_median']:.2f} / {b['ttft_ms_median']:.2f}", f"{c['ttft_added_ms']:+.2f}",
+                     agg, fmt(c.get("decode_b1_over_inproc")), fmt(c.get("agg_8_over_inproc")),
+                     fmt(c.get("agg_32_over_inproc")),
+                     f"{c['consistency_violation_count']} of {c['messages_checked']}",
+                     "graphs" if (c.get("served_engine_warmup") or {}).get("cuda_graphs") else
+                     (c.get("served_engine_warmup") or {}).get("no_graphs_reason") or "?"])
+    L += _tab(["config", "TTFT ms in-proc / served", "added ms", "decode tok/s by streams, in-proc / served",
+               "1 stream ratio", f"{sec.get('configs', [{}])[0].get('agg_streams', 8)} streams ratio", "32 streams ratio",
+               "inconsistent final messages", "served engine"], rows)
+    bad = [v for c in sec.get("configs", []) for v in c.get("consistency_violations", [])[:5]]
+    if bad:
+        L += ["", "First inconsistencies:", ""] + [f"- {v}" for v in bad[:10]]
     return L + [""]
 
 

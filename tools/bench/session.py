@@ -23,6 +23,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loop import EngineLoop, RequestStream
 from engine.sampling_params import SamplingParams
+from engine.stats import RequestStats
 
 FIRST_TOKEN_ID = 3                 # below: the byte-level tokenizer's special tokens
 _nonce = itertools.count(1)
@@ -38,19 +39,19 @@ class RequestTimeout(Exception):
     pass
 
 
-def compact(stats: dict[str, Any]) -> dict[str, Any]:
+def compact(stats: RequestStats) -> dict[str, Any]:
     """The per-request numbers a figure keeps (the engine's stats, minus nothing the bench derives from)."""
-    t = stats["timings_seconds"]
-    spec = stats["speculative"]
+    t = stats.timings
+    spec = stats.speculative
     return {
-        "prompt_tokens": stats["prompt_tokens"], "computed_prefill_tokens": stats["computed_prefill_tokens"],
-        "cached_tokens": stats["cached_tokens"], "completion_tokens": stats["completion_tokens"],
-        "prefill_chunk": stats["prefill_chunk"], "preemptions": stats["preemptions"],
-        "finish_reason": stats["finish_reason"],
-        "prefill_s": t["prefill"], "decode_s": t["decode"], "queue_s": t["queue"], "ttft_s": t["ttft"],
-        "prefill_tok_s": stats["prefill_tok_s"], "decode_tok_s": stats["decode_tok_s"],
-        "draft_tokens": spec["draft_tokens"], "rounds": spec["rounds"], "accepted": spec["accepted"],
-        "accepted_per_position": list(spec["accepted_per_position"]),
+        "prompt_tokens": stats.usage.prompt_tokens, "computed_prefill_tokens": stats.usage.computed_prefill_tokens,
+        "cached_tokens": stats.usage.cached_tokens, "completion_tokens": stats.usage.completion_tokens,
+        "prefill_chunk": stats.prefill_chunk, "preemptions": stats.preemptions,
+        "finish_reason": stats.finish_reason.value if stats.finish_reason else None,
+        "prefill_s": t.prefill, "decode_s": t.decode, "queue_s": t.queue, "ttft_s": t.ttft,
+        "prefill_tok_s": stats.rates.prefill_tok_s, "decode_tok_s": stats.rates.decode_tok_s,
+        "draft_tokens": spec.draft_tokens, "rounds": spec.rounds, "accepted": spec.accepted,
+        "accepted_per_position": list(spec.accepted_per_position),
     }
 
 
@@ -78,44 +79,35 @@ class EngineSpec:
 
 
 class EngineSession:
+    """An engine built the way every entry point builds it: the core, the loop, then the one warm-up
+    (`EngineLoop.warmup`: kernels compiled, CUDA graphs captured) before any request is measured."""
+
     def __init__(self, spec: EngineSpec):
         self.spec = spec
         self.config = spec.config()
         t0 = time.perf_counter()
-        self.core = EngineCore(self.config)
+        self.loop: EngineLoop | None = EngineLoop(EngineCore(self.config)).start()
         self.build_s = time.perf_counter() - t0
-        # The engine's own warm-up (kernels, CUDA-graph capture) where it has one; it must run
-        # before the loop thread starts serving.
-        self.engine_warmup: dict[str, Any] | None = None
-        warm = getattr(self.core, "warmup", None)
-        if callable(warm):
-            t0 = time.perf_counter()
-            try:
-                info = warm()
-            except BaseException:
-                self.loop = None
-                self.close()
-                raise
-            self.engine_warmup = {"seconds": time.perf_counter() - t0,
-                                  **({k: v for k, v in info.items() if isinstance(v, (int, float, str))}
-                                     if isinstance(info, dict) else {})}
-        self.loop = EngineLoop(self.core).start()
-        self.vocab = self.core.model_config.vocab_size
+        try:
+            self.engine_warmup = self.loop.warmup()
+            info = self.loop.info()
+        except BaseException:
+            self.close()
+            raise
+        self.vocab = info.vocab_size
         c = self.config
-        self.describe = {**self.core.describe(), "draft_vocab": c.draft_vocab, "enforce_eager": c.enforce_eager,
+        self.describe = {**info.log_fields(), "draft_vocab": c.draft_vocab, "enforce_eager": c.enforce_eager,
                          "prefix_reuse": c.prefix_reuse, "max_batch": c.max_batch,
-                         "build_s": round(self.build_s, 2)}
-        if self.engine_warmup is not None:
-            self.describe["engine_warmup_s"] = round(self.engine_warmup["seconds"], 2)
+                         "build_s": round(self.build_s, 2), "engine_warmup_s": round(self.engine_warmup.seconds, 2)}
         self.warm_s = 0.0
-        self.warm_stats: dict[str, Any] | None = None
+        self.warm_stats: RequestStats | None = None
 
     # -- requests -------------------------------------------------------------------------------
 
     def submit(self, prompt: list[int] | str, params: SamplingParams, park: bool = False) -> RequestStream:
         return self.loop.submit(prompt, params, park_after_prefill=park)
 
-    def wait(self, stream: RequestStream, timeout: float, on_output=None) -> dict[str, Any]:
+    def wait(self, stream: RequestStream, timeout: float, on_output=None) -> RequestStats:
         """Read a stream to its end; returns the final stats. `on_output(t, out)` sees every output."""
         deadline = time.monotonic() + timeout
         while True:
@@ -129,16 +121,16 @@ class EngineSession:
             if out.finished:
                 return out.stats
 
-    def generate(self, prompt: list[int] | str, params: SamplingParams, timeout: float = 300.0) -> dict[str, Any]:
+    def generate(self, prompt: list[int] | str, params: SamplingParams, timeout: float = 300.0) -> RequestStats:
         return self.wait(self.submit(prompt, params), timeout)
 
-    def generate_many(self, prompts: list, params: list[SamplingParams], timeout: float = 300.0) -> list[dict]:
+    def generate_many(self, prompts: list, params: list[SamplingParams], timeout: float = 300.0) -> list[RequestStats]:
         """Submit all at once (they batch in the engine), then collect each one's stats."""
         streams = [self.submit(p, sp) for p, sp in zip(prompts, params)]
         deadline = time.monotonic() + timeout
         return [self.wait(s, max(0.01, deadline - time.monotonic())) for s in streams]
 
-    def warm_up(self, prompt_tokens: int, decode_tokens: int = 16) -> dict[str, Any]:
+    def warm_up(self, prompt_tokens: int, decode_tokens: int = 16) -> RequestStats:
         """One request through prefill (two chunks where it can) and a few decode rounds, so that
         compilation and first-use costs stay out of the figures. Returns its stats."""
         t0 = time.perf_counter()
@@ -151,8 +143,8 @@ class EngineSession:
 
     @property
     def setup_text(self) -> str:
-        ew = f", engine warm-up {self.engine_warmup['seconds']:.1f} s" if self.engine_warmup else ""
-        return f"built in {self.build_s:.1f} s{ew}, first request {self.warm_s:.1f} s"
+        return (f"built in {self.build_s:.1f} s, engine warm-up {self.engine_warmup.seconds:.1f} s, "
+                f"first request {self.warm_s:.1f} s")
 
     @property
     def alive(self) -> bool:
@@ -160,13 +152,8 @@ class EngineSession:
 
     def close(self) -> None:
         if self.loop is not None:
-            self.loop.shutdown(timeout=30)
-        # tensor-parallel ranks run on their own threads, which hold their shards until stopped
-        executor = getattr(self.core, "executor", None)
-        if executor is not None and callable(getattr(executor, "shutdown", None)):
-            executor.shutdown()
+            self.loop.shutdown(timeout=30)      # frees every rank's shard, KV and graphs
         self.loop = None
-        self.core = None
         free_memory()
 
 
