@@ -1,1 +1,2 @@
-"""Generated protobuf code for the ninfer.v1 API (tools/gen_protos.py); do not edit."""
+"""ninfer: an LLM inference server for gRPC. `ninfer.cli` is the command line (`ninfer`, `python -m
+ninfer`); `ninfer.v1` is the generated code of the public protocol (tools/gen_protos.py)."""

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from gateway.cli import build_parser
+from ninfer.cli.main import build_parser
 
 yaml = pytest.importorskip("yaml", reason="PyYAML reads the compose file (it comes with transformers)")
 

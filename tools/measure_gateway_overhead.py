@@ -18,7 +18,7 @@ import sys
 import time
 
 from gateway.client import GatewayClient, SamplingParams
-from gateway.launch import ServerProcess
+from tools.server_process import ServerProcess
 from services.client import EngineClient
 
 

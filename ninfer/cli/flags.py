@@ -1,0 +1,167 @@
+"""Every flag of `ninfer`, in groups, and what they build (EngineConfig, ServerOptions, SamplingParams).
+
+Spellings follow vLLM where vLLM has the flag (`--max-num-seqs`, `--gpu-memory-utilization`,
+`--kv-cache-dtype`, `--num-speculative-tokens`, `--no-enable-prefix-caching`,
+`-tp/--tensor-parallel-size`, `--max-model-len`, `--host`/`--port`); the earlier ninfer spelling stays
+as an alias. Environment variables are read when a command runs, never at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from services.address import join_host_port, split_host_port
+
+DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50051"
+DEFAULT_ENGINE_LISTEN = "127.0.0.1:50052"
+DEFAULT_GATEWAY_METRICS = "127.0.0.1:9400"
+DEFAULT_ENGINE_METRICS = "127.0.0.1:9401"
+ENGINE_GROUP = "engine"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help (not for flags without one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, argparse.SUPPRESS) or isinstance(action, argparse._StoreFalseAction):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+# -- engine ---------------------------------------------------------------------------------------
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig.__dataclass_fields__
+    g = p.add_argument_group(ENGINE_GROUP, "the in-process engine (its model, memory, scheduling, speculation)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory, or preset:NAME (random weights of a reference shape); "
+                        "default: the embedded tiny model (random weights: it serves plumbing, not text)")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu or cuda[:N]")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto",
+                   help="KV cache dtype: auto (= --dtype) or int8 (per token and head scales)")
+    g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV page")
+    g.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default,
+                   help="tokens per prefill step of the one prefill lane")
+    g.add_argument("--kv-capacity", type=int, default=None,
+                   help="KV capacity in tokens (default: what --gpu-memory-utilization leaves after the weights)")
+    g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization", type=float,
+                   default=d["memory_utilization"].default, help="share of device memory the engine may take")
+    g.add_argument("--num-speculative-tokens", "--draft-tokens", dest="draft_tokens", type=int,
+                   default=d["draft_tokens"].default,
+                   help="MTP draft tokens per round, k (0 = no speculation; needs a checkpoint with mtp.* weights)")
+    g.add_argument("--draft-vocab", type=int, default=d["draft_vocab"].default,
+                   help="draft over the first N token ids only (0 = the whole vocabulary)")
+    g.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=d["max_batch"].default,
+                   help="requests decoding together (the decode batch)")
+    g.add_argument("--max-pending", type=int, default=d["max_pending"].default,
+                   help="queued requests before new ones are refused (RESOURCE_EXHAUSTED)")
+    g.add_argument("--pending-timeout-ms", type=int, default=d["pending_timeout_ms"].default,
+                   help="queue wait before a request fails (RESOURCE_EXHAUSTED)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: the model's)")
+    g.add_argument("-tp", "--tensor-parallel-size", "--tp", dest="tensor_parallel_size", type=int,
+                   default=d["tensor_parallel_size"].default, help="GPUs to shard the model over (in one process)")
+    g.add_argument("--tp-comm", default=d["tp_comm"].default, choices=("auto", "p2p", "nccl"),
+                   help="TP all-reduce: one-shot peer-to-peer over NVLink, NCCL, or auto (p2p where it works)")
+    g.add_argument("--no-enable-prefix-caching", "--no-prefix-reuse", dest="prefix_reuse", action="store_false",
+                   help="never share KV blocks between requests with the same prefix")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode; for debugging)")
+    g.add_argument("--lease-seconds", type=float, default=d["lease_seconds"].default,
+                   help="how long a prefilled handle keeps its KV without a decode attaching")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+        block_size=args.block_size, prefill_chunk=args.prefill_chunk, kv_capacity=args.kv_capacity,
+        memory_utilization=args.memory_utilization, draft_tokens=args.draft_tokens,
+        draft_vocab=args.draft_vocab, max_batch=args.max_batch, max_pending=args.max_pending,
+        pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
+        enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds)
+
+
+def engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The engine flags that appear in `argv` (as typed: `--flag` or `--flag=value`)."""
+    group = next(g for g in parser._action_groups if g.title == ENGINE_GROUP)
+    options = {o for a in group._group_actions for o in a.option_strings}
+    return [a.split("=", 1)[0] for a in argv if a.split("=", 1)[0] in options]
+
+
+# -- servers --------------------------------------------------------------------------------------
+
+def add_server_args(p: argparse.ArgumentParser, listen: str, metrics_listen: str) -> None:
+    from services.server import DEFAULT_MAX_MESSAGE_BYTES
+    g = p.add_argument_group("server")
+    g.add_argument("--listen", default=listen, metavar="HOST:PORT", help="address to serve gRPC on (port 0 = any)")
+    g.add_argument("--host", default=None, help="host to serve on (overrides the host of --listen)")
+    g.add_argument("--port", type=int, default=None, help="port to serve on (overrides the port of --listen)")
+    g.add_argument("--metrics-listen", default=metrics_listen, metavar="HOST:PORT",
+                   help="address of the Prometheus /metrics endpoint ('off' = none)")
+    g.add_argument("--api-key", default=None,
+                   help="bearer token every call but health must present (default: $NINFER_API_KEY, else none)")
+    g.add_argument("--enable-reflection", action="store_true", help="serve gRPC server reflection")
+    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest request message accepted (larger: RESOURCE_EXHAUSTED)")
+    g.add_argument("--max-workers", type=int, default=256, help="server threads (one per open stream)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds streams in flight get to finish after SIGTERM")
+    g.add_argument("--retry-pushback-ms", type=int, default=1000,
+                   help="grpc-retry-pushback-ms sent with RESOURCE_EXHAUSTED")
+    g.add_argument("--otlp-endpoint", default=None,
+                   help="OTLP/gRPC trace endpoint, e.g. http://127.0.0.1:4317 (default: $OTEL_EXPORTER_OTLP_ENDPOINT)")
+    add_log_args(p, default_level="info")
+
+
+def add_log_args(p: argparse.ArgumentParser, default_level: str) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-json", action="store_true", help="JSON log lines on stderr")
+    g.add_argument("--log-level", default=default_level, choices=("debug", "info", "warning", "error"),
+                   help="least severe level logged")
+
+
+def listen_address(args: argparse.Namespace) -> str:
+    """--listen, with --host and --port (vLLM's spelling) overriding its parts."""
+    host, port = split_host_port(args.listen)
+    if args.host is not None:
+        host = args.host
+    if args.port is not None:
+        port = args.port
+    return join_host_port(host, port)
+
+
+def server_options(args: argparse.Namespace, service_name: str):
+    """Flags -> ServerOptions; reads OTEL_* and NINFER_API_KEY now, at startup."""
+    from services.server import ServerOptions
+    from services.telemetry import build_tracer_provider
+    return ServerOptions(
+        listen=listen_address(args),
+        metrics_listen=None if args.metrics_listen in ("", "off") else args.metrics_listen,
+        api_key=args.api_key or os.environ.get("NINFER_API_KEY") or None, enable_reflection=args.enable_reflection,
+        max_workers=args.max_workers, max_message_bytes=args.max_message_bytes,
+        retry_pushback_ms=args.retry_pushback_ms, drain_timeout_s=args.drain_timeout,
+        tracer_provider=build_tracer_provider(service_name, args.otlp_endpoint))
+
+
+# -- sampling -------------------------------------------------------------------------------------
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams.__dataclass_fields__
+    g = p.add_argument_group("sampling")
+    g.add_argument("--prompt", required=True, help="prompt text")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; higher = more random")
+    g.add_argument("--top-p", type=float, default=d["top_p"].default, help="nucleus sampling: keep the smallest set "
+                   "of tokens whose probability reaches this")
+    g.add_argument("--top-k", type=int, default=d["top_k"].default, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not part of the output")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)

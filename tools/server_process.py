@@ -1,0 +1,80 @@
+"""Run `ninfer engine|gateway|serve` as a child process and learn its address from its JSON logs.
+
+    with ServerProcess.start("engine", "--kv-capacity", "4096") as engine:
+        engine.address                    # from the `engine_listening` event (--listen 127.0.0.1:0)
+        engine.terminate(); engine.wait() # SIGTERM: drain, then exit 0
+
+The tools and the multi-process tests use it; every line the child logs is kept in `events` (so the
+child must log at info level: that is where it says where it listens).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from typing import Any
+
+LISTENING_EVENTS = {"engine": "engine_listening", "gateway": "gateway_listening", "serve": "gateway_listening"}
+
+
+class ServerProcess:
+    def __init__(self, proc: subprocess.Popen, command: str):
+        self.proc = proc
+        self.command = command
+        self.events: list[dict[str, Any]] = []
+        self.other_lines: list[str] = []
+        self.address: str | None = None
+        self._listening = threading.Event()
+        self._reader = threading.Thread(target=self._read, name=f"ninfer-{command}-stderr", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, command: str, *args: str, env: dict[str, str] | None = None,
+              timeout_s: float = 120.0) -> "ServerProcess":
+        argv = [sys.executable, "-m", "ninfer", command, "--listen", "127.0.0.1:0", "--metrics-listen", "off",
+                "--log-json", *args]
+        server = cls(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, env=env), command)
+        if not server._listening.wait(timeout_s) or server.address is None:
+            server.kill()
+            raise RuntimeError(f"`ninfer {command}` did not start listening within {timeout_s} s: "
+                               f"{server.other_lines[-20:]}")
+        return server
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                self.other_lines.append(line.rstrip())
+                continue
+            self.events.append(event)
+            if event.get("event") == LISTENING_EVENTS[self.command] and self.address is None:
+                self.address = event["address"]
+                self._listening.set()
+        self._listening.set()                       # exited before listening: start() reports it
+
+    def terminate(self) -> None:
+        self.proc.terminate()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def wait(self, timeout_s: float = 60.0) -> int:
+        code = self.proc.wait(timeout_s)
+        self._reader.join(timeout=5)
+        return code
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.terminate()
+            try:
+                self.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
