@@ -31,7 +31,6 @@ GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 def _generate(**kw) -> list[list[int]]:
     llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)
-    llm.engine.warmup()
     outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     llm.engine.executor.shutdown()
     return outs
@@ -79,7 +78,6 @@ def test_int8_kv_agrees_with_bf16_kv():
 def test_sampled_decoding_is_reproducible_on_gpu():
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)] * 2
     llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, draft_tokens=3)
-    llm.engine.warmup()
     first = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
     second = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
     assert first == second
@@ -110,7 +108,6 @@ def test_automatic_kv_capacity_fits_the_devices(tp):
     llm = LLM("preset:qwen3-8b", device="cuda", tensor_parallel_size=tp, draft_tokens=3, prefill_chunk=4096,
               max_batch=16, memory_utilization=utilization, max_model_len=16384)
     try:
-        llm.engine.warmup()
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 100000) for _ in range(8192)]] + \
                   [[rng.randrange(1000, 100000) for _ in range(64)] for _ in range(15)]
