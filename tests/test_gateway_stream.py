@@ -143,3 +143,42 @@ def test_ninfer_generate_streams_from_the_gateway(stack):
     assert final["finish_reason"] == "length" and final["model"] == "ninfer-embedded-tiny"
     assert set(final["stats"]) >= {"usage", "timings", "rates", "speculative"}
     assert final["gateway_timings"]["ttft"] > 0
+
+
+def test_every_final_message_agrees_with_itself_and_the_client_under_concurrency(client):
+    """8 streams at once, the same 200-token prompt twice over (the second wave finds it in the prefix
+    cache): every final message satisfies the bench's identities (tools/bench/e2e.py `consistency`),
+    and a prefill rate counts only the tokens its prefill computed -- the cause of a 397 tok/s
+    'prefill rate' for a 512-token prompt (496 of its tokens were cached; 16 computed in one step)."""
+    from tools.bench.e2e import StreamTiming, consistency, gateway_stream, run_together
+    from engine.sampling_params import SamplingParams as EngineSampling
+
+    prompt = [(7 * i) % 300 + 3 for i in range(200)]
+    params = EngineSampling(max_tokens=6, ignore_eos=True)
+    waves = [run_together(lambda ids, p, t: gateway_stream(client, ids, p, t), [prompt] * 8, params, 120)
+             for _ in range(2)]
+    timings: list[StreamTiming] = [t for wave in waves for t in wave]
+    assert [v for t in timings for v in consistency(t)] == []
+    for t in timings:
+        u = t.stats.usage
+        assert u.computed_prefill_tokens + u.cached_tokens == u.prompt_tokens == 200
+        assert t.stats.rates.prefill_tok_s == pytest.approx(u.computed_prefill_tokens / t.stats.timings.prefill)
+    assert any(t.stats.usage.cached_tokens >= 192 for t in waves[1]), "the second wave reuses the cached prefix"
+
+
+def test_the_consistency_check_catches_what_cannot_be_true():
+    from dataclasses import replace
+
+    from engine.stats import Rates, RequestStats, SpeculativeCounts, Timings, Usage
+    from tools.bench.e2e import StreamTiming, consistency
+
+    good = RequestStats(Usage(512, 16, 496, 5), Timings(0.001, 0.04, 0.02, 0.061, 0.041), Rates(400.0, 200.0),
+                        SpeculativeCounts(0, 0, 0, 0, ()), 2048, 0, None)
+    t = StreamTiming(ttft_s=0.05, first_at=1.0, last_at=1.03, tokens=5, stats=good, gateway_ttft_s=0.045)
+    assert consistency(t) == []
+    assert consistency(replace(t, stats=replace(good, usage=replace(good.usage, computed_prefill_tokens=512))))
+    assert consistency(replace(t, stats=replace(good, timings=replace(good.timings, prefill=0.05))))
+    assert consistency(replace(t, gateway_ttft_s=0.06))                  # gateway later than its client
+    assert consistency(replace(t, gateway_ttft_s=0.03))                  # engine later than its gateway
+    assert consistency(replace(t, tokens=4))
+    assert consistency(replace(t, last_at=1.01))                         # the client saw 200 tok/s > engine's
