@@ -85,7 +85,10 @@ class EngineCore:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
         self.memory = plan_memory(config, model_config, k, self.max_model_len)
         log.info("memory_plan", plan=self.memory.describe(), model=self.model_name, draft_tokens=k)
+        t0 = time.perf_counter()
         self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
+        log.info("weights_loaded", model=self.model_name, ranks=self.executor.num_ranks,
+                 seconds=round(time.perf_counter() - t0, 2))
         self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.prefix_reuse)
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch=config.max_batch, max_pending=config.max_pending,
