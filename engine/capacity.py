@@ -62,14 +62,15 @@ def available_memory(cfg: EngineConfig) -> int:
 
 
 def shard_bytes(model: ModelConfig, tp: int, with_mtp: bool, max_position: int, elt: int) -> int:
-    """Bytes of one rank's shard: its parameters in the model dtype and its buffers (the RoPE table),
+    """Bytes of one rank's shard: its parameters in the model dtype (quantized ones in theirs) and its buffers (the RoPE table),
     counted on a shard built on the meta device -- exact for whatever each layer splits or keeps
     whole (norms, the MTP fc, KV heads fewer than ranks, padded vocabulary rows)."""
     from engine.models.qwen3 import Qwen3ForCausalLM
     from engine.parallel import TPGroup
     with torch.device("meta"):
         shard = Qwen3ForCausalLM(model, TPGroup(rank=0, size=tp), with_mtp=with_mtp, max_position=max_position)
-    return (sum(p.numel() for p in shard.parameters()) * elt
+    # quantized layers' tensors (packed codes, scales) keep their own dtype
+    return (sum(p.numel() * (p.element_size() if getattr(p, "quantized", False) else elt) for p in shard.parameters())
             + sum(b.numel() * b.element_size() for b in shard.buffers()))
 
 

@@ -31,6 +31,8 @@ class ModelConfig:
     mtp_num_hidden_layers: int = 0
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "qwen3"
+    # FP8-block or NVFP4 linear layers (engine.quant.scheme.QuantScheme); None = the model dtype
+    quant: Any = None
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
@@ -69,6 +71,7 @@ class ModelConfig:
             mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers", 0) or 0),
             eos_token_ids=tuple(int(e) for e in eos_token_ids),
             model_type=model_type,
+            quant=_quant_scheme(hf.get("quantization_config")),
         )
 
     def num_params(self, include_mtp: bool = True) -> int:
@@ -151,6 +154,13 @@ class EngineConfig:
     @property
     def kv_dtype_name(self) -> str:
         return self.torch_dtype_name if self.kv_dtype == "auto" else self.kv_dtype
+
+
+def _quant_scheme(qc):
+    if not qc:
+        return None
+    from engine.quant.scheme import from_hf
+    return from_hf(qc)
 
 
 def _require_int(name: str, value: Any, lo: int, hi: int) -> None:

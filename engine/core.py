@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -30,6 +30,14 @@ from engine.stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 log = structlog.get_logger(__name__)
+
+
+def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
+    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized)."""
+    if model_config.quant is None:
+        return weights.shapes()
+    from engine.quant.scheme import normalize_found
+    return normalize_found(weights.shapes(), model_config.quant)
 
 
 @dataclass
@@ -57,17 +65,25 @@ class EngineCore:
             # a reference shape with random weights, made on the device (benchmarks)
             self.model_name = config.model[len(PRESET_PREFIX):]
             model_config = preset(config.model)
-            with torch.device("meta"):
-                shapes = Qwen3ForCausalLM(model_config, with_mtp=True).checkpoint_shapes()
-            weights = RandomWeights(shapes, "cpu" if config.device == "cpu" else config.device)
+            device = "cpu" if config.device == "cpu" else config.device
+            if model_config.quant is not None:
+                from engine.quant.random_weights import RandomQuantWeights
+                weights = RandomQuantWeights.for_model(model_config, device)
+            else:
+                with torch.device("meta"):
+                    shapes = Qwen3ForCausalLM(model_config, with_mtp=True).checkpoint_shapes()
+                weights = RandomWeights(shapes, device)
             self.tokenizer = build_default_tokenizer()
         else:
             md = read_model_dir(config.model)
             self.model_name = md.path.name
             model_config, weights = md.config, md.weights
             self.tokenizer = Tokenizer.from_file(md.tokenizer_file, model_config.eos_token_ids)
+            if model_config.quant is not None:
+                from engine.quant.scheme import resolve_checkpoint
+                model_config = replace(model_config, quant=resolve_checkpoint(model_config.quant, weights))
         self.model_config = model_config
-        found = weights.shapes()
+        found = _shapes(weights, model_config)
         has_mtp = any(n.startswith(MTP_PREFIX) for n in found)
         k = config.draft_tokens
         if k > 0 and not has_mtp:
@@ -75,7 +91,7 @@ class EngineCore:
             k = 0
         if not has_mtp or k == 0:
             weights = weights.without(MTP_PREFIX)
-            found = weights.shapes()
+            found = _shapes(weights, model_config)
         self.draft_tokens = k
         with torch.device("meta"):
             expected = Qwen3ForCausalLM(model_config, with_mtp=k > 0).checkpoint_shapes()

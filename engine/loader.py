@@ -53,6 +53,15 @@ class CheckpointWeights:
                     out[name] = tuple(f.get_slice(name).get_shape())
         return out
 
+    def dtypes(self) -> dict[str, str]:
+        """The safetensors header dtype of every tensor ("BF16", "U8", "F8_E4M3", ...)."""
+        out: dict[str, str] = {}
+        for file, names in self._by_file().items():
+            with safe_open(file, "pt") as f:
+                for name in names:
+                    out[name] = f.get_slice(name).get_dtype()
+        return out
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file, names in self._by_file().items():
             with safe_open(file, "pt") as f:
@@ -132,6 +141,10 @@ def read_model_dir(path: str | Path) -> ModelDir:
         hf = json.loads(config_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file}: not valid JSON ({e})") from None
+    modelopt = path / "hf_quant_config.json"
+    if modelopt.exists() and not hf.get("quantization_config"):
+        from engine.quant.scheme import from_hf_quant_config
+        hf["quantization_config"] = from_hf_quant_config(json.loads(modelopt.read_text()))
     eos: tuple[int, ...] = ()
     gen = path / "generation_config.json"
     if gen.exists():

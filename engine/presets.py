@@ -24,9 +24,28 @@ PRESETS: dict[str, ModelConfig] = {
 PREFIX = "preset:"
 
 
+# "preset:qwen3-8b-nvfp4": the shape with every linear layer but lm_head in that format
+QUANT_SUFFIXES = ("-fp8", "-nvfp4")
+
+
 def preset(name: str) -> ModelConfig:
     key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    for suffix in QUANT_SUFFIXES:
+        if key.endswith(suffix) and key[:-len(suffix)] in PRESETS:
+            return _quantized(PRESETS[key[:-len(suffix)]], suffix[1:])
     if key not in PRESETS:
         from engine.errors import ModelLoadError
         raise ModelLoadError(f"unknown preset {key!r}; known: {', '.join(sorted(PRESETS))}")
     return PRESETS[key]
+
+
+def _quantized(cfg: ModelConfig, fmt: str) -> ModelConfig:
+    from dataclasses import replace
+
+    import torch
+
+    from engine.models.qwen3 import Qwen3ForCausalLM
+    from engine.quant.scheme import QuantScheme
+    with torch.device("meta"):
+        shapes = Qwen3ForCausalLM(cfg, with_mtp=True).checkpoint_shapes()
+    return replace(cfg, quant=QuantScheme(fmt).over_linears(shapes))

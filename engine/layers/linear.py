@@ -3,9 +3,17 @@
 Each parameter carries a `weight_loader(param, full_tensor, shard_id)` that takes the tensor as
 the checkpoint stores it (unsharded, possibly one of several fused parts) and copies this rank's
 slice into place. The model never needs to know how many ranks there are.
+
+Every layer states, in rows and columns of its logical [out, in] weight, where a part lands in the
+local parameter and where this rank's slice starts in the checkpoint tensor (`_row_range`,
+`_col_range`); one loader applies that to every parameter, including the packed weights and the
+scales of a quantized layer (`engine.quant.linear`), whose rows and columns cover `row_div` and
+`col_div` logical ones.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -15,56 +23,90 @@ from engine.parallel import SINGLE_RANK, TPGroup
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, quant: str | None = None,
+                 row_parts: list[int] | None = None, cols_sharded: bool = False):
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.in_features, self.out_features = in_features, out_features
+        self.quant = quant
+        if quant is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+        else:
+            from engine.quant.linear import create_weights
+            # the finest row/column granule a rank's slice or a fused part may start at
+            row_granule = math.gcd(*(row_parts or [out_features]))
+            create_weights(self, quant, in_features, out_features, row_granule, cols_sharded)
+
+    def _row_range(self, shard_id) -> tuple[int, int, int]:
+        """(first local row, first checkpoint row, rows) of part `shard_id` on this rank."""
+        return 0, 0, self.out_features
+
+    def _col_range(self) -> tuple[int, int]:
+        """(first checkpoint column, columns) of this rank."""
+        return 0, self.in_features
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(loaded)
+        expand = getattr(param, "expand_loaded", None)
+        if expand is not None:
+            loaded = expand(loaded)
+        if param.dim() == 1 and loaded.numel() == 1:            # a per-tensor scale kept per row
+            dst0, _, rows = self._row_range(shard_id)
+            param.data.narrow(0, dst0, rows).fill_(loaded.reshape(()).item())
+            return
+        rdiv, cdiv = getattr(param, "row_div", 1), getattr(param, "col_div", 1)
+        dst0, src0, rows = self._row_range(shard_id)
+        dst = param.data.narrow(0, dst0 // rdiv, -(-rows // rdiv))
+        src = loaded.narrow(0, src0 // rdiv, -(-rows // rdiv))
+        if param.dim() == 2:
+            c0, cols = self._col_range()
+            src = src.narrow(1, c0 // cdiv, -(-cols // cdiv))
+        dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            from engine.quant.linear import apply
+            return apply(self, x)
         return F.linear(x, self.weight)
 
 
 class ReplicatedLinear(_Linear):
     """Every rank holds the whole weight (small projections such as the MTP `fc`)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK):
-        super().__init__(in_features, out_features, tp)
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK, quant: str | None = None):
+        super().__init__(in_features, out_features, tp, quant)
 
 
 class ColumnParallelLinear(_Linear):
     """Output features split over ranks; no communication. Checkpoint shape [out, in]."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK):
-        super().__init__(in_features, tp.shard(out_features, "out_features"), tp)
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK, quant: str | None = None,
+                 row_parts: list[int] | None = None):
+        rows = tp.shard(out_features, "out_features")
+        super().__init__(in_features, rows, tp, quant, row_parts or [rows])
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        rows = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp.rank * rows, rows))
+    def _row_range(self, shard_id):
+        return 0, self.tp.rank * self.out_features, self.out_features
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of one input fused into one matmul (gate and up)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], tp: TPGroup = SINGLE_RANK):
+    def __init__(self, in_features: int, output_sizes: list[int], tp: TPGroup = SINGLE_RANK, quant: str | None = None):
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), tp)
+        super().__init__(in_features, sum(output_sizes), tp, quant, [s // tp.size for s in output_sizes])
 
-    def weight_loader(self, param, loaded, shard_id: int) -> None:
+    def _row_range(self, shard_id: int):
         per_rank = [s // self.tp.size for s in self.output_sizes]
-        offset = sum(per_rank[:shard_id])
         rows = per_rank[shard_id]
-        param.data.narrow(0, offset, rows).copy_(loaded.narrow(0, self.tp.rank * rows, rows))
+        return sum(per_rank[:shard_id]), self.tp.rank * rows, rows
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; heads split over ranks, KV heads replicated if fewer than ranks."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp: TPGroup = SINGLE_RANK):
+                 tp: TPGroup = SINGLE_RANK, quant: str | None = None):
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -74,30 +116,26 @@ class QKVParallelLinear(ColumnParallelLinear):
                 raise ValueError(f"num_key_value_heads={num_kv_heads} cannot be replicated over {tp.size} ranks")
             self.num_kv_heads = 1
         self._kv_replicas = max(1, tp.size // num_kv_heads)
-        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        _Linear.__init__(self, hidden_size, out, tp)
+        q_rows, kv_rows = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        _Linear.__init__(self, hidden_size, q_rows + 2 * kv_rows, tp, quant, [q_rows, kv_rows])
 
-    def weight_loader(self, param, loaded, shard_id: str) -> None:
+    def _row_range(self, shard_id: str):
         d = self.head_dim
         q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q_rows), loaded.narrow(0, self.tp.rank * q_rows, q_rows)
-        else:
-            kv_rank = self.tp.rank // self._kv_replicas
-            start = q_rows + (0 if shard_id == "k" else kv_rows)
-            dst, src = param.data.narrow(0, start, kv_rows), loaded.narrow(0, kv_rank * kv_rows, kv_rows)
-        dst.copy_(src)
+            return 0, self.tp.rank * q_rows, q_rows
+        kv_rank = self.tp.rank // self._kv_replicas
+        return q_rows + (0 if shard_id == "k" else kv_rows), kv_rank * kv_rows, kv_rows
 
 
 class RowParallelLinear(_Linear):
     """Input features split over ranks; partial outputs summed with one all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK):
-        super().__init__(tp.shard(in_features, "in_features"), out_features, tp)
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK, quant: str | None = None):
+        super().__init__(tp.shard(in_features, "in_features"), out_features, tp, quant, cols_sharded=True)
 
-    def weight_loader(self, param, loaded, shard_id=None) -> None:
-        cols = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp.rank * cols, cols))
+    def _col_range(self):
+        return self.tp.rank * self.in_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(super().forward(x))

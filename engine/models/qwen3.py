@@ -27,11 +27,12 @@ from engine.parallel import SINGLE_RANK, TPGroup
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, prefix: str = ""):
         super().__init__()
         d = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, tp)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, tp,
+                                          _quant(cfg, prefix, ["q_proj", "k_proj", "v_proj"]))
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, _quant(cfg, prefix, ["o_proj"]))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -59,10 +60,11 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
+                                                       _quant(cfg, prefix, ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, _quant(cfg, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,12 +72,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, prefix: str = ""):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Qwen3Attention(cfg, rotary, tp)
+        self.self_attn = Qwen3Attention(cfg, rotary, tp, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg, tp)
+        self.mlp = Qwen3MLP(cfg, tp, f"{prefix}.mlp")
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
@@ -92,7 +94,8 @@ class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -118,8 +121,9 @@ class MTPModule(nn.Module):
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
-        self.fc = ReplicatedLinear(2 * h, h, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp) for _ in range(cfg.mtp_num_hidden_layers))
+        self.fc = ReplicatedLinear(2 * h, h, tp, _quant(cfg, "mtp", ["fc"]))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"mtp.layers.{i}")
+                                    for i in range(cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -129,6 +133,11 @@ class MTPModule(nn.Module):
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]
+
+
+def _quant(cfg: ModelConfig, prefix: str, parts: list[str]) -> str | None:
+    """The quantized format of the linear layer made of checkpoint modules prefix.part, or None."""
+    return None if cfg.quant is None else cfg.quant.layer_format(prefix, parts)
 
 
 # Checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -194,6 +203,9 @@ class Qwen3ForCausalLM(nn.Module):
                            "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)})
             for i in range(cfg.mtp_num_hidden_layers):
                 shapes.update(layer(f"mtp.layers.{i}"))
+        if cfg.quant is not None:
+            from engine.quant.scheme import quantized_shapes
+            shapes = quantized_shapes(shapes, cfg.quant)
         return shapes
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -202,13 +214,18 @@ class Qwen3ForCausalLM(nn.Module):
         for name, tensor in weights:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            shard_id = None
+            if name.endswith(".input_scale"):         # NVFP4 activation scale: W4A16 does not use it
+                continue
+            shard_id, checkpoint_name = None, name
             for part, (fused, sid) in _FUSED.items():
                 if part in name:
                     name, shard_id = name.replace(part, fused), sid
                     break
             param = params[name]
             loader = getattr(param, "weight_loader", None)
+            if getattr(param, "quantized", False) and tensor.dtype != param.dtype:
+                from engine.errors import ModelLoadError
+                raise ModelLoadError(f"{checkpoint_name}: dtype {tensor.dtype}, the quantized layout needs {param.dtype}")
             tensor = tensor.to(device=param.device, dtype=param.dtype)
             if loader is None:
                 param.data.copy_(tensor)
