@@ -1,0 +1,56 @@
+"""Checks of the quantized matmul kernels against the reference dequantizer (`engine.quant.formats`),
+shared by the GPU tests, the interpreter tests and tools/quant_kernels_check.py.
+
+Weights are drawn, quantized by the reference quantizer, and the kernel's output compared with
+x @ dequantize(W)^T in float32 (for W8A8: with the activations quantized the same way first), as a
+relative error against the largest output. Outputs are poisoned with NaN first by the kernel's own
+`torch.empty` (an unwritten element shows as NaN or garbage; `unwritten` counts the NaNs)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quant import formats as F
+
+
+def make_weights(fmt: str, N: int, K: int, device, seed: int, block: tuple[int, int] = (128, 128)) -> dict:
+    """Reference-quantized weights as a layer holds them, with the float32 dequantized twin."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=gen) * K ** -0.5
+    if fmt == "nvfp4":
+        p, s, s2 = F.quantize_nvfp4(w)
+        # a different tensor scale per half of the rows, as a fused gate/up layer holds them
+        rs = torch.full((N,), float(s2))
+        rs[N // 2:] *= 0.5
+        ref = F.dequantize_nvfp4(p, s, 1.0) * rs[:, None]
+        return {"weight": p.to(device), "scale": s.to(device), "row_scale": rs.to(device), "ref": ref.to(device),
+                "block": (128, 128)}
+    q, si = F.quantize_fp8_block(w, block)
+    return {"weight": q.to(device), "scale": si.to(device), "row_scale": None,
+            "ref": F.dequantize_fp8_block(q, si, block).to(device), "block": block}
+
+
+def _report(y: torch.Tensor, ref: torch.Tensor) -> dict:
+    return {"unwritten": int(torch.isnan(y).sum()),
+            "rel_err": float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))}
+
+
+def check_wxa16(fmt: str, M: int, N: int, K: int, device, seed: int = 0, config=None, dtype=torch.bfloat16,
+                block: tuple[int, int] = (128, 128)) -> dict:
+    from engine.kernels.quant_gemm import wxa16
+    wt = make_weights(fmt, N, K, device, seed, block)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+    y = wxa16(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"], config)
+    return _report(y, x.float() @ wt["ref"].T)
+
+
+def check_w8a8(M: int, N: int, K: int, device, seed: int = 0, config=None, block: tuple[int, int] = (128, 128)) -> dict:
+    from engine.kernels.quant_gemm import quantize_activations, w8a8
+    wt = make_weights("fp8", N, K, device, seed, block)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
+    y = w8a8(x, wt["weight"], wt["scale"], block, config)
+    a, sa = quantize_activations(x)
+    x_ref = F.dequantize_fp8_block(a, sa, (1, 128))          # the kernel's own activations, dequantized
+    r = _report(y, x_ref @ wt["ref"].T)
+    r["activation_rel_err"] = float((x_ref - x.float()).norm() / x.float().norm())
+    return r

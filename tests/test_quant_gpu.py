@@ -1,0 +1,99 @@
+"""Quantized checkpoints on CUDA through the engine: the Triton kernels (bf16 activations, CUDA graphs,
+MTP, TP=2) agree with the reference path (float32 activations dequantize with engine.quant.formats).
+
+Marked gpu / multi_gpu; skipped without CUDA or without the shared tiny model. bf16 rounding lets a
+greedy continuation drift once two tokens are close, so sequences are compared by token agreement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+MODEL = Path(__file__).resolve().parents[1] / ".models" / "tiny-qwen3-mtp"
+if not MODEL.exists():
+    MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-qwen3-mtp"
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")]
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    '{"order_id": "ORD-381901", "item": "printer", "quantity": 8}, {"order_id": "ORD-381902",',
+    "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:",
+    "The interpreter reads the source file and",
+]
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=["fp8", "nvfp4"])
+def quantized(request, tmp_path_factory) -> str:
+    from engine.quant.quantize import quantize_checkpoint
+    out = tmp_path_factory.mktemp(request.param) / "q"
+    quantize_checkpoint(MODEL, out, request.param)
+    return str(out)
+
+
+def _llm(model: str, **kw) -> LLM:
+    llm = LLM(model, device="cuda", kv_capacity=8192, max_batch=8, **kw)
+    llm.engine.warmup()
+    return llm
+
+
+_RUNS: dict = {}
+
+
+def _generate(model: str, **kw) -> list[list[int]]:
+    """Greedy outputs of one engine setting (each setting built once per module: builds dominate)."""
+    key = (model, tuple(sorted(kw.items())))
+    if key not in _RUNS:
+        llm = _llm(model, **kw)
+        _RUNS[key] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        llm.engine.executor.shutdown()
+    return _RUNS[key]
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for s, t in zip(a, b) for x, y in zip(s, t)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+@pytest.fixture(scope="module")
+def reference(quantized) -> list[list[int]]:
+    """float32 activations: every quantized layer takes the reference dequantizer's path."""
+    return _generate(quantized, dtype="float32")
+
+
+def test_kernels_logits_match_the_reference_path(quantized):
+    bf16, fp32 = _llm(quantized), _llm(quantized, dtype="float32")
+    for prompt in PROMPTS:
+        a, b = bf16.prompt_logits(prompt).float(), fp32.prompt_logits(prompt)
+        rel = float((a - b).abs().max() / b.abs().max())
+        assert rel < 0.05, rel
+        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
+    bf16.engine.executor.shutdown()
+    fp32.engine.executor.shutdown()
+
+
+def test_graphed_bf16_decode_agrees_with_the_reference(quantized, reference):
+    assert _agreement(_generate(quantized), reference) >= 0.8
+
+
+def test_graphs_equal_eager(quantized):
+    assert _agreement(_generate(quantized), _generate(quantized, enforce_eager=True)) >= 0.95
+
+
+def test_mtp_speculation_agrees_with_k0(quantized):
+    assert _agreement(_generate(quantized, draft_tokens=3), _generate(quantized)) >= 0.9
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_agrees_with_tp1(quantized):
+    one = _generate(quantized, draft_tokens=3)
+    assert _agreement(_generate(quantized, draft_tokens=3, tensor_parallel_size=2), one) >= 0.9

@@ -1,0 +1,69 @@
+"""The quantized matmul kernels against the reference dequantizer: on a CUDA device at the qwen3-8b
+and -32b shapes (marked gpu), or at tiny shapes under Triton's interpreter on the CPU (opt-in like
+tests/test_kernels_interpret.py: NINFER_TRITON_INTERPRET_TESTS=1). The bound is bf16 output
+rounding (2^-8 of the largest output); engine.kernels.quant_testing holds the checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1" and importlib.util.find_spec("triton") is not None
+pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET),
+                                reason="needs a CUDA device, or triton with NINFER_TRITON_INTERPRET_TESTS=1")
+if INTERPRET and not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+DEV = "cuda" if CUDA else "cpu"
+TOL = 2 ** -8
+
+# (M, N, K): decode rows 1/4/8/32 and prefill; GPU: qwen3-8b qkv/o/gate_up/down, 32b down, TP2 shards
+SHAPES = ([(1, 6144, 4096), (8, 4096, 4096), (4, 24576, 4096), (32, 4096, 12288), (1, 5120, 25600),
+           (3, 3072, 2048), (16, 2048, 6144), (300, 4096, 4096)] if CUDA else
+          [(1, 48, 256), (5, 40, 160), (20, 64, 384), (70, 32, 128)])
+
+
+@pytest.fixture(scope="module")
+def qt():
+    from engine.kernels import quant_testing, testing
+    if not CUDA:
+        testing.patch_interpreter()
+    return quant_testing
+
+
+@pytest.mark.skipif(CUDA, reason="interpreter-only check")
+def test_interpreter_mode():
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_wxa16_matches_the_reference(qt, fmt, shape):
+    r = qt.check_wxa16(fmt, *shape, DEV, seed=sum(shape))
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_wxa16_forced_splits_and_small_scale_blocks(qt, split_k):
+    """FP8 scale blocks of 64 (a TP rank's slice inside a 128 block) and K split over programs."""
+    from engine.kernels.quant_gemm import GemmConfig
+    cfg = GemmConfig(16, 32, 64, 4, 2, split_k)
+    n, k = (256, 1024) if CUDA else (64, 256)
+    for fmt in ("fp8", "nvfp4"):
+        r = qt.check_wxa16(fmt, 3, n, k, DEV, seed=split_k, config=cfg, block=(64, 64))
+        assert r["unwritten"] == 0 and r["rel_err"] < TOL, (fmt, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
+def test_w8a8_matches_the_reference_with_quantized_activations(qt, shape):
+    from engine.kernels.quant_gemm import GemmConfig
+    cfg = None if CUDA else GemmConfig(16, 16, 128, 4, 1)
+    r = qt.check_w8a8(*shape, DEV, seed=sum(shape), config=cfg)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+    assert r["activation_rel_err"] < 0.05
