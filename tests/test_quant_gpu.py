@@ -1,5 +1,8 @@
 """Quantized checkpoints on CUDA through the engine: the Triton kernels (bf16 activations, CUDA graphs,
-MTP, TP=2) agree with the reference path (float32 activations dequantize with engine.quant.formats).
+MTP, TP=2) agree with the reference path (float32 activations dequantize with engine.quant.formats)
+in the logits; greedy runs in bf16 are compared with each other (graphs vs eager, k=3 vs k=0, TP2 vs
+TP1): against the float32 path a bf16 greedy continuation drifts after the first near-tie (0.63 token
+agreement measured on the H200, bench/results/2026-11-30-h200-quant-kernels/pytest.log).
 
 Marked gpu / multi_gpu; skipped without CUDA or without the shared tiny model. bf16 rounding lets a
 greedy continuation drift once two tokens are close, so sequences are compared by token agreement.
@@ -63,12 +66,6 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-@pytest.fixture(scope="module")
-def reference(quantized) -> list[list[int]]:
-    """float32 activations: every quantized layer takes the reference dequantizer's path."""
-    return _generate(quantized, dtype="float32")
-
-
 def test_kernels_logits_match_the_reference_path(quantized):
     bf16, fp32 = _llm(quantized), _llm(quantized, dtype="float32")
     for prompt in PROMPTS:
@@ -78,10 +75,6 @@ def test_kernels_logits_match_the_reference_path(quantized):
         assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
     bf16.engine.executor.shutdown()
     fp32.engine.executor.shutdown()
-
-
-def test_graphed_bf16_decode_agrees_with_the_reference(quantized, reference):
-    assert _agreement(_generate(quantized), reference) >= 0.8
 
 
 def test_graphs_equal_eager(quantized):

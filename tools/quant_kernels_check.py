@@ -5,11 +5,11 @@
 1. pytest tests/test_quant_kernels.py tests/test_quant_gpu.py (log in $OUT/pytest.log);
 2. copy bandwidth (device-to-device) and a bf16 matmul rate, measured here;
 3. decode: every linear layer of qwen3-8b (36 layers, distinct weights) replayed as one CUDA graph,
-   rows M = 1 and 8, in bf16 (cuBLAS), FP8 and NVFP4 (ours), with a sweep of launch shapes; the
-   figure is ms per pass and the fraction of the copy bandwidth its bytes reach;
-4. prefill M = 4096 at each qwen3-8b layer shape: bf16 cuBLAS, FP8 W8A8 (ours, with the activation
-   quantization), FP8 rowwise torch._scaled_mm (a peer, where this torch has it), NVFP4 by
-   dequantized bf16 tiles; TFLOP/s.
+   rows M = 1 and 8, in bf16 (cuBLAS), FP8 and NVFP4 (the skinny kernel), with a sweep of launch
+   shapes; the figure is ms per pass and the fraction of the copy bandwidth its bytes reach;
+4. prefill M = 4096 at each qwen3-8b layer shape: bf16 cuBLAS, FP8 block-scaled torch GEMM with the
+   activation quantization, FP8 rowwise torch._scaled_mm (a peer), FP8 and NVFP4 dequantized to
+   bf16 then cuBLAS; TFLOP/s.
 Prints a table last; JSON to $OUT/quant_kernels.json.
 """
 
@@ -76,12 +76,12 @@ def make_layer(fmt: str, n: int, k: int):
     if fmt == "fp8":
         q, s = formats.quantize_fp8_block(w)
         del w
-        return (lambda x, cfg=None: Q.wxa16(x, "fp8", q, s, None, n, (128, 128), cfg),
+        return (lambda x, cfg=None: Q.skinny(x, "fp8", q, s, None, n, (128, 128), cfg),
                 q.numel() + s.numel() * 4, ("fp8", q, s))
     p, s, s2 = formats.quantize_nvfp4(w)
     del w
     rs = torch.full((n,), float(s2), device=DEV)
-    return (lambda x, cfg=None: Q.wxa16(x, "nvfp4", p, s, rs, n, config=cfg),
+    return (lambda x, cfg=None: Q.skinny(x, "nvfp4", p, s, rs, n, config=cfg),
             p.numel() + s.numel() + rs.numel() * 4, ("nvfp4", p, s, rs))
 
 
@@ -103,11 +103,12 @@ def decode(shape: str, bw: float, sweep: bool) -> None:
         model = [[make_layer(fmt, n, k) for (n, k) in shapes.values()] for _ in range(layers)]
         nbytes = sum(l[1] for layer in model for l in layer)
         configs = [None]
-        if sweep and fmt != "bf16":
-            configs += [Q.GemmConfig(16, bn, bk, w, st) for bn, bk, w, st in
-                        ((16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (16, 256, 4, 3), (32, 256, 4, 4),
-                         (64, 256, 8, 3), (32, 512, 4, 3), (128, 128, 4, 3))
-                        if not (fmt == "fp8" and bk > 128)]
+        if sweep and fmt == "fp8":
+            configs += [Q.GemmConfig(bn, 128, w, st, 0, pps) for bn, w, st, pps in
+                        ((128, 4, 4, 4), (32, 4, 4, 4), (64, 4, 3, 8), (64, 8, 4, 4))]
+        elif sweep and fmt == "nvfp4":
+            configs += [Q.GemmConfig(bn, bk, w, st, 0, pps) for bn, bk, w, st, pps in
+                        ((128, 256, 4, 4, 4), (64, 512, 4, 3, 4), (64, 128, 4, 4, 4), (64, 256, 8, 4, 8))]
         for M in (1, 8):
             xs = {k: torch.randn(M, k, device=DEV, dtype=torch.bfloat16) for _, k in shapes.values()}
             for cfg in configs:
@@ -138,41 +139,32 @@ def prefill(mm_rate: float) -> None:
         flops = 2 * M * n * k
         rows = {"bf16": lambda: F.linear(x, w)}
         q, s = formats.quantize_fp8_block(w)
-        rows["fp8_w8a8"] = lambda: Q.w8a8(x, q, s, (128, 128))
-        a, sa = Q.quantize_activations(x)
-        rows["fp8_w8a8_gemm_only"] = lambda: Q._w8a8_kernel[(triton_cdiv(M, 128) * triton_cdiv(n, 128),)](
-            a, sa, q, s, torch.empty(M, n, device=DEV, dtype=torch.bfloat16), M, n, k, a.stride(0), sa.stride(0),
-            q.stride(0), s.stride(0), n, 128, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
-        rows["fp8_w8a8_64x128"] = lambda: Q.w8a8(x, q, s, (128, 128), Q.GemmConfig(64, 128, 128, 4, 4))
-        rows["fp8_wxa16_tiles"] = lambda: Q.wxa16(x, "fp8", q, s, None, n, (128, 128))
+        rows["fp8_blockwise_scaled_mm"] = lambda: Q._scaled_mm_blockwise(x, q, s)
+        rows["fp8_activation_quant_only"] = lambda: Q.quantize_activations(x)
+        rows["fp8_dequant_bf16_cublas"] = lambda: F.linear(x, Q.dequantize("fp8", q, s, None, n, k, torch.bfloat16))
         try:
             row_scale_a = (x.abs().amax(1, keepdim=True).float() / 448).clamp(min=1e-12)
             xa = (x / row_scale_a).to(torch.float8_e4m3fn)
             wq = (w.float() / (w.abs().amax(1, keepdim=True).float() / 448)).to(torch.float8_e4m3fn)
             sw = (w.abs().amax(1, keepdim=True).float() / 448).reshape(1, n)
-            torch._scaled_mm(xa, wq.t(), scale_a=row_scale_a, scale_b=sw, out_dtype=torch.bfloat16)
             rows["fp8_scaled_mm_rowwise_peer"] = lambda: torch._scaled_mm(xa, wq.t(), scale_a=row_scale_a, scale_b=sw,
                                                                            out_dtype=torch.bfloat16)
         except Exception as e:  # noqa: BLE001
             RESULT["prefill"].append({"layer": name, "kind": "fp8_scaled_mm_rowwise_peer", "error": str(e)[:200]})
         p, s4, s2 = formats.quantize_nvfp4(w)
         rs = torch.full((n,), float(s2), device=DEV)
-        rows["nvfp4_tiles"] = lambda: Q.wxa16(x, "nvfp4", p, s4, rs, n)
-        rows["nvfp4_tiles_64x128x64"] = lambda: Q.wxa16(x, "nvfp4", p, s4, rs, n, config=Q.GemmConfig(64, 128, 64, 4, 3))
+        rows["nvfp4_dequant_bf16_cublas"] = lambda: F.linear(x, Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16))
+        rows["nvfp4_dequant_only"] = lambda: Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16)
         for kind, fn in rows.items():
             try:
                 ms = events_ms(fn, 10)
             except Exception as e:  # noqa: BLE001
-                RESULT["prefill"].append({"layer": name, "kind": kind, "error": str(e)[:200]})
-                print(f"prefill {name} {kind}: ERROR {str(e)[:200]}", flush=True)
+                RESULT["prefill"].append({"layer": name, "kind": kind, "error": str(e)[:300]})
+                print(f"prefill {name} {kind}: ERROR {str(e)[:300]}", flush=True)
                 continue
             RESULT["prefill"].append({"layer": name, "kind": kind, "ms": ms, "tflops": flops / ms / 1e9,
                                       "of_bf16_matmul_peak": flops / (ms / 1e3) / mm_rate})
             print(f"prefill {name:8s} {kind:28s} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def main() -> int:
@@ -181,13 +173,14 @@ def main() -> int:
     ap.add_argument("--tests-timeout", type=int, default=150)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--no-32b", action="store_true")
+    ap.add_argument("--tests", nargs="*", default=["tests/test_quant_kernels.py", "tests/test_quant_gpu.py"])
     args = ap.parse_args()
     if not args.skip_tests:
         t0 = time.time()
         with open(OUT / "pytest.log", "w") as log:
             try:
                 rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                     "tests/test_quant_kernels.py", "tests/test_quant_gpu.py"], cwd=ROOT, stdout=log,
+                                     *args.tests], cwd=ROOT, stdout=log,
                                     stderr=subprocess.STDOUT, timeout=args.tests_timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"

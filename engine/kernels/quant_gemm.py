@@ -1,18 +1,21 @@
 """Matmuls of quantized linear layers on CUDA: y[M, N] = x[M, K] @ W[N, K]^T.
 
-  wxa16     decode (and NVFP4 prefill): W tiles dequantized in registers to the activation dtype,
-            tensor-core dots, fp32 accumulation. FP8 blocks: e4m3 -> bf16 is exact and the block
-            scale multiplies each K-block's partial dot. NVFP4: each E2M1 code is put in the bits of
-            an fp16 number, 2^-14 times its value (exponent 0 is fp16's subnormal, so 0 and 0.5 come
-            out right with no table), times its E4M3 group scale (and 2^14) in fp32 -- exact in
-            bf16 -- and the per-row tensor scale multiplies the accumulator once at the end.
-            Few output tiles (batch-1 decode of a narrow layer) split K over programs: fp32
-            partials summed after.
-  w8a8      FP8 prefill: activations quantized per token and 128-column block (dynamic scales,
-            `quantize_activations`), fp8 x fp8 dots on the tensor cores, both scales applied per
-            K-block.
-Grids depend on shapes only (CUDA-graph safe); nothing here talks to other ranks (TP shards are
-plain local layers). The reference every kernel is held to is `engine.quant.formats`.
+  skinny    decode (M <= 64 rows): the weight tile is the dot's first operand, so it goes from
+            registers to the tensor cores as dequantized (no shared-memory round trip), and the few
+            activation rows are the second (16, 32 or 64 columns). FP8 blocks: e4m3 -> bf16 is exact
+            and the block scale multiplies each K-block's partial dot. NVFP4: each E2M1 code is put
+            in the bits of an fp16 number, 2^-14 times its value (exponent 0 is fp16's subnormal, so
+            0 and 0.5 come out right with no table), times its E4M3 group scale (and 2^14) -- exact
+            in bf16; even and odd columns are two dots against the even and odd activation columns,
+            so the packed byte never has to be interleaved; the per-row tensor scale multiplies the
+            accumulator once. Narrow layers split K over programs (fp32 partials, summed after).
+  prefill   FP8: activations quantized per token and 128 columns (dynamic scales) and
+            torch's block-scaled FP8 GEMM (1x128 by 128x128 scales, cuBLAS) where this torch has it;
+            otherwise, and for NVFP4, the layer's weight is dequantized to bf16 into a scratch tensor
+            by `dequantize` and multiplied by cuBLAS (tools/quant_kernels_check.py measured the
+            dequantized-tile Triton GEMM at a third of cuBLAS's bf16 rate on the H200).
+Grids depend on shapes only (CUDA-graph safe); nothing here talks to other ranks. The reference
+every kernel is held to is `engine.quant.formats`.
 """
 
 from __future__ import annotations
@@ -34,51 +37,57 @@ def _e2m1_times_2p14(c):
 
 
 @triton.jit
-def _wxa16_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                  stride_om, stride_osplit, k_per_split, scale_br, scale_bc,
-                  FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                   stride_om, stride_osplit, k_per_split, scale_br, scale_bc,
+                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
     dt = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-                    mask=m_ok[:, None] & (offs_k[None, :] < k_end), other=0.0)
         if FMT == 1:
             offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            p = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_p[None, :],
-                        mask=n_ok[:, None] & (offs_p[None, :] < k_end // 2), other=0).to(tl.int32)
-            v = tl.join(_e2m1_times_2p14(p & 15), _e2m1_times_2p14(p >> 4))          # [BN, BK/2, 2]
-            v = tl.reshape(v, (BLOCK_N, BLOCK_K // 16, 16))
+            p_ok = offs_p < k_end // 2
+            p = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0).to(tl.int32)
             offs_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
             s = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :],
                         mask=n_ok[:, None] & (offs_g[None, :] < k_end // 16), other=0.0).to(tl.float32)
-            w = tl.reshape(v * (s * 16384.0)[:, :, None], (BLOCK_N, BLOCK_K)).to(dt)
-            acc += tl.dot(x, tl.trans(w))
+            s = (s * 16384.0)[:, :, None]                                           # [BN, BK/16, 1]
+            lo = tl.reshape(tl.reshape(_e2m1_times_2p14(p & 15), (BLOCK_N, BLOCK_K // 16, 8)) * s,
+                            (BLOCK_N, BLOCK_K // 2)).to(dt)
+            hi = tl.reshape(tl.reshape(_e2m1_times_2p14(p >> 4), (BLOCK_N, BLOCK_K // 16, 8)) * s,
+                            (BLOCK_N, BLOCK_K // 2)).to(dt)
+            x_even = x_ptr + offs_m[None, :] * stride_xm + 2 * offs_p[:, None]          # [BK/2, BM]
+            xm = m_ok[None, :] & p_ok[:, None]
+            acc += tl.dot(lo, tl.load(x_even, mask=xm, other=0.0))
+            acc += tl.dot(hi, tl.load(x_even + 1, mask=xm, other=0.0))
         else:
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                        mask=n_ok[:, None] & (offs_k[None, :] < k_end), other=0.0).to(dt)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(dt)
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None], mask=m_ok[None, :] & k_ok[:, None],
+                         other=0.0)
             s = tl.load(s_ptr + (offs_n // scale_br) * stride_sn + k0 // scale_bc, mask=n_ok, other=0.0)
-            acc += tl.dot(x, tl.trans(w)) * s[None, :]
+            acc += tl.dot(w, xt) * s[:, None]
     if FMT == 1:
-        acc *= tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    o = o_ptr + pid_k.to(tl.int64) * stride_osplit + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc *= tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    o = o_ptr + pid_k.to(tl.int64) * stride_osplit + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    block_m: int
     block_n: int
     block_k: int
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4
     split_k: int = 0          # 0 = choose so that the grid fills the GPU
+    programs_per_sm: int = 4  # what split_k=0 aims at
 
 
 _SMS: dict[int, int] = {}
@@ -93,26 +102,30 @@ def _sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
+SKINNY_MAX_ROWS = 64
+
+
 def default_config(fmt: str, M: int) -> GemmConfig:
-    """Launch shapes by format and rows (tools/quant_kernels_check.py sweeps them on the GPU)."""
-    if M <= 16:
-        return GemmConfig(16, 32, 256 if fmt == "nvfp4" else 128, 4, 4)
-    if M <= 64:
-        return GemmConfig(64, 64, 128, 4, 3)
-    return GemmConfig(128, 128, 64 if fmt == "fp8" else 128, 8, 3)
+    """Launch shapes (tools/quant_kernels_check.py sweeps them on the GPU)."""
+    if fmt == "nvfp4":
+        return GemmConfig(64, 256, 4, 4)
+    return GemmConfig(64, 128, 4, 4)
 
 
-def wxa16(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None,
-          out_features: int, scale_block: tuple[int, int] = (128, 128), config: GemmConfig | None = None) -> torch.Tensor:
-    """x: [M, K] bf16/fp16; weight: fp8 [N, K] or packed uint8 [N, K/2]; scale: fp32 [N/br, K/bc] or
-    fp8 [N, K/16]; row_scale: fp32 [N] (NVFP4) -> [M, N] in x's dtype."""
+def skinny(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None,
+           out_features: int, scale_block: tuple[int, int] = (128, 128), config: GemmConfig | None = None) -> torch.Tensor:
+    """x: [M <= 64, K] bf16/fp16; weight: fp8 [N, K] or packed uint8 [N, K/2]; scale: fp32 [N/br, K/bc]
+    or fp8 [N, K/16]; row_scale: fp32 [N] (NVFP4) -> [M, N] in x's dtype."""
     M, K = x.shape
+    if M > SKINNY_MAX_ROWS:
+        raise ValueError(f"skinny matmul takes at most {SKINNY_MAX_ROWS} rows, got {M}")
     N = out_features
     cfg = config or default_config(fmt, M)
+    bm = 16 if M <= 16 else (32 if M <= 32 else 64)
     bk = cfg.block_k if fmt == "nvfp4" else min(cfg.block_k, scale_block[1])
-    grid_mn = triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    grid_n = triton.cdiv(N, cfg.block_n)
     k_blocks = triton.cdiv(K, bk)
-    split = cfg.split_k or max(1, min(k_blocks, 8, (2 * _sms(x.device)) // grid_mn))
+    split = cfg.split_k or max(1, min(k_blocks, 16, (cfg.programs_per_sm * _sms(x.device)) // grid_n))
     k_per_split = triton.cdiv(k_blocks, split) * bk
     split = triton.cdiv(K, k_per_split)
     if split == 1:
@@ -121,13 +134,54 @@ def wxa16(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor, 
     else:
         out = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
         stride_split = out.stride(0)
-    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n), split)
-    _wxa16_kernel[grid](x, weight, scale, row_scale if row_scale is not None else scale, out, M, N, K,
-                        x.stride(0), weight.stride(0), scale.stride(0), N, stride_split, k_per_split,
-                        scale_block[0], scale_block[1], FMT=NVFP4_CODE if fmt == "nvfp4" else FP8_CODE,
-                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _skinny_kernel[(grid_n, split)](x, weight, scale, row_scale if row_scale is not None else scale, out, M, N, K,
+                                    x.stride(0), weight.stride(0), scale.stride(0), N, stride_split, k_per_split,
+                                    scale_block[0], scale_block[1], FMT=NVFP4_CODE if fmt == "nvfp4" else FP8_CODE,
+                                    BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
+
+
+# kept for the tools' comparisons
+wxa16 = skinny
+
+
+# -- dequantize a whole weight (prefill) ------------------------------------------------------------
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, rs_ptr, o_ptr, N, K, stride_wn, stride_sn, stride_on, scale_br, scale_bc,
+                       FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    dt = o_ptr.dtype.element_ty
+    if FMT == 1:
+        offs_p = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        ok = n_ok[:, None] & (offs_p[None, :] < K // 2)
+        p = tl.load(w_ptr + rows * stride_wn + offs_p[None, :], mask=ok, other=0).to(tl.int32)
+        s = tl.load(s_ptr + rows * stride_sn + offs_p[None, :] // 8, mask=ok, other=0.0).to(tl.float32)
+        s = s * 16384.0 * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        out = o_ptr + rows * stride_on + 2 * offs_p[None, :]
+        tl.store(out, (_e2m1_times_2p14(p & 15) * s).to(dt), mask=ok)
+        tl.store(out + 1, (_e2m1_times_2p14(p >> 4) * s).to(dt), mask=ok)
+    else:
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        ok = n_ok[:, None] & (offs_k[None, :] < K)
+        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + (offs_n[:, None] // scale_br) * stride_sn + offs_k[None, :] // scale_bc, mask=ok, other=0.0)
+        tl.store(o_ptr + rows * stride_on + offs_k[None, :], (w * s).to(dt), mask=ok)
+
+
+def dequantize(fmt: str, weight: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor | None, out_features: int,
+               in_features: int, dtype: torch.dtype, scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The layer's weight in `dtype` [N, K] (each value rounded once from the exact product)."""
+    N, K = out_features, in_features
+    out = torch.empty(N, K, dtype=dtype, device=weight.device)
+    grid = (triton.cdiv(N, 32), triton.cdiv(K, 128))
+    _dequantize_kernel[grid](weight, scale, row_scale if row_scale is not None else scale, out, N, K,
+                             weight.stride(0), scale.stride(0), out.stride(0), scale_block[0], scale_block[1],
+                             FMT=NVFP4_CODE if fmt == "nvfp4" else FP8_CODE, BLOCK_N=32, BLOCK_K=128, num_warps=4)
+    return out
 
 
 # -- FP8 W8A8 (prefill) -------------------------------------------------------------------------------
@@ -136,85 +190,68 @@ FP8_MAX = 448.0
 
 
 def quantize_activations(x: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [M, K] -> (fp8 [M, K], fp32 scales [M, ceil(K/block)]): dynamic, per token and K-block."""
+    """x: [M, K] (K a multiple of block) -> (fp8 [M, K], fp32 scales [M, K/block]): dynamic, per token and block."""
     M, K = x.shape
-    pad = -K % block
-    xp = torch.nn.functional.pad(x, (0, pad)) if pad else x
-    g = xp.view(M, -1, block).float()
+    g = x.view(M, K // block, block).float()
     scale = (g.abs().amax(-1) / FP8_MAX).clamp_(min=1e-12)
-    q = (g / scale[..., None]).to(torch.float8_e4m3fn).view(M, -1)[:, :K]
+    q = (g / scale[..., None]).to(torch.float8_e4m3fn).view(M, K)
     return q, scale
 
 
-@triton.jit
-def _w8a8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, o_ptr, M, N, K, stride_am, stride_asm, stride_wn, stride_wsn,
-                 stride_om, scale_br, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    # grouped order: neighbouring programs share W tiles in L2
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = offs_m < M, offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        sa = tl.load(as_ptr + offs_m * stride_asm + k0 // 128, mask=m_ok, other=0.0)
-        sw = tl.load(ws_ptr + (offs_n // scale_br) * stride_wsn + k0 // 128, mask=n_ok, other=0.0)
-        acc += tl.dot(a, tl.trans(w)) * sa[:, None] * sw[None, :]
-    o = o_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(o, acc.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+_BLOCKWISE_OK: dict[int, bool] = {}
 
 
-def w8a8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, scale_block: tuple[int, int],
-         config: GemmConfig | None = None) -> torch.Tensor:
-    """x: [M, K] bf16; weight fp8 [N, K] with 128-column blocks -> [M, N] in x's dtype."""
-    if scale_block[1] != 128:
-        raise ValueError("w8a8 needs 128-column weight blocks")
-    cfg = config or GemmConfig(128, 128, 128, 8, 4)
-    M, K = x.shape
-    N = weight.shape[0]
-    a, sa = quantize_activations(x)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    _w8a8_kernel[grid](a, sa, weight, scale_inv, out, M, N, K, a.stride(0), sa.stride(0), weight.stride(0),
-                       scale_inv.stride(0), out.stride(0), scale_block[0], BLOCK_M=cfg.block_m,
-                       BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=8, num_warps=cfg.num_warps,
-                       num_stages=cfg.num_stages)
-    return out
+def _blockwise_available(device: torch.device) -> bool:
+    """Whether this torch runs the 1x128 x 128x128 block-scaled FP8 GEMM here (probed once)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _BLOCKWISE_OK:
+        try:
+            a = torch.zeros(16, 512, dtype=torch.bfloat16, device=device)
+            w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn, device=device)
+            _scaled_mm_blockwise(a, w, torch.ones(2, 4, device=device))
+            _BLOCKWISE_OK[idx] = True
+        except Exception:  # noqa: BLE001 - no such kernel in this torch/cuBLAS: fall back
+            _BLOCKWISE_OK[idx] = False
+    return _BLOCKWISE_OK[idx]
+
+
+def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    # x: [M, K] bf16; weight: fp8 [N, K]; scale_inv: fp32 [N/128, K/128] -> [M, N]
+    import torch.nn.functional as F
+    M = x.shape[0]
+    pad = -M % 4
+    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
+    a, sa = quantize_activations(xp)
+    kb = scale_inv.shape[1]
+    sw = F.pad(scale_inv, (0, -kb % 4)) if kb % 4 else scale_inv
+    out = F.scaled_mm(a, weight.t(), sa.t().contiguous().t(), F.ScalingType.BlockWise1x128, sw.t(),
+                      F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    return out[:M] if pad else out
 
 
 # -- the layer's entry -------------------------------------------------------------------------------
 
-# rows above which FP8 prefill takes the W8A8 path (the activations quantized once per call)
-W8A8_MIN_ROWS = 128
-
-
 def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in] -> [..., out]
+    import torch.nn.functional as F
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.dtype not in (torch.bfloat16, torch.float16):
         from engine.quant.linear import dequantized_weight
-        return torch.nn.functional.linear(x, dequantized_weight(layer).to(x.dtype))
+        return F.linear(x, dequantized_weight(layer).to(x.dtype))
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    n = layer.out_features
-    if layer.quant == "fp8":
-        if x2.shape[0] >= W8A8_MIN_ROWS and layer.scale_block[1] == 128:
-            y = w8a8(x2, layer.weight, layer.weight_scale_inv, layer.scale_block)
+    n, k = layer.out_features, layer.in_features
+    fp8 = layer.quant == "fp8"
+    if x2.shape[0] <= SKINNY_MAX_ROWS:
+        if fp8:
+            y = skinny(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
         else:
-            y = wxa16(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
+            y = skinny(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
+    elif fp8 and layer.scale_block == (128, 128) and k % 128 == 0 and n % 128 == 0 and _blockwise_available(x2.device):
+        y = _scaled_mm_blockwise(x2, layer.weight, layer.weight_scale_inv)
+    elif fp8:
+        y = F.linear(x2, dequantize("fp8", layer.weight, layer.weight_scale_inv, None, n, k, x2.dtype, layer.scale_block))
     else:
-        y = wxa16(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
+        y = F.linear(x2, dequantize("nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n, k, x2.dtype))
     return y.view(*shape[:-1], n)

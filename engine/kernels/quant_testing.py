@@ -35,20 +35,32 @@ def _report(y: torch.Tensor, ref: torch.Tensor) -> dict:
             "rel_err": float((y.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30))}
 
 
-def check_wxa16(fmt: str, M: int, N: int, K: int, device, seed: int = 0, config=None, dtype=torch.bfloat16,
-                block: tuple[int, int] = (128, 128)) -> dict:
-    from engine.kernels.quant_gemm import wxa16
+def check_skinny(fmt: str, M: int, N: int, K: int, device, seed: int = 0, config=None, dtype=torch.bfloat16,
+                 block: tuple[int, int] = (128, 128)) -> dict:
+    from engine.kernels.quant_gemm import skinny
     wt = make_weights(fmt, N, K, device, seed, block)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
-    y = wxa16(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"], config)
+    y = skinny(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"], config)
     return _report(y, x.float() @ wt["ref"].T)
 
 
-def check_w8a8(M: int, N: int, K: int, device, seed: int = 0, config=None, block: tuple[int, int] = (128, 128)) -> dict:
-    from engine.kernels.quant_gemm import quantize_activations, w8a8
+def check_dequantize(fmt: str, N: int, K: int, device, seed: int = 0, block: tuple[int, int] = (128, 128)) -> dict:
+    """The whole-weight dequantizer (prefill) against the reference: bf16 rounding of each value."""
+    from engine.kernels.quant_gemm import dequantize
+    wt = make_weights(fmt, N, K, device, seed, block)
+    w = dequantize(fmt, wt["weight"], wt["scale"], wt["row_scale"], N, K, torch.bfloat16, wt["block"])
+    return {"unwritten": int(torch.isnan(w).sum()),
+            "exact_in_bf16": bool(torch.equal(w, wt["ref"].to(torch.bfloat16))),
+            "rel_err": float((w.float() - wt["ref"]).abs().max() / wt["ref"].abs().max())}
+
+
+def check_w8a8(M: int, N: int, K: int, device, seed: int = 0, block: tuple[int, int] = (128, 128)) -> dict:
+    """torch's block-scaled FP8 GEMM as the layer calls it, against the reference with the same
+    quantized activations."""
+    from engine.kernels.quant_gemm import _scaled_mm_blockwise, quantize_activations
     wt = make_weights("fp8", N, K, device, seed, block)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
-    y = w8a8(x, wt["weight"], wt["scale"], block, config)
+    y = _scaled_mm_blockwise(x, wt["weight"], wt["scale"])
     a, sa = quantize_activations(x)
     x_ref = F.dequantize_fp8_block(a, sa, (1, 128))          # the kernel's own activations, dequantized
     r = _report(y, x_ref @ wt["ref"].T)

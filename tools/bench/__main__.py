@@ -26,8 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
-ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e"]
-NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance"}
+ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant"]
+NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report_only(args)
 
     import torch
-    from tools.bench import acceptance, concurrency, decode, e2e, kv, peer, prefill, report, roofline, runinfo, tp
+    from tools.bench import (acceptance, concurrency, decode, e2e, kv, peer, prefill, quant, report, roofline,
+                             runinfo, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
     from tools.bench.progress import Budget, say
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

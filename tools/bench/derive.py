@@ -28,7 +28,14 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
                                               "decode, 1 stream >= 0.97"),
     "e2e_agg_8_over_inproc": (">=", 0.95, "served over in-process: aggregate decode, 8 streams >= 0.95"),
     "e2e_ttft_added_ms": ("<=", 2.0, "served: TTFT added over in-process <= 2 ms (median, 512-token prompt)"),
+    "nvfp4_over_bf16_decode_b1": (">=", 2.4, "NVFP4 over bf16 weights, decode batch 1, qwen3-8b (issue 14)"),
+    "fp8_over_bf16_decode_b1": (">=", 1.6, "FP8 block over bf16 weights, decode batch 1, qwen3-8b (issue 14)"),
+    "fp8_over_bf16_prefill_4k": (">=", 1.3, "FP8 block over bf16 weights, prefill P=4096 in one chunk, qwen3-8b (issue 14)"),
+    "fp8_decode_b1_roofline_fraction": (None, None, "FP8 decode batch 1: its bytes per step over the copy bandwidth"),
+    "nvfp4_decode_b1_roofline_fraction": (None, None, "NVFP4 decode batch 1: its bytes per step over the copy bandwidth"),
 }
+QUANT_KEYS = ("nvfp4_over_bf16_decode_b1", "fp8_over_bf16_decode_b1", "fp8_over_bf16_prefill_4k",
+              "fp8_decode_b1_roofline_fraction", "nvfp4_decode_b1_roofline_fraction")
 
 
 def roofline_of(results: dict, run_id: str | None = None) -> tuple[float | None, float | None]:
@@ -222,6 +229,14 @@ def headline(results: dict) -> tuple[dict, dict]:
             inputs[name] = e2e.get(name + "_inputs", {})
         else:
             why[name] = missing("e2e") or e2e.get("e2e_reason") or "not measured"
+
+    quant = secs.get("quant", {})
+    for name in QUANT_KEYS:
+        if quant.get(name) is not None:
+            values[name] = quant[name]
+            inputs[name] = quant.get(name + "_inputs", {})
+        else:
+            why[name] = missing("quant") or quant.get(name + "_reason") or "not measured"
 
     kv = secs.get("kv", {})
     if kv.get("int8_over_bf16") is not None:

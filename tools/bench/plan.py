@@ -97,6 +97,19 @@ class E2EPlan:
 
 
 @dataclass
+class QuantPlan:
+    """tools/bench/quant.py: bf16, FP8 and NVFP4 engines of each shape."""
+    shapes: list[str] = field(default_factory=lambda: ["qwen3-8b", "qwen3-32b"])
+    context: int = 512              # decode at this context, batch 1 and `streams`
+    repeats: int = 1
+    streams: int = 8
+    batch_tokens: int = 128
+    prefill_P: int = 4096           # one chunk of P tokens
+    prefill_repeats: int = 2
+    kv_capacity: int = 8192
+
+
+@dataclass
 class Plan:
     mode: str
     shape: str
@@ -118,6 +131,7 @@ class Plan:
     reference: dict[str, int] = field(default_factory=lambda: dict(
         prefill_P=4096, prefill_long_P=32768, prefill_chunk=4096, decode_context=512, kv_context=32768,
         streams_small=2, streams_large=8))
+    quant: QuantPlan = field(default_factory=QuantPlan)
 
 
 def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, time_scale: float = 1.0) -> Plan:
@@ -138,8 +152,8 @@ def _gpu_full(shape: str) -> Plan:
     return Plan(
         mode="full", shape=shape, chunk=4096, kv_capacity=131 * K + 512,
         budgets={"roofline": 20, "peer": 60, "prefill": 150, "concurrency": 60, "decode": 170, "kv": 40,
-                 "tp": 300, "acceptance": 45, "e2e": 600},
-        global_s=1080,
+                 "tp": 300, "acceptance": 45, "e2e": 600, "quant": 240},
+        global_s=1320,
         roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
                               gemv_rows=151936, gemv_cols=4096),
         peer=PeerPlan(prefill_prompts=[4 * K, 32 * K], prefill_repeats=3, decode_prompt=512, decode_new_tokens=32),
@@ -165,8 +179,8 @@ def _gpu_quick(shape: str) -> Plan:
     plan.mode = "quick"
     plan.kv_capacity = 32 * K + 1024
     plan.budgets = {"roofline": 12, "peer": 35, "prefill": 35, "concurrency": 30, "decode": 60, "kv": 25,
-                    "tp": 200, "acceptance": 25, "e2e": 480}
-    plan.global_s = 690
+                    "tp": 200, "acceptance": 25, "e2e": 480, "quant": 200}
+    plan.global_s = 890
     plan.e2e = E2EPlan(prompt=512, decode_tokens=128, streams=[1, 8, 32], ttft_repeats=8, tps=[1, 2], ks=[0, 3],
                        draft_vocab=32768, kv_capacity=24 * K)
     plan.roofline.repeats = 10
@@ -188,7 +202,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
         mode="cpu-quick" if quick else "cpu", shape=shape, chunk=128, kv_capacity=1024,
         # generous: the CPU run checks code paths (the test), it must not skip points on a slow machine
         budgets={name: 120.0 for name in ("roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp",
-                                          "acceptance", "e2e")},
+                                          "acceptance", "e2e", "quant")},
         global_s=900,
         roofline=RooflinePlan(copy_bytes=64 << 20, matmul_n=512, matmul_dtype="float32", gemv_rows=4096,
                               gemv_cols=1024, repeats=5),
@@ -209,6 +223,8 @@ def _cpu(shape: str, quick: bool) -> Plan:
         reference=dict(prefill_P=128, prefill_long_P=512, prefill_chunk=128, decode_context=64, kv_context=256,
                        streams_small=2, streams_large=4),
     )
+    plan.quant = QuantPlan(shapes=["tiny"], context=64, streams=4, batch_tokens=8, prefill_P=128, prefill_repeats=1,
+                           kv_capacity=1024)
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 1, 512: 2})
         plan.decode.ks = [0, 3]

@@ -100,6 +100,7 @@ def markdown(r: dict) -> str:
     L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "BENCH.md"], rows)
 
     L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
+    L += _quant(r)
 
     L += ["## Sections", ""]
     rows = [[name, s.get("status", "?"), fmt(s.get("elapsed_s")), s.get("run_id", ""),
@@ -363,6 +364,31 @@ def _e2e(r: dict) -> list[str]:
     return L + [""]
 
 
+def _quant_rows(sec: dict) -> list[list[str]]:
+    rows = []
+    for p in sec.get("points", []):
+        if "skipped" in p:
+            rows.append([p["shape"], p["format"], "skipped", "", "", "", ""])
+            continue
+        d1, d8, pre = p.get("decode_b1") or {}, p.get("decode_b8") or {}, p.get("prefill") or {}
+        rows.append([p["shape"], p["format"], fmt(d1.get("decode_tok_s_peak")), fmt(d1.get("roofline_fraction")),
+                     fmt(d8.get("aggregate_tok_s")), fmt(pre.get("tok_s_peak")),
+                     f"{p.get('decode_bytes_per_step', 0) / 1e9:.2f}"])
+    return rows
+
+
+def _quant(r: dict) -> list[str]:
+    sec = r["sections"].get("quant")
+    if not sec or not sec.get("points"):
+        return []
+    L = ["## Quantized weights (issue 14) — random weights quantized on the device, k = 0", ""]
+    L += _tab(["shape", "format", "decode b1 tok/s", "roofline fraction", "decode b8 aggregate tok/s",
+               "prefill 4k tok/s", "GB read per step"], _quant_rows(sec))
+    for name, ratios in sec.get("ratios", {}).items():
+        L.append(f"- {name} over bf16: " + ", ".join(f"{k} {fmt(v)}" for k, v in ratios.items()))
+    return L + [""]
+
+
 # -- the table printed last ----------------------------------------------------------------------
 
 def final_table(r: dict, out: Path | None = None) -> str:
@@ -415,6 +441,8 @@ def final_table(r: dict, out: Path | None = None) -> str:
     if "max_gap_ms" in i:
         L.append(f"prefill mid-decode: {i.get('chunk_gaps', '?')} waits for {i.get('chunks', '?')} chunks, longest gap "
                  f"{i['max_gap_ms']:.1f} ms, mean chunk {i['chunk_ms']:.1f} ms -> {'ok' if i['ok'] else 'STALLED'}")
+    for row in _quant_rows(secs.get("quant", {})):
+        L.append(f"quant {row[0]} {row[1]:<6} decode b1 {row[2]} ({row[3]} of roofline), b8 {row[4]}, prefill {row[5]}")
     L.append("sections: " + " | ".join(
         f"{n} {s.get('status', '?')} {fmt(s.get('elapsed_s'), 2)}s" for n, s in secs.items()))
     for n, s in secs.items():
