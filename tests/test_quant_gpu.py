@@ -30,6 +30,9 @@ PROMPTS = [
     '{"order_id": "ORD-381901", "item": "printer", "quantity": 8}, {"order_id": "ORD-381902",',
     "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:",
     "The interpreter reads the source file and",
+    # longer than the 64 rows of the skinny kernel: the prefill paths (FP8 block-scaled GEMM, NVFP4
+    # dequantized to bf16)
+    "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(1, 12)) + "Line 12:",
 ]
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
@@ -87,6 +90,14 @@ def test_mtp_speculation_agrees_with_k0(quantized):
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_tp2_agrees_with_tp1(quantized):
-    one = _generate(quantized, draft_tokens=3)
-    assert _agreement(_generate(quantized, draft_tokens=3, tensor_parallel_size=2), one) >= 0.9
+def test_tp2_logits_agree_with_tp1(quantized):
+    """bf16 greedy runs drift apart at TP2 after a near-tie (0.65 token agreement seen on the H200,
+    bench/results/2026-11-30-h200-quant-bench/gpu_pytest.log), so the logits are compared."""
+    one, two = _llm(quantized), _llm(quantized, tensor_parallel_size=2, draft_tokens=3)
+    for prompt in PROMPTS:
+        a, b = two.prompt_logits(prompt).float(), one.prompt_logits(prompt).float()
+        assert float((a - b).abs().max() / b.abs().max()) < 0.05
+        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
+    assert len(two.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens   # graphs, MTP, TP2 run
+    one.engine.executor.shutdown()
+    two.engine.executor.shutdown()

@@ -15,19 +15,19 @@ from engine.quant import formats as F
 
 def make_weights(fmt: str, N: int, K: int, device, seed: int, block: tuple[int, int] = (128, 128)) -> dict:
     """Reference-quantized weights as a layer holds them, with the float32 dequantized twin."""
+    # drawn on the CPU (the same values everywhere), quantized and dequantized on the device: the
+    # reference is plain torch and the CPU would take most of a GPU run's time at the large shapes
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(N, K, generator=gen) * K ** -0.5
+    w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device)
     if fmt == "nvfp4":
         p, s, s2 = F.quantize_nvfp4(w)
         # a different tensor scale per half of the rows, as a fused gate/up layer holds them
-        rs = torch.full((N,), float(s2))
+        rs = torch.full((N,), float(s2), device=device)
         rs[N // 2:] *= 0.5
         ref = F.dequantize_nvfp4(p, s, 1.0) * rs[:, None]
-        return {"weight": p.to(device), "scale": s.to(device), "row_scale": rs.to(device), "ref": ref.to(device),
-                "block": (128, 128)}
+        return {"weight": p, "scale": s, "row_scale": rs, "ref": ref, "block": (128, 128)}
     q, si = F.quantize_fp8_block(w, block)
-    return {"weight": q.to(device), "scale": si.to(device), "row_scale": None,
-            "ref": F.dequantize_fp8_block(q, si, block).to(device), "block": block}
+    return {"weight": q, "scale": si, "row_scale": None, "ref": F.dequantize_fp8_block(q, si, block), "block": block}
 
 
 def _report(y: torch.Tensor, ref: torch.Tensor) -> dict:
