@@ -62,8 +62,8 @@ def available_memory(cfg: EngineConfig) -> int:
 
 
 def shard_bytes(model: ModelConfig, tp: int, with_mtp: bool, max_position: int, elt: int) -> int:
-    """Bytes of one rank's shard: its parameters in the model dtype (quantized ones in theirs) and its buffers (the RoPE table),
-    counted on a shard built on the meta device -- exact for whatever each layer splits or keeps
+    """Bytes of one rank's shard: its parameters in the model dtype (quantized ones in their own) and
+    its buffers (the RoPE table), counted on a shard built on the meta device -- exact for whatever each layer splits or keeps
     whole (norms, the MTP fc, KV heads fewer than ranks, padded vocabulary rows)."""
     from engine.models.qwen3 import Qwen3ForCausalLM
     from engine.parallel import TPGroup

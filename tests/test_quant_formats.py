@@ -92,3 +92,16 @@ def test_zero_blocks_quantize_to_zero():
     assert F.dequantize_fp8_block(q, s).abs().sum() == 0
     p, s1, s2 = F.quantize_nvfp4(torch.zeros(4, 32))
     assert F.dequantize_nvfp4(p, s1, s2).abs().sum() == 0
+
+
+def test_nvfp4_scale_search_never_loses_and_sometimes_clips():
+    torch.manual_seed(3)
+    w = torch.randn(64, 128) * torch.rand(64, 1) * 3
+    plain = F.dequantize_nvfp4(*F.quantize_nvfp4(w))
+    p, s, s2 = F.quantize_nvfp4(w, search=(0.9, 0.8))
+    searched = F.dequantize_nvfp4(p, s, s2)
+    per_group = lambda x: ((x - w) ** 2).view(64, 8, 16).sum(-1)    # noqa: E731
+    assert (per_group(searched) <= per_group(plain) + 1e-12).all()
+    assert (per_group(searched) < per_group(plain)).any()
+    # a clipped group's largest value no longer comes back whole
+    assert (searched.abs().view(64, 8, 16).amax(-1) < plain.abs().view(64, 8, 16).amax(-1) - 1e-6).any()

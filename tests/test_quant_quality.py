@@ -9,7 +9,7 @@ import pytest
 from tools.quant_quality import markdown, measure
 from tools.quant_quality_texts import PROMPTS, TEXTS
 
-FLOORS = {"fp8": 0.95, "nvfp4": 0.85}
+FLOORS = {"fp8": 0.95, "nvfp4": 0.85, "nvfp4-search": 0.85}
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def small_run(shared_model, tmp_path_factory):
                    workdir=str(tmp_path_factory.mktemp("quality")))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nvfp4-search"])
 def test_teacher_forced_agreement_clears_a_loose_floor(small_run, fmt):
     tf = small_run["formats"][fmt]["teacher_forced"]
     assert set(tf) == {"prose", "code", "json", "enumeration", "overall"}

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-FORMATS = ("fp8", "nvfp4")
+FORMATS = ("fp8", "nvfp4", "nvfp4-search")     # nvfp4-search: the quantize tool's --scale-search
 K = 3
 
 
@@ -101,7 +101,7 @@ def measure(model: str, formats=FORMATS, texts=None, prompts=None, max_tokens: i
         for fmt in formats:
             start = time.perf_counter()
             qdir = Path(tmp) / fmt
-            scheme = quantize_checkpoint(Path(model), qdir, fmt)
+            scheme = quantize_checkpoint(Path(model), qdir, fmt.split("-")[0], scale_search=fmt.endswith("-search"))
             quant = _llm(str(qdir))
             entry = {"quantized_modules": len(scheme.modules), "kept": ["embeddings", *scheme.exclude],
                      "teacher_forced": teacher_forced(base, quant, texts),

@@ -104,21 +104,45 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> t
     return q, scale
 
 
-def quantize_nvfp4(w: torch.Tensor, group: int = NVFP4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(w: torch.Tensor, group: int = NVFP4_GROUP,
+                   search: tuple[float, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w: [out, in] (in a multiple of `group`) -> (uint8 [out, in/2], fp8 [out, in/group], float32 scalar).
 
     ModelOpt's recipe: the tensor scale puts the largest group scale at the top of E4M3,
     weight_scale_2 = amax(W) / (6 * 448); each group's scale amax(group) / 6 is stored in E4M3 relative
-    to it, and the values are rounded to E2M1 against the stored (already rounded) group scale."""
+    to it, and the values are rounded to E2M1 against the stored (already rounded) group scale.
+
+    `search` (optional calibration, off by default): further fractions of the absmax scale to try
+    per group (e.g. 0.9, 0.8: clipping the largest value a little can lower the group's error); each
+    group keeps the candidate with the smallest squared error."""
     out, inp = w.shape
     if inp % group:
         raise ValueError(f"NVFP4 needs in_features divisible by {group}, got {inp}")
     w = w.float()
     amax = w.abs().max()
-    scale_2 = amax / (E2M1_MAX * FP8_MAX) if amax > 0 else torch.tensor(1.0)
+    scale_2 = amax / (E2M1_MAX * FP8_MAX) if amax > 0 else torch.tensor(1.0, device=w.device)
     groups = w.view(out, inp // group, group)
-    group_scale = (groups.abs().amax(dim=-1) / E2M1_MAX / scale_2).clamp(max=FP8_MAX).to(FP8)   # [out, in/g]
+    best = best_err = None
+    for fraction in (1.0, *search):
+        cand = _nvfp4_groups(groups, groups.abs().amax(dim=-1) * fraction, scale_2)
+        err = ((_nvfp4_values(*cand, scale_2) - groups) ** 2).sum(-1)                  # [out, in/g]
+        if best is None:
+            best, best_err = cand, err
+        else:
+            better = err < best_err
+            best = tuple(torch.where(better[..., None] if x.dim() == 3 else better, x, y) for x, y in zip(cand, best))
+            best_err = torch.minimum(err, best_err)
+    codes, group_scale = best
+    return pack_e2m1(codes.view(out, inp)), group_scale, scale_2.float().reshape(())
+
+
+def _nvfp4_groups(groups: torch.Tensor, group_amax: torch.Tensor, scale_2: torch.Tensor):
+    # groups: [out, in/g, g]; group_amax: [out, in/g] -> (codes uint8 [out, in/g, g], E4M3 scales [out, in/g])
+    group_scale = (group_amax / E2M1_MAX / scale_2).clamp(max=FP8_MAX).to(FP8)
     step = group_scale.float().unsqueeze(-1) * scale_2
     scaled = torch.where(step > 0, groups / torch.where(step > 0, step, torch.ones_like(step)), torch.zeros_like(groups))
-    codes = round_to_e2m1(scaled.view(out, inp))
-    return pack_e2m1(codes), group_scale, scale_2.float().reshape(())
+    return round_to_e2m1(scaled), group_scale
+
+
+def _nvfp4_values(codes: torch.Tensor, group_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    return e2m1_values().to(codes.device)[codes.long()] * group_scale.float().unsqueeze(-1) * scale_2

@@ -30,10 +30,18 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--model", required=True, help="bf16/fp32 Hugging Face checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty if it exists)")
     parser.add_argument("--keep-mtp", action="store_true", help="leave the MTP layer's linears unquantized")
+    parser.add_argument("--scale-search", action="store_true",
+                        help="NVFP4 calibration: per group of 16, also try the absmax scale x 0.95..0.75 and keep "
+                             "the one with the smallest squared error (slower; off = plain round to nearest)")
     return parser
 
 
-def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False) -> QuantScheme:
+# the fractions of the absmax group scale that --scale-search tries besides 1
+SEARCH_FRACTIONS = (0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False,
+                        scale_search: bool = False) -> QuantScheme:
     """Write the quantized checkpoint of `model` to `out`; returns the scheme it used."""
     import torch
     from safetensors import safe_open
@@ -63,7 +71,7 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
             for name in names:
                 t = f.get_tensor(name)
                 if name.endswith(".weight") and name[:-len(".weight")] in scheme.modules:
-                    tensors.update(quantize_tensor(name, t, scheme))
+                    tensors.update(quantize_tensor(name, t, scheme, SEARCH_FRACTIONS if scale_search else ()))
                 else:
                     tensors[name] = t.contiguous()
         save_file(tensors, str(out / file.name), metadata={"format": "pt"})
@@ -89,7 +97,9 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        scheme = quantize_checkpoint(Path(args.model), Path(args.out), args.format, args.keep_mtp)
+        if args.scale_search and args.format != "nvfp4":
+            raise ModelLoadError("--scale-search applies to --format nvfp4 only")
+        scheme = quantize_checkpoint(Path(args.model), Path(args.out), args.format, args.keep_mtp, args.scale_search)
     except ModelLoadError as e:
         print(f"ninfer quantize: {e}", file=sys.stderr)
         return 2

@@ -17,11 +17,13 @@ from engine.quant import formats
 from engine.quant.scheme import NVFP4, QuantScheme
 
 
-def quantize_tensor(name: str, w: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of module `name[:-7]` (`X.weight` [out, in]) in `scheme`'s format."""
+def quantize_tensor(name: str, w: torch.Tensor, scheme: QuantScheme,
+                    search: tuple[float, ...] = ()) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of module `name[:-7]` (`X.weight` [out, in]) in `scheme`'s format
+    (`search`: NVFP4 group-scale fractions to try, see `formats.quantize_nvfp4`)."""
     module = name[:-len(".weight")]
     if scheme.format == NVFP4:
-        packed, scale, scale_2 = formats.quantize_nvfp4(w)
+        packed, scale, scale_2 = formats.quantize_nvfp4(w, search=search)
         return {name: packed, f"{module}.weight_scale": scale, f"{module}.weight_scale_2": scale_2}
     q, scale_inv = formats.quantize_fp8_block(w, scheme.block)
     return {name: q, f"{module}.weight_scale_inv": scale_inv}
