@@ -46,9 +46,7 @@ def quantized(request, tmp_path_factory) -> str:
 
 
 def _llm(model: str, **kw) -> LLM:
-    llm = LLM(model, device="cuda", kv_capacity=8192, max_batch=8, **kw)
-    llm.engine.warmup()
-    return llm
+    return LLM(model, device="cuda", kv_capacity=8192, max_batch=8, **kw)       # warms up (graphs) itself
 
 
 _RUNS: dict = {}

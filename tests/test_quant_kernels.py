@@ -1,7 +1,7 @@
 """The quantized matmul kernels against the reference dequantizer: on a CUDA device at the qwen3-8b
 and -32b shapes (marked gpu), or at tiny shapes under Triton's interpreter on the CPU (opt-in like
 tests/test_kernels_interpret.py: NINFER_TRITON_INTERPRET_TESTS=1). The bound is bf16 output
-rounding (2^-8 of the largest output); engine.kernels.quant_testing holds the checks."""
+rounding (2^-8 of the largest output); tools.quant_kernel_checks holds the checks."""
 
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ SHAPES = ([(1, 6144, 4096), (8, 4096, 4096), (4, 24576, 4096), (32, 4096, 12288)
 
 @pytest.fixture(scope="module")
 def qt():
-    from engine.kernels import quant_testing, testing
+    from tools import kernel_checks, quant_kernel_checks
     if not CUDA:
-        testing.patch_interpreter()
-    return quant_testing
+        kernel_checks.patch_interpreter()
+    return quant_kernel_checks
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter-only check")
