@@ -73,7 +73,7 @@ def dequantized_weight(layer: nn.Module) -> torch.Tensor:
 
 def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x: [T, in] -> [T, out]
-    if x.is_cuda:
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
         from engine.kernels import quant_gemm
         return quant_gemm.quant_linear(layer, x)
     return F.linear(x, dequantized_weight(layer).to(x.dtype))
