@@ -194,3 +194,17 @@ def test_quantize_tool_refuses_quantized_input_and_a_full_output(random_hf_model
     assert t["lm_head.weight"].dtype == torch.float32 and t["model.embed_tokens.weight"].dtype == torch.float32
     assert t[f"{L0}.mlp.up_proj.weight"].dtype == formats.FP8
     assert t[f"{L0}.mlp.up_proj.weight_scale_inv"].shape == (2, 1)          # [ceil(160/128), ceil(64/128)]
+
+
+def test_quantize_parser_builds_without_torch():
+    """`ninfer quantize` can join the torch-free command line: the parser needs no torch."""
+    import subprocess
+    import sys
+    code = ("import sys\nsys.modules['torch'] = None\nimport argparse\n"
+            "from engine.quant.quantize import build_parser\n"
+            "p = build_parser(argparse.ArgumentParser(prog='ninfer quantize'))\n"
+            "a = p.parse_args(['--format', 'fp8', '--model', 'm', '--out', 'o'])\nprint(a.format, a.scale_search)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "fp8 False"

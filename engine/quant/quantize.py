@@ -95,7 +95,11 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """The command on parsed arguments (`build_parser(subparser)` then `run(args)` for a `ninfer quantize`)."""
     try:
         if args.scale_search and args.format != "nvfp4":
             raise ModelLoadError("--scale-search applies to --format nvfp4 only")
