@@ -208,3 +208,19 @@ def test_quantize_parser_builds_without_torch():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "fp8 False"
+
+
+def test_ninfer_quantize_subcommand_writes_a_checkpoint_the_engine_loads(random_hf_model, tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "fp8"
+    done = subprocess.run([sys.executable, "-m", "ninfer", "quantize", "--format", "fp8", "--model",
+                           str(random_hf_model[0]), "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "fp8"
+    refused = subprocess.run([sys.executable, "-m", "ninfer", "quantize", "--format", "fp8", "--model",
+                              str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
+                             cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr

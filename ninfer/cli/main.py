@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                     _servers("cmd_serve"))
     flags.add_engine_args(serve)
     flags.add_server_args(serve, flags.DEFAULT_GATEWAY_LISTEN, flags.DEFAULT_GATEWAY_METRICS)
+
+    from engine.quant.quantize import build_parser as add_quantize_args
+    quantize = command("quantize", "write an FP8 (128x128 blocks) or NVFP4 (ModelOpt) copy of a bf16 checkpoint",
+                       _quantize)
+    add_quantize_args(quantize)
     return parser
 
 
@@ -66,6 +71,11 @@ def _generate(args: argparse.Namespace) -> int:
             args.parser.error(f"{', '.join(given)}: engine flags do not apply with --gateway "
                               "(the gateway's engines were started with their own)")
     return cmd_generate(args)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from engine.quant.quantize import run
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
