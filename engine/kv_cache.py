@@ -40,6 +40,14 @@ class PrefixHit:
     num_tokens: int = 0
 
 
+class KVEventListener(Protocol):
+    """Told, on the engine thread, when a block becomes reusable and when it stops being so (keep it cheap)."""
+
+    def blocks_stored(self, parent: bytes | None, keys: list[bytes], tokens: list[list[int]]) -> None: ...
+
+    def blocks_removed(self, keys: list[bytes]) -> None: ...
+
+
 def block_key(parent: bytes, tokens: list[int], next_token: int) -> bytes:
     payload = array.array("q", [*tokens, next_token]).tobytes()
     return hashlib.blake2b(parent + payload, digest_size=16).digest()
@@ -59,6 +67,7 @@ class KVCacheManager:
         # Lifetime counters: allocations and frees of block references (equal at idle).
         self.refs_taken = 0
         self.refs_dropped = 0
+        self.listeners: list[KVEventListener] = []     # prefix-cache events (the smg KV-event stream)
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -121,6 +130,7 @@ class KVCacheManager:
             return                      # the common decode step: no block completed, no token list built
         tokens = req.all_token_ids
         limit = min(num_final_tokens, len(tokens) - 1, len(req.block_ids) * bs) // bs
+        stored: list[int] = []                       # indices of the blocks registered now
         for i in range(len(keys), limit):
             parent = keys[-1] if keys else b""
             key = block_key(parent, tokens[i * bs:(i + 1) * bs], tokens[(i + 1) * bs])
@@ -129,6 +139,9 @@ class KVCacheManager:
             if key not in self._by_key and block.key is None:
                 block.key = key
                 self._by_key[key] = block.block_id
+                stored.append(i)
+        if stored and self.listeners:
+            self._publish_stored(keys, tokens, stored)
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -144,6 +157,8 @@ class KVCacheManager:
             block = self._blocks[block_id]
             if block.key is not None:                        # evict its cached prefix
                 del self._by_key[block.key]
+                for listener in self.listeners:
+                    listener.blocks_removed([block.key])
                 block.key = None
             block.ref_count = 1
             self.refs_taken += 1
@@ -172,7 +187,27 @@ class KVCacheManager:
         self.refs_taken += 1
 
     def reset_prefix_cache(self) -> None:
+        removed = []
         for key, block_id in list(self._by_key.items()):
             if self._blocks[block_id].ref_count == 0:
                 self._blocks[block_id].key = None
                 del self._by_key[key]
+                removed.append(key)
+        if removed:
+            for listener in self.listeners:
+                listener.blocks_removed(removed)
+
+    def _publish_stored(self, keys: list[bytes], tokens: list[int], stored: list[int]) -> None:
+        """Tell the listeners about newly registered blocks, one event per run of consecutive blocks
+        (a run's parent is the key before it; a block whose key another block holds is not stored)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            parent = keys[run[0] - 1] if run[0] > 0 else None
+            for listener in self.listeners:
+                listener.blocks_stored(parent, [keys[i] for i in run], [tokens[i * bs:(i + 1) * bs] for i in run])

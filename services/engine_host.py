@@ -23,6 +23,7 @@ from services.engine_info import EngineInfoServicer
 from services.prefill import PrefillServicer
 from services.prometheus import EnginePrometheus
 from services.server import NinferServer, ServerOptions
+from services.smg import add_smg_services
 
 log = structlog.get_logger(__name__)
 SERVICE_NAMES = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name,
@@ -39,6 +40,7 @@ class EngineHost(NinferServer):
         prefill_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self.ctx), self.server)
         decode_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self.ctx), self.server)
         engine_info_pb2_grpc.add_EngineInfoServiceServicer_to_server(EngineInfoServicer(self.ctx), self.server)
+        self.smg = add_smg_services(self.ctx, self.server, self.service_names, config)   # services/smg
 
     @property
     def loop(self) -> EngineLoop | None:

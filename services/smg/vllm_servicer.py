@@ -1,0 +1,220 @@
+"""vLLM's engine protocol (`vllm.grpc.engine.VllmEngine` from PyPI smg-grpc-proto) over ninfer's engine.
+
+Why this one of smg's engine protocols: it is the one whose every call smg's gRPC router drives
+(Generate, Abort, HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer, SubscribeKvEvents;
+TRT-LLM's has no GetLoads, SGLang's adds LoRA and encoder calls ninfer has no use for), its sampling
+fields say "unset" apart from zero (`optional temperature`, `max_tokens`, `seed`), which is how our
+validation reads them, and its final message carries MTP acceptance (`spec_accepted_tokens`,
+`spec_draft_tokens`). smg detects the protocol by trying each one's HealthCheck (SGLang's first,
+which answers UNIMPLEMENTED here), so nothing needs configuring.
+
+A Generate is one in-process engine request (no prefill/decode split): the same scheduler, MTP and
+timings as ninfer.v1. What the protocol cannot carry (the timings, rates, per-position acceptance)
+goes in the trailing metadata `ninfer-request-stats-bin` as a serialized `ninfer.v1.RequestStats`,
+and into our spans, `engine_request_done` log and Prometheus metrics as for any request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import structlog
+from structlog.contextvars import bound_contextvars
+
+from engine.errors import InvalidArgumentError
+from services.convert import stats_to_proto, token_ids_from_proto
+from services.errors import RpcAbort
+from services.prometheus import observe_per_token
+from services.smg import convert
+from services.smg.engine_port import EnginePort
+from services.smg.kv_events import KvEventPublisher
+from services.smg.tokenizer_bundle import tokenizer_chunks, tokenizer_zip
+from services.telemetry import stats_attributes
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.engine_host import EngineHost
+
+log = structlog.get_logger(__name__)
+STATS_TRAILER = "ninfer-request-stats-bin"      # a serialized ninfer.v1.RequestStats
+
+
+def _version() -> str:
+    try:
+        return metadata.version("ninfer")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class AbortWhenCallEnds:
+    """gRPC termination callback: abort the engine request unless it finished (disarmed) first."""
+
+    def __init__(self, port: EnginePort, request_id: str):
+        self._port, self._request_id = port, request_id
+        self._armed = True
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            armed, self._armed = self._armed, False
+        if armed:
+            self._port.abort(self._request_id)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._armed = False
+
+
+class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    def __init__(self, host: "EngineHost"):
+        self.host = host
+        self.port = EnginePort(host)
+        self.started = time.time()
+        self.last_receive = 0.0
+        self.kv_events: KvEventPublisher | None = None
+        self._attach_lock = threading.Lock()
+        self._bundle: bytes | None = None
+
+    def _engine(self):
+        """The engine's facts, once it is loaded; the KV-event listener goes on at the first call."""
+        facts = self.port.facts()
+        with self._attach_lock:
+            if self.kv_events is None:
+                publisher = KvEventPublisher(facts.block_size)
+                self.port.add_kv_listener(publisher)
+                self.kv_events = publisher
+        return facts
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+        host = self.host
+        with host.state.admit(), bound_contextvars(request_id=request.request_id or None), \
+                host.tracer.start_as_current_span("smg.generate") as span:
+            self.last_receive = time.time()
+            facts = self._engine()
+            convert.check_unsupported_inputs(request)
+            if request.WhichOneof("input") != "tokenized":
+                raise InvalidArgumentError("text", "send token ids (`tokenized`): the router tokenizes")
+            prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", facts.vocab_size)
+            params = convert.sampling_from_proto(request.sampling_params, len(prompt), facts)
+            stream = self.port.submit(prompt, params, request.request_id)
+            guard = AbortWhenCallEnds(self.port, stream.request_id)
+            if not context.add_callback(guard):      # the call has ended already
+                guard()
+            span.set_attribute("ninfer.request_id", stream.request_id)
+            output: list[int] = []
+            last = time.monotonic()
+            try:
+                for out in stream:
+                    now = time.monotonic()
+                    if out.new_token_ids and output:
+                        observe_per_token(host.metrics.inter_token, now - last, len(out.new_token_ids))
+                    last = now
+                    output.extend(out.new_token_ids)
+                    if not out.finished:
+                        if request.stream and out.new_token_ids:
+                            yield convert.chunk(out.new_token_ids, len(prompt), len(output))
+                        continue
+                    guard.disarm()
+                    self._report(out.stats, span)
+                    if out.finish_reason == "abort":        # Abort rpc, or the call ended: no one listens
+                        raise RpcAbort(grpc.StatusCode.CANCELLED, f"request {stream.request_id!r} was aborted")
+                    context.set_trailing_metadata(((STATS_TRAILER, stats_to_proto(out.stats).SerializeToString()),))
+                    matched = _matched_stop_token(out.stats, output, params, facts.eos_token_ids)
+                    if request.stream:
+                        if out.new_token_ids:
+                            yield convert.chunk(out.new_token_ids, len(prompt), len(output),
+                                                convert.cached_tokens(out.stats))
+                        yield convert.complete([], out.stats, matched)
+                    else:
+                        yield convert.complete(output, out.stats, matched)
+            except GeneratorExit:                           # gRPC dropped the stream: the client is gone
+                if not stream.finished:
+                    guard()
+                raise
+
+    def _report(self, stats: dict[str, Any], span) -> None:
+        span.set_attributes(stats_attributes(stats))
+        self.host.metrics.observe_prefill(stats)
+        self.host.metrics.observe_finished(stats)
+        log.info("engine_request_done", protocol="vllm.grpc.engine", **stats_attributes(stats))
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext):
+        with self.host.state.admit(during_drain=True):
+            for request_id in request.request_ids:
+                self.port.abort(request_id)
+            return pb.AbortResponse()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.ServicerContext):
+        """UNAVAILABLE until the engine serves (smg retries its registration instead of registering an
+        engine whose model it cannot learn yet); healthy=false while draining."""
+        state = self.host.state
+        if state.draining:
+            return pb.HealthCheckResponse(healthy=False, message="draining")
+        state.check_admission()
+        self._engine()
+        return pb.HealthCheckResponse(healthy=True, message="serving")
+
+    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext):
+        with self.host.state.admit(during_drain=True):
+            facts = self._engine()
+            return convert.model_info(facts, _hf_config(self.host.config.model))
+
+    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext):
+        with self.host.state.admit(during_drain=True):
+            facts = self._engine()
+            return pb.GetServerInfoResponse(
+                active_requests=convert.active_requests(self.port.snapshot()), is_paused=self.host.state.draining,
+                last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started,
+                server_type="ninfer-grpc", data_parallel_size=1, kv_cache_dtype=facts.kv_dtype,
+                block_size=facts.block_size, model_dtype=facts.dtype, max_num_seqs=facts.max_batch)
+
+    def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.ServicerContext):
+        with self.host.state.admit(during_drain=True):
+            if request.HasField("dp_rank") and request.dp_rank != 0:
+                raise InvalidArgumentError("dp_rank", f"this engine has one rank (0), got {request.dp_rank}")
+            return convert.loads(self.port.snapshot(), self._engine(), _version())
+
+    def GetTokenizer(self, request, context: grpc.ServicerContext):
+        with self.host.state.admit(during_drain=True):
+            facts = self._engine()
+            if self._bundle is None:
+                self._bundle = tokenizer_zip(self.host.config.model, facts.tokenizer_json)
+            yield from tokenizer_chunks(self._bundle)
+
+    def SubscribeKvEvents(self, request, context: grpc.ServicerContext):
+        """Not counted in flight: a subscription lives as long as the router; it ends on drain."""
+        state = self.host.state
+        state.check_admission(during_drain=False)
+        self._engine()
+        context.send_initial_metadata(())      # smg waits 2 s for the stream to open, not for an event
+        yield from self.kv_events.subscribe(request.start_sequence_number,
+                                            wanted=lambda: context.is_active() and not state.draining)
+
+
+def _matched_stop_token(stats: dict[str, Any], output: list[int], params, eos: tuple[int, ...]) -> int | None:
+    """The token that stopped the request, when one did (a stop string is not reported)."""
+    if stats["finish_reason"] != "stop" or not output:
+        return None
+    stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
+    return output[-1] if output[-1] in stop_ids else None
+
+
+def _hf_config(model: str | None) -> dict[str, Any]:
+    path = Path(model) / "config.json" if model else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
