@@ -185,3 +185,16 @@ def test_every_call_needs_the_bearer_token(stub):
             call()
         assert e.value.code() is grpc.StatusCode.UNAUTHENTICATED
     assert stub.HealthCheck(pb.HealthCheckRequest(), metadata=AUTH).healthy
+
+
+def test_flush_cache_forgets_cached_blocks_and_announces_it(stub, engine, host):
+    list(generate(stub, PROMPT, max_tokens=2, ignore_eos=True))
+    start = host.smg.kv_events.sequence_number
+    events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=start),
+                                    metadata=AUTH, timeout=60)
+    assert stub.FlushCache(common_pb2.FlushCacheRequest(), metadata=AUTH).success
+    removed = next(events).events[0].removed
+    assert len(removed.block_hashes) >= 4
+    events.cancel()
+    (after,) = list(generate(stub, PROMPT, max_tokens=2, ignore_eos=True))
+    assert after.complete.cached_tokens == 0

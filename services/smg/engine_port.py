@@ -76,6 +76,10 @@ class EnginePort:
             self._facts = self._loop().call(_read_facts)
         return self._facts
 
+    def flush_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (requests in flight keep theirs)."""
+        self._loop().call(lambda core: core.kv.reset_prefix_cache())
+
     def add_kv_listener(self, listener: KVEventListener) -> None:
         """Register a prefix-cache listener on the KV manager (called on the engine thread from now on)."""
         self._loop().call(lambda core: core.kv.listeners.append(listener))

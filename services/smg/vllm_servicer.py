@@ -1,12 +1,13 @@
 """vLLM's engine protocol (`vllm.grpc.engine.VllmEngine` from PyPI smg-grpc-proto) over ninfer's engine.
 
-Why this one of smg's engine protocols: it is the one whose every call smg's gRPC router drives
-(Generate, Abort, HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer, SubscribeKvEvents;
-TRT-LLM's has no GetLoads, SGLang's adds LoRA and encoder calls ninfer has no use for), its sampling
-fields say "unset" apart from zero (`optional temperature`, `max_tokens`, `seed`), which is how our
-validation reads them, and its final message carries MTP acceptance (`spec_accepted_tokens`,
-`spec_draft_tokens`). smg detects the protocol by trying each one's HealthCheck (SGLang's first,
-which answers UNIMPLEMENTED here), so nothing needs configuring.
+Why this one of smg's engine protocols: smg's gRPC router drives every call of it that a text
+engine has (Generate, Abort, HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer,
+SubscribeKvEvents, FlushCache: all served here; not Embed or the profiler calls), while TRT-LLM's
+has no GetLoads and SGLang's adds LoRA calls ninfer has no use for; its sampling fields tell "unset"
+from zero (`optional temperature`, `max_tokens`, `seed`), which is how our validation reads them;
+and its final message carries MTP acceptance (`spec_accepted_tokens`, `spec_draft_tokens`). smg
+detects the protocol by trying each one's HealthCheck (SGLang's first, UNIMPLEMENTED here), so
+nothing needs configuring.
 
 A Generate is one in-process engine request (no prefill/decode split): the same scheduler, MTP and
 timings as ninfer.v1. What the protocol cannot carry (the timings, rates, per-position acceptance)
@@ -36,7 +37,7 @@ from services.smg.engine_port import EnginePort
 from services.smg.kv_events import KvEventPublisher
 from services.smg.tokenizer_bundle import tokenizer_chunks, tokenizer_zip
 from services.telemetry import stats_attributes
-from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 if TYPE_CHECKING:
@@ -152,6 +153,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             for request_id in request.request_ids:
                 self.port.abort(request_id)
             return pb.AbortResponse()
+
+    def FlushCache(self, request, context: grpc.ServicerContext):
+        """Drop the prefix cache at once (`timeout_s` is moot: blocks in use are never dropped)."""
+        with self.host.state.admit(during_drain=True):
+            self._engine()
+            self.port.flush_prefix_cache()
+            return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
 
     # -- state ----------------------------------------------------------------------------------
 
