@@ -120,3 +120,17 @@ def test_when_an_engine_dies_requests_go_to_the_other(stack):
                                 timeout=30)
         assert out["usage"]["completion_tokens"] == 4
     assert sum(survivor.metrics().performance.requests.values()) == before + 4
+
+
+def test_without_a_model_path_smg_takes_the_tokenizer_from_the_engine(tmp_path):
+    """The embedded model has no directory: smg loads the tokenizer the engine serves (GetTokenizer)."""
+    with ServerProcess.start("engine", "--kv-capacity", "2048", env=CHILD_ENV) as engine, \
+            EngineClient(engine.address) as client:
+        client.wait_until_serving(timeout_s=60)
+        name = client.model_info().model
+        with SmgRouter.start([engine.address], None, tmp_path / "smg.log") as router:
+            router.wait_until_ready(workers=1, model=name, timeout_s=60)
+            out = router.completion({"model": name, "prompt": "Hello", "max_tokens": 6, "temperature": 0,
+                                     "ignore_eos": True})
+            assert out["usage"]["completion_tokens"] == 6 and out["choices"][0]["text"]
+            assert "Fetching tokenizer from worker" in router.log_path.read_text(errors="replace")

@@ -45,15 +45,16 @@ class SmgRouter:
         self.host = "127.0.0.1"
 
     @classmethod
-    def start(cls, engine_addresses: list[str], model_dir: str, log_path: Path, *extra: str,
+    def start(cls, engine_addresses: list[str], model_dir: str | None, log_path: Path, *extra: str,
               policy: str = "cache_aware") -> "SmgRouter":
+        """`model_dir` None: smg fetches the tokenizer from the engines (GetTokenizer)."""
         command = smg_command()
         if command is None:
             raise RuntimeError("smg is not installed (pip install 'ninfer[test]')")
         port = free_port()
         argv = [*command, "launch", "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *[f"grpc://{a}" for a in engine_addresses], "--model-path", model_dir,
-                "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                "--worker-urls", *[f"grpc://{a}" for a in engine_addresses],
+                *(["--model-path", model_dir] if model_dir else []), "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 "--log-level", "info", *extra]
         log = open(log_path, "w")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
