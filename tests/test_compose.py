@@ -65,10 +65,20 @@ def test_the_gateway_routes_to_the_engine_service(compose):
     assert "engine" in compose["gateway"]["depends_on"]
 
 
+def router_args(service: dict):
+    """The router's command as smg itself parses it (argparse exits on an unknown flag)."""
+    launch_router = pytest.importorskip("smg.launch_router", reason="smg parses the router's command (`test` extra)")
+    assert service["command"][0] == "launch"
+    return launch_router.parse_router_args(service["command"][1:])
+
+
 def test_prometheus_scrapes_the_metrics_ports(compose):
     config = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
     targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    assert targets == {f"{name}:{port(args_of(compose[name]).metrics_listen)}" for name in NINFER_SERVICES}
+    expected = {f"{name}:{port(args_of(compose[name]).metrics_listen)}" for name in NINFER_SERVICES}
+    router_port = int(compose["router"]["command"][compose["router"]["command"].index("--prometheus-port") + 1])
+    assert targets == expected | {f"router:{router_port}"}
+    assert router_port in reachable_ports(compose["router"])
     mount = compose["prometheus"]["volumes"][0].split(":")
     assert mount[0] == "./prometheus.yml" and mount[1] in compose["prometheus"]["command"][0]
 
@@ -94,3 +104,20 @@ def test_the_stop_grace_outlasts_the_drain(compose):
     for name in NINFER_SERVICES:
         grace = int(compose[name]["stop_grace_period"].rstrip("s"))
         assert grace > args_of(compose[name]).drain_timeout
+
+
+def test_the_router_fronts_the_engine_over_grpc_with_the_tested_smg(compose):
+    service = compose["router"]
+    args = router_args(service)
+    engine = args_of(compose["engine"])
+    assert args.worker_urls == [f"grpc://engine:{port(engine.listen)}"] and "engine" in service["depends_on"]
+    assert args.host == "0.0.0.0" and args.port in reachable_ports(service) and args.prometheus_host == "0.0.0.0"
+    assert args.policy == "cache_aware" and args.model_path is None     # the tokenizer comes from the engine
+    collector = yaml.safe_load((COMPOSE / "otel-collector.yaml").read_text())
+    receiver_port = port(collector["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
+    assert args.enable_trace and args.otlp_traces_endpoint == f"otel-collector:{receiver_port}"
+    dockerfile = (COMPOSE / service["build"]["dockerfile"]).read_text()
+    pinned = re.search(r'"smg==([\d.]+)"', dockerfile).group(1)
+    tested = re.search(r'"smg(>=[^"]+)"', (COMPOSE.parent / "pyproject.toml").read_text()).group(1)
+    from packaging.specifiers import SpecifierSet
+    assert pinned in SpecifierSet(tested), f"the image's smg {pinned} is not the tested range {tested}"
