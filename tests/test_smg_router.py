@@ -77,7 +77,7 @@ def test_greedy_completion_matches_ninfer_gateway_and_streams(stack):
 
 
 def test_requests_sharing_a_long_prefix_land_on_the_engine_that_holds_it(stack):
-    _, clients, _, router = stack
+    engines, clients, _, router = stack
     before = finished_counts(clients)
     first = router.completion({"model": MODEL, "prompt": PREFIX + "alpha", "max_tokens": 4, "temperature": 0})
     holder = served_by(clients, before)
@@ -88,6 +88,8 @@ def test_requests_sharing_a_long_prefix_land_on_the_engine_that_holds_it(stack):
     assert served_by(clients, before) == holder
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # smg's event-driven index took the holder's KV events (SubscribeKvEvents)
+    assert router.metric("smg_kv_event_apply_seconds_count", f"grpc://{engines[holder].address}") >= 1
 
 
 def test_a_client_that_drops_its_request_aborts_the_engine_request(stack):

@@ -40,8 +40,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class SmgRouter:
-    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path):
-        self.proc, self.port, self.log_path = proc, port, log_path
+    def __init__(self, proc: subprocess.Popen, port: int, log_path: Path, metrics_port: int | None = None):
+        self.proc, self.port, self.log_path, self.metrics_port = proc, port, log_path, metrics_port
         self.host = "127.0.0.1"
 
     @classmethod
@@ -51,15 +51,15 @@ class SmgRouter:
         command = smg_command()
         if command is None:
             raise RuntimeError("smg is not installed (pip install 'ninfer[test]')")
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         argv = [*command, "launch", "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *[f"grpc://{a}" for a in engine_addresses],
-                *(["--model-path", model_dir] if model_dir else []), "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                *(["--model-path", model_dir] if model_dir else []), "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--log-level", "info", *extra]
         log = open(log_path, "w")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        return cls(proc, port, log_path)
+        return cls(proc, port, log_path, metrics_port)
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -77,6 +77,17 @@ class SmgRouter:
             return json.loads(body)
         finally:
             conn.close()
+
+    def metric(self, name: str, worker: str) -> float:
+        """One sample of smg's Prometheus endpoint for a worker URL (0 when absent)."""
+        conn = http.client.HTTPConnection(self.host, self.metrics_port, timeout=5)
+        try:
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        finally:
+            conn.close()
+        prefix = f'{name}{{worker="{worker}"}} '
+        return next((float(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
 
     def wait_for_workers(self, count: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
         """Block until `count` workers are registered, healthy and know their model."""
