@@ -57,7 +57,7 @@ def served_by(clients, before: list[int]) -> int:
     return grew[0]
 
 
-def test_greedy_completion_matches_ninfer_gateway_and_streams(stack):
+def test_greedy_completion_matches_ninfer_gateway_with_and_without_a_stop_string_and_streams(stack):
     _, _, gateway, router = stack
     prompt = "def fibonacci(n):"
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -69,6 +69,12 @@ def test_greedy_completion_matches_ninfer_gateway_and_streams(stack):
                                     timeout=60))
     via_ninfer = "".join(m.text for m in msgs)
     assert via_smg["choices"][0]["text"] == via_ninfer and via_ninfer
+
+    stopped = router.completion({**body, "stop": ["\n\n"], "ignore_eos": False})
+    with GatewayClient(gateway.address) as client:
+        cut = "".join(m.text for m in client.generate(prompt, sampling=SamplingParams(
+            max_tokens=24, temperature=0.0, stop=["\n\n"]), timeout=60))
+    assert stopped["choices"][0]["text"] == cut and len(cut) < len(via_ninfer)
 
     events = list(router.stream_completion(body))
     texts = [e["choices"][0]["text"] for e in events if e.get("choices")]
