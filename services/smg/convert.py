@@ -77,10 +77,6 @@ def complete(output_ids: list[int], stats: dict[str, Any], matched_token_id: int
     return pb.GenerateResponse(complete=done)
 
 
-def completion_tokens(stats: dict[str, Any]) -> int:
-    return stats["completion_tokens"]
-
-
 def cached_tokens(stats: dict[str, Any]) -> int:
     return stats["cached_tokens"]
 
