@@ -11,7 +11,7 @@ import time
 import pytest
 
 from gateway.client import GatewayClient, SamplingParams
-from gateway.launch import ServerProcess
+from tools.server_process import ServerProcess
 from services.client import EngineClient
 from tools.smg_stack import SmgRouter, smg_command
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -29,7 +30,7 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
 
 from gateway.client import GatewayClient, SamplingParams
-from gateway.launch import ServerProcess
+from tools.server_process import ServerProcess
 from services.client import EngineClient
 from tools.smg_stack import SmgRouter
 
@@ -77,7 +78,8 @@ def timed_servicer(stub, ids: list[int], max_tokens: int) -> tuple[float, float]
 
 def summary(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"median_ms": statistics.median(ordered) * 1e3, "p90_ms": ordered[int(0.9 * (len(ordered) - 1))] * 1e3}
+    p90 = ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]            # nearest rank
+    return {"median_ms": statistics.median(ordered) * 1e3, "p90_ms": p90 * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,9 @@ import datetime
 from typing import Any
 
 from engine.errors import InvalidArgumentError
+from engine.info import EngineInfo
 from engine.sampling_params import SamplingParams
+from engine.stats import RequestStats
 from services.smg.engine_port import EngineFacts
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -19,7 +21,7 @@ _OFF_VALUES = {"min_p": (0.0,), "frequency_penalty": (0.0,), "presence_penalty":
                "repetition_penalty": (0.0, 1.0), "min_tokens": (0,)}
 
 
-def sampling_from_proto(p: pb.SamplingParams, prompt_len: int, facts: EngineFacts) -> SamplingParams:
+def sampling_from_proto(p: pb.SamplingParams, prompt_len: int, info: EngineInfo) -> SamplingParams:
     """Validated engine params (InvalidArgumentError names the field). Unset `max_tokens` means "up to
     the context length", as in vLLM; unset `temperature` means 1.0."""
     for name, off in _OFF_VALUES.items():
@@ -35,7 +37,7 @@ def sampling_from_proto(p: pb.SamplingParams, prompt_len: int, facts: EngineFact
                                    "structured output is not supported by ninfer")
     if p.logit_bias:
         raise InvalidArgumentError("sampling_params.logit_bias", "is not supported by ninfer")
-    room = min(facts.max_model_len, facts.kv_capacity_tokens) - prompt_len
+    room = min(info.max_model_len, info.kv_capacity_tokens) - prompt_len
     max_tokens = p.max_tokens if p.HasField("max_tokens") else max(1, room)
     return SamplingParams(
         max_tokens=max_tokens, temperature=p.temperature if p.HasField("temperature") else DEFAULT_TEMPERATURE,
@@ -63,33 +65,29 @@ def chunk(token_ids: list[int], prompt_tokens: int, completion_tokens: int, cach
         cached_tokens=cached_tokens))
 
 
-def complete(output_ids: list[int], stats: dict[str, Any], matched_token_id: int | None) -> pb.GenerateResponse:
-    """The final message. `stats` is the engine's per-request record: usage, cached tokens and MTP
-    acceptance fit the protocol's fields; timings do not (they go in the trailer, see vllm_servicer)."""
-    spec = stats["speculative"]
+def complete(output_ids: list[int], stats: RequestStats, matched_token_id: int | None) -> pb.GenerateResponse:
+    """The final message. Usage, cached tokens and MTP acceptance fit the protocol's fields; the
+    timings do not (they go in the trailer, see vllm_servicer)."""
+    u, spec = stats.usage, stats.speculative
     done = pb.GenerateComplete(
-        output_ids=output_ids, finish_reason=stats["finish_reason"] or "stop",
-        prompt_tokens=stats["prompt_tokens"], completion_tokens=stats["completion_tokens"],
-        cached_tokens=stats["cached_tokens"], spec_accepted_tokens=spec["accepted"],
-        spec_draft_tokens=spec["drafted"])
+        output_ids=output_ids, finish_reason=stats.finish_reason.value if stats.finish_reason else "stop",
+        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens,
+        spec_accepted_tokens=spec.accepted, spec_draft_tokens=spec.drafted)
     if matched_token_id is not None:
         done.matched_token_id = matched_token_id
     return pb.GenerateResponse(complete=done)
 
 
-def cached_tokens(stats: dict[str, Any]) -> int:
-    return stats["cached_tokens"]
-
-
 def model_info(facts: EngineFacts, hf_config: dict[str, Any]) -> pb.GetModelInfoResponse:
-    eos = list(facts.eos_token_ids)
+    info = facts.info
+    eos = list(info.eos_token_ids)
+    path = facts.model_dir or info.model
     return pb.GetModelInfoResponse(
-        model_path=facts.model_path, is_generation=True, max_context_length=facts.max_model_len,
-        vocab_size=facts.vocab_size, supports_vision=False, served_model_name=facts.model_name,
-        tokenizer_path=facts.model_path, model_type=facts.model_type,
-        architectures=hf_config.get("architectures") or [], eos_token_ids=eos,
-        pad_token_id=_int(hf_config.get("pad_token_id"), eos[0] if eos else 0),
-        bos_token_id=_int(hf_config.get("bos_token_id"), -1), max_req_input_len=facts.max_model_len - 1)
+        model_path=path, is_generation=True, max_context_length=info.max_model_len, vocab_size=info.vocab_size,
+        supports_vision=False, served_model_name=info.model, tokenizer_path=path,
+        model_type=hf_config.get("model_type") or "", architectures=hf_config.get("architectures") or [],
+        eos_token_ids=eos, pad_token_id=_int(hf_config.get("pad_token_id"), eos[0] if eos else 0),
+        bos_token_id=_int(hf_config.get("bos_token_id"), -1), max_req_input_len=info.max_model_len - 1)
 
 
 def _int(value: Any, default: int) -> int:

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from engine.config import EngineConfig
+from services.engine_context import EngineContext
 from services.smg.vllm_servicer import VllmEngineServicer
-
-if TYPE_CHECKING:
-    from services.engine_host import EngineHost
 
 SERVICE_NAME = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 
 
-def add_smg_services(host: "EngineHost") -> VllmEngineServicer:
-    """Register `vllm.grpc.engine.VllmEngine` beside ninfer.v1 (same server: same interceptors, auth,
-    limits and drain); reflection lists it when enabled."""
-    servicer = VllmEngineServicer(host)
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, host.server)
-    host.service_names.append(SERVICE_NAME)
+def add_smg_services(ctx: EngineContext, server: grpc.Server, service_names: list[str],
+                     config: EngineConfig) -> VllmEngineServicer:
+    """Register `vllm.grpc.engine.VllmEngine` beside ninfer.v1 on the same server (same interceptors,
+    bearer token, limits and drain); `service_names` (what reflection lists) gains its name."""
+    servicer = VllmEngineServicer(ctx, config)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    service_names.append(SERVICE_NAME)
     return servicer

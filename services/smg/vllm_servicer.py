@@ -22,14 +22,18 @@ import threading
 import time
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import structlog
 from structlog.contextvars import bound_contextvars
 
+from engine.config import EngineConfig
 from engine.errors import InvalidArgumentError
+from engine.sampling_params import SamplingParams
+from engine.stats import FinishReason, RequestStats
 from services.convert import stats_to_proto, token_ids_from_proto
+from services.engine_context import EngineContext
 from services.errors import RpcAbort
 from services.prometheus import observe_per_token
 from services.smg import convert
@@ -39,9 +43,6 @@ from services.smg.tokenizer_bundle import tokenizer_chunks, tokenizer_zip
 from services.telemetry import stats_attributes
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
-
-if TYPE_CHECKING:
-    from services.engine_host import EngineHost
 
 log = structlog.get_logger(__name__)
 STATS_TRAILER = "ninfer-request-stats-bin"      # a serialized ninfer.v1.RequestStats
@@ -74,9 +75,9 @@ class AbortWhenCallEnds:
 
 
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
-    def __init__(self, host: "EngineHost"):
-        self.host = host
-        self.port = EnginePort(host)
+    def __init__(self, ctx: EngineContext, config: EngineConfig):
+        self.ctx = ctx
+        self.port = EnginePort(ctx, config)
         self.started = time.time()
         self.last_receive = 0.0
         self.kv_events: KvEventPublisher | None = None
@@ -88,7 +89,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         facts = self.port.facts()
         with self._attach_lock:
             if self.kv_events is None:
-                publisher = KvEventPublisher(facts.block_size)
+                publisher = KvEventPublisher(facts.info.block_size)
                 self.port.add_kv_listener(publisher)
                 self.kv_events = publisher
         return facts
@@ -96,16 +97,16 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     # -- generation -----------------------------------------------------------------------------
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
-        host = self.host
-        with host.state.admit(), bound_contextvars(request_id=request.request_id or None), \
-                host.tracer.start_as_current_span("smg.generate") as span:
+        ctx = self.ctx
+        with ctx.state.admit(), bound_contextvars(request_id=request.request_id or None), \
+                ctx.tracer.start_as_current_span("smg.generate") as span:
             self.last_receive = time.time()
-            facts = self._engine()
+            info = self._engine().info
             convert.check_unsupported_inputs(request)
             if request.WhichOneof("input") != "tokenized":
                 raise InvalidArgumentError("text", "send token ids (`tokenized`): the router tokenizes")
-            prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", facts.vocab_size)
-            params = convert.sampling_from_proto(request.sampling_params, len(prompt), facts)
+            prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", info.vocab_size)
+            params = convert.sampling_from_proto(request.sampling_params, len(prompt), info)
             stream = self.port.submit(prompt, params, request.request_id)
             guard = AbortWhenCallEnds(self.port, stream.request_id)
             if not context.add_callback(guard):      # the call has ended already
@@ -117,7 +118,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 for out in stream:
                     now = time.monotonic()
                     if out.new_token_ids and output:
-                        observe_per_token(host.metrics.inter_token, now - last, len(out.new_token_ids))
+                        observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
                     last = now
                     output.extend(out.new_token_ids)
                     if not out.finished:
@@ -126,14 +127,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         continue
                     guard.disarm()
                     self._report(out.stats, span)
-                    if out.finish_reason == "abort":        # Abort rpc, or the call ended: no one listens
+                    if out.finish_reason is FinishReason.ABORT:        # Abort rpc, or the call ended: no one listens
                         raise RpcAbort(grpc.StatusCode.CANCELLED, f"request {stream.request_id!r} was aborted")
                     context.set_trailing_metadata(((STATS_TRAILER, stats_to_proto(out.stats).SerializeToString()),))
-                    matched = _matched_stop_token(out.stats, output, params, facts.eos_token_ids)
+                    matched = _matched_stop_token(out.stats, output, params, info.eos_token_ids)
                     if request.stream:
                         if out.new_token_ids:
                             yield convert.chunk(out.new_token_ids, len(prompt), len(output),
-                                                convert.cached_tokens(out.stats))
+                                                out.stats.usage.cached_tokens)
                         yield convert.complete([], out.stats, matched)
                     else:
                         yield convert.complete(output, out.stats, matched)
@@ -142,21 +143,21 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     guard()
                 raise
 
-    def _report(self, stats: dict[str, Any], span) -> None:
+    def _report(self, stats: RequestStats, span) -> None:
         span.set_attributes(stats_attributes(stats))
-        self.host.metrics.observe_prefill(stats)
-        self.host.metrics.observe_finished(stats)
+        self.ctx.metrics.observe_prefill(stats)
+        self.ctx.metrics.observe_finished(stats)
         log.info("engine_request_done", protocol="vllm.grpc.engine", **stats_attributes(stats))
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
+        with self.ctx.state.admit(during_drain=True):
             for request_id in request.request_ids:
                 self.port.abort(request_id)
             return pb.AbortResponse()
 
     def FlushCache(self, request, context: grpc.ServicerContext):
         """Drop the prefix cache at once (`timeout_s` is moot: blocks in use are never dropped)."""
-        with self.host.state.admit(during_drain=True):
+        with self.ctx.state.admit(during_drain=True):
             self._engine()
             self.port.flush_prefix_cache()
             return common_pb2.FlushCacheResponse(success=True, message="prefix cache flushed")
@@ -166,7 +167,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.ServicerContext):
         """UNAVAILABLE until the engine serves (smg retries its registration instead of registering an
         engine whose model it cannot learn yet); healthy=false while draining."""
-        state = self.host.state
+        state = self.ctx.state
         if state.draining:
             return pb.HealthCheckResponse(healthy=False, message="draining")
         state.check_admission()
@@ -174,35 +175,36 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return pb.HealthCheckResponse(healthy=True, message="serving")
 
     def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
+        with self.ctx.state.admit(during_drain=True):
             facts = self._engine()
-            return convert.model_info(facts, _hf_config(self.host.config.model))
+            return convert.model_info(facts, _hf_config(facts.model_dir))
 
     def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
+        with self.ctx.state.admit(during_drain=True):
             facts = self._engine()
+            info = facts.info
             return pb.GetServerInfoResponse(
-                active_requests=convert.active_requests(self.port.snapshot()), is_paused=self.host.state.draining,
+                active_requests=convert.active_requests(self.port.metrics()), is_paused=self.ctx.state.draining,
                 last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started,
-                server_type="ninfer-grpc", data_parallel_size=1, kv_cache_dtype=facts.kv_dtype,
-                block_size=facts.block_size, model_dtype=facts.dtype, max_num_seqs=facts.max_batch)
+                server_type="ninfer-grpc", data_parallel_size=1, kv_cache_dtype=info.kv_dtype,
+                block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=facts.max_batch)
 
     def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
+        with self.ctx.state.admit(during_drain=True):
             if request.HasField("dp_rank") and request.dp_rank != 0:
                 raise InvalidArgumentError("dp_rank", f"this engine has one rank (0), got {request.dp_rank}")
-            return convert.loads(self.port.snapshot(), self._engine(), _version())
+            return convert.loads(self.port.metrics(), self._engine(), _version())
 
     def GetTokenizer(self, request, context: grpc.ServicerContext):
-        with self.host.state.admit(during_drain=True):
+        with self.ctx.state.admit(during_drain=True):
             facts = self._engine()
             if self._bundle is None:
-                self._bundle = tokenizer_zip(self.host.config.model, facts.tokenizer_json)
+                self._bundle = tokenizer_zip(facts.model_dir, facts.info.tokenizer_json)
             yield from tokenizer_chunks(self._bundle)
 
     def SubscribeKvEvents(self, request, context: grpc.ServicerContext):
         """Not counted in flight: a subscription lives as long as the router; it ends on drain."""
-        state = self.host.state
+        state = self.ctx.state
         state.check_admission(during_drain=False)
         self._engine()
         context.send_initial_metadata(())      # smg waits 2 s for the stream to open, not for an event
@@ -210,16 +212,17 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                                             wanted=lambda: context.is_active() and not state.draining)
 
 
-def _matched_stop_token(stats: dict[str, Any], output: list[int], params, eos: tuple[int, ...]) -> int | None:
+def _matched_stop_token(stats: RequestStats, output: list[int], params: SamplingParams,
+                        eos: tuple[int, ...]) -> int | None:
     """The token that stopped the request, when one did (a stop string is not reported)."""
-    if stats["finish_reason"] != "stop" or not output:
+    if stats.finish_reason is not FinishReason.STOP or not output:
         return None
     stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos))
     return output[-1] if output[-1] in stop_ids else None
 
 
-def _hf_config(model: str | None) -> dict[str, Any]:
-    path = Path(model) / "config.json" if model else None
+def _hf_config(model_dir: str | None) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json" if model_dir else None
     if path is None or not path.is_file():
         return {}
     try:
