@@ -1,9 +1,8 @@
 """The one module of services/smg that talks to the engine, through the loop's front door
 (`EngineContext.loop`: submit, abort, metrics; `ctx.info` for what it serves). Kept thin on purpose.
 
-Two things the front door has no typed method for go through `EngineLoop.call` here, and only here:
-registering the prefix-cache listener on the KV manager and dropping the prefix cache (FlushCache).
-A `loop.add_kv_listener(listener)` and `loop.reset_prefix_cache()` would replace them.
+The prefix cache's events and flush go through `engine.prefix_cache_events` (the loop has no
+method for them).
 
 Everything here is safe to call from any gRPC thread.
 """
@@ -18,6 +17,7 @@ from engine.errors import EngineDeadError
 from engine.info import EngineInfo
 from engine.kv_cache import KVEventListener
 from engine.loop import EngineLoop, RequestStream
+from engine.prefix_cache_events import add_kv_listener, reset_prefix_cache
 from engine.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
 from services.engine_context import EngineContext
@@ -73,12 +73,12 @@ class EnginePort:
         return EngineFacts(info=info, model_dir=model if model and not model.startswith(PRESET_PREFIX) else None,
                            max_batch=self._config.max_batch)
 
-    # -- the prefix cache (no typed front-door method yet) ----------------------------------------
+    # -- the prefix cache ------------------------------------------------------------------------
 
     def add_kv_listener(self, listener: KVEventListener) -> None:
         """Register a prefix-cache listener on the KV manager (called on the engine thread from now on)."""
-        self._loop().call(lambda core: core.kv.listeners.append(listener))
+        add_kv_listener(self._loop(), listener)
 
     def flush_prefix_cache(self) -> None:
         """Forget every cached block no request holds (requests in flight keep theirs)."""
-        self._loop().call(lambda core: core.kv.reset_prefix_cache())
+        reset_prefix_cache(self._loop())
