@@ -24,7 +24,7 @@ from structlog.contextvars import bound_contextvars
 
 from ninfer.v1 import common_pb2, decode_pb2, engine_info_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from services.convert import stats_from_proto
-from services.errors import RpcAbort, status_for
+from services.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
 from services.lifecycle import ServingState
 from services.prometheus import GatewayPrometheus
 from gateway.prepare import prepare
@@ -89,11 +89,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record = RequestRecord(request_id=uuid.uuid4().hex, received=time.monotonic())
         with bound_contextvars(request_id=record.request_id), \
                 self.tracer.start_as_current_span("generate") as span:
+            canceller = CallCanceller()
             try:
-                with self.state.admit():
-                    yield from self._generate(request, context, record)
+                with self.state.admit(), self.state.on_cut(canceller):
+                    yield from self._generate(request, context, record, canceller)
                 record.status = grpc.StatusCode.OK
             except BaseException as e:        # GeneratorExit too: the client went away
+                if self.state.shut_down and not isinstance(e, GeneratorExit):
+                    record.status = grpc.StatusCode.UNAVAILABLE          # cut at the drain timeout
+                    raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS) from e
                 record.status = status_for(e, 0).code
                 if record.status is grpc.StatusCode.CANCELLED and past_deadline(context):
                     record.status = grpc.StatusCode.DEADLINE_EXCEEDED     # what the client saw
@@ -101,7 +105,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             finally:
                 report(record, span, self.metrics)
 
-    def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord):
+    def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord,
+                  canceller: CallCanceller):
         model = self.router.model
         if model is None:
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "no engine has reported its model yet")
@@ -111,7 +116,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
         record.tokenize_s = time.monotonic() - record.received
         text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)
-        canceller = CallCanceller()
         if not context.add_callback(canceller):
             raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
         engine, first = self._prefill(request, prepared.prompt_ids, context, record, canceller)

@@ -20,7 +20,7 @@ from engine.stats import FinishReason
 from ninfer.v1 import prefill_pb2, prefill_pb2_grpc
 from services.convert import sampling_from_proto, stats_to_proto
 from services.engine_context import EngineContext
-from services.errors import RpcAbort
+from services.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.telemetry import prefill_attributes, stats_attributes
 
 log = structlog.get_logger(__name__)
@@ -80,11 +80,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             stream = loop.submit(list(request.prompt_token_ids), params, request.request_id or None,
                                  park_after_prefill=True)
             guard = AbortOnTermination.register(context, loop, stream.request_id)
-            first = stream.next()                     # QueueTimeoutError: RESOURCE_EXHAUSTED
+            with ctx.state.on_cut(guard):
+                first = stream.next()                 # QueueTimeoutError: RESOURCE_EXHAUSTED
             guard.hand_off()                          # armed until the response has gone out
             stats = first.stats                       # the prefill's figures, or the finished request's
             if first.finished:
                 if first.finish_reason is FinishReason.ABORT:
+                    if ctx.state.shut_down:
+                        raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
                     raise RpcAbort(grpc.StatusCode.CANCELLED, "the prefill call ended before its first token")
                 span.set_attributes(stats_attributes(stats))
                 ctx.metrics.observe_prefill(stats)
