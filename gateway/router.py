@@ -94,7 +94,8 @@ class EngineRouter:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:              # started (a failed start() never did)
+            self._thread.join(timeout=5)
         for e in self.engines:
             e.channel.close()
 

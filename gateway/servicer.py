@@ -112,7 +112,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "no engine has reported its model yet")
         record.model = model.info.model
         record.sampling = request.sampling
-        prepared = prepare(request, model)
+        prepared = prepare(request, model, wait_s=time_left(context))
         record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
         record.tokenize_s = time.monotonic() - record.received
         text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)

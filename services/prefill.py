@@ -76,7 +76,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with ctx.state.admit(), bound_contextvars(request_id=request.request_id or None), \
                 ctx.tracer.start_as_current_span("prefill") as span:
             loop = ctx.engine
-            params = sampling_from_proto(request.sampling)
+            info = ctx.info
+            room = min(info.max_model_len, info.kv_capacity_tokens - info.draft_tokens) - len(request.prompt_token_ids)
+            params = sampling_from_proto(request.sampling, room=room)
             stream = loop.submit(list(request.prompt_token_ids), params, request.request_id or None,
                                  park_after_prefill=True)
             guard = AbortOnTermination.register(context, loop, stream.request_id)
