@@ -29,10 +29,10 @@ from services.tls import ClientTLS, open_channel
 log = structlog.get_logger(__name__)
 MODEL_INFO_MAX_BYTES = 256 * 1024 * 1024          # a large vocabulary's tokenizer.json is tens of MB
 # Reconnect quickly after an engine outage: grpc's backoff otherwise grows to 120 s, and a restarted
-# engine would wait that long for the gateway. Capped at 1 s (+ one health poll: back within 2 s).
+# engine would wait that long for the gateway. Capped at 0.5 s (+ one health poll: back within 2 s).
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MODEL_INFO_MAX_BYTES),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                   ("grpc.max_reconnect_backoff_ms", 1000)]
+                   ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 @dataclass
