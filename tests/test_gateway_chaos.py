@@ -111,3 +111,11 @@ def test_kill_one_engine_mid_stream_then_restart_it():
                     p.wait(30)
                 except Exception:  # noqa: BLE001 - best effort: kill what does not stop
                     p.kill()
+
+
+def test_the_gateway_reconnect_backoff_is_capped():
+    """An outage longer than this test can wait (the issue's was 65 s) grows grpc's default backoff to
+    120 s; the router's channels cap it, so a restarted engine is tried again within half a second."""
+    from gateway.router import CHANNEL_OPTIONS
+    options = dict(CHANNEL_OPTIONS)
+    assert options["grpc.max_reconnect_backoff_ms"] <= 500 and options["grpc.initial_reconnect_backoff_ms"] <= 500
