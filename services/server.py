@@ -8,11 +8,10 @@ shut down) and the server stops at the timeout."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-import time
 
 import grpc
 import structlog
