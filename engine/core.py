@@ -265,7 +265,8 @@ class EngineCore:
               "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": int(s.prefilling is not None),
-                 "running": len(s.running), "parked": len(s.parked)}
+                 "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
+                 "parked": len(s.parked)}
         return self.metrics.snapshot(self.clock(), kv, queue)
 
     def info(self) -> EngineInfo:

@@ -10,13 +10,15 @@ import torch
 
 class HiddenStatePool:
     def __init__(self, max_batch: int, draft_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):
-        # [max_batch + 1, k + 1, hidden]: the target hidden states of the positions whose MTP entries
-        # the next round recomputes (see engine.decode_round)
-        self.states = torch.zeros(max_batch + 1, draft_tokens + 1, hidden_size, dtype=dtype, device=device)
+                 device: torch.device, extra_rows: int = 0):
+        # [max_batch + 1 + extra_rows, k + 1, hidden]: the target hidden states of the positions whose
+        # MTP entries the next round recomputes (see engine.decode_round). Row max_batch is scratch;
+        # the extra rows after it are for requests that hold KV without a decode seat (parked ones).
+        self.states = torch.zeros(max_batch + 1 + extra_rows, draft_tokens + 1, hidden_size, dtype=dtype,
+                                  device=device)
         self.scratch_row = max_batch
         self.rows: dict[str, int] = {}               # request id -> row
-        self._free = list(range(max_batch - 1, -1, -1))
+        self._free = [r for r in range(max_batch + extra_rows, -1, -1) if r != max_batch]
 
     def row_for(self, request_id: str) -> int:
         """The request's row, taken from the free list on first use."""

@@ -139,9 +139,10 @@ class EngineLoop:
         return self.core.tokenizer
 
     def release(self, request_id: str) -> None:
-        """Drop a parked (prefilled, not attached) request and its KV; NOT_FOUND when it is not parked."""
+        """Drop a split request no decode attached to (parked, or still on its way to park) and its KV,
+        before the next step; NOT_FOUND when there is none (unknown, attached, expired or finished)."""
         def do() -> None:
-            if not self.core.scheduler.is_parked(request_id):
+            if not self.core.scheduler.is_unclaimed(request_id):
                 raise RequestNotFoundError(f"no prefilled handle {request_id!r} (unknown, attached, expired or finished)")
             self._deliver(self.core.abort(request_id, FinishReason.ABORT))
         self._call(do)
@@ -218,6 +219,9 @@ class EngineLoop:
                 return
 
     def _deliver(self, out: RequestOutput) -> None:
+        if out.finish_reason is FinishReason.LEASE_EXPIRED:        # a handle no decode came for
+            log.warning("lease_expired", request_id=out.request_id,
+                        lease_seconds=self.core.config.lease_seconds)
         stream = self._streams.get(out.request_id)
         if stream is None:
             return

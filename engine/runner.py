@@ -84,8 +84,9 @@ class ModelRunner:
                               layers[0].head_dim, kv_dtype, self.device)
         for layer, kv in zip(layers, self.kv):
             layer.kv = kv
+        # rows beyond the batch: parked requests (the scheduler's max_parked = max_batch) and the prefill lane
         self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
-                                       self.device) if draft_tokens > 0 else None)
+                                       self.device, extra_rows=self.max_batch + 1) if draft_tokens > 0 else None)
         self.round_setup = RoundSetup(
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,

@@ -9,6 +9,10 @@ from engine.errors import InvalidArgumentError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+# Below this a temperature is greedy: dividing logits by 1e-40 overflows to inf and softmax to NaN
+# (vLLM draws the same line at 1e-5).
+TEMPERATURE_FLOOR = 1e-5
 
 
 @dataclass
@@ -42,13 +46,15 @@ class SamplingParams:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidArgumentError(
                     "stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters, got {s!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgumentError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}, got {len(self.stop_token_ids)}")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.stop_token_ids):
             raise InvalidArgumentError("stop_token_ids", "must be non-negative integers")
         if self.draft_tokens is not None and (
                 isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int)
                 or not 0 <= self.draft_tokens <= 8):
             raise InvalidArgumentError("draft_tokens", f"must be in [0, 8], got {self.draft_tokens!r}")
-        self.temperature = float(t)
+        self.temperature = float(t) if t >= TEMPERATURE_FLOOR else 0.0
         self.top_p = float(p)
 
     @property

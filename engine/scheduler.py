@@ -10,6 +10,12 @@ Out of KV mid-decode: the newest running request is preempted (its blocks are fr
 to the head of the queue and is recomputed from prompt + outputs when blocks free up); streams
 never see it except as a pause. A request alone always fits: admission refuses at the door any
 prompt + max_tokens that exceeds the context limit or the whole KV capacity.
+
+The prefill/decode split parks a prefilled request under a handle until a decode attaches. Parked
+requests take no decode-batch seat: they hold their KV (which admission counts like any other) and
+at most `max_parked` of them (parked + attached, waiting for a seat) exist at once; a request that
+would park beyond that waits in the queue under the pending timeout. An attached request joins
+the decode batch when a seat frees, ahead of new prefills.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class SchedulerConfig:
     draft_tokens: int              # engine-wide k; 0 = no speculation
     max_model_len: int
     lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
+    max_parked: int | None = None  # parked + attached-awaiting-a-seat at once; None = max_batch
 
 
 @dataclass
@@ -103,6 +110,7 @@ class Scheduler:
         self.prefilling: Request | None = None
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
+        self.attached: deque[Request] = deque()       # resumed (decode attached), waiting for a seat
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._lease_deadline: dict[str, float] = {}
@@ -147,6 +155,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         k = self.config.draft_tokens
+        while self.attached and len(self.running) < self.config.max_batch:
+            req = self.attached.popleft()
+            req.status = RequestStatus.RUNNING
+            req.times.decode_start = self.clock()
+            self.running.append(req)
         decode: list[DecodeWork] = []
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:      # preempted earlier in this loop
@@ -221,19 +234,26 @@ class Scheduler:
         return req
 
     def resume(self, request_id: str) -> Request:
-        """Move a parked request into the decode batch."""
+        """A decode attached to a parked request: its lease ends and it joins the decode batch at the
+        next step that has a seat (it stays PARKED, holding its KV, until then)."""
         req = self.parked.pop(request_id, None)
         if req is None:
             raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, attached or expired)")
         del self._lease_deadline[request_id]
-        req.status = RequestStatus.RUNNING
-        req.times.decode_start = self.clock()
-        self.running.append(req)
+        self.attached.append(req)
         return req
+
+    def is_unclaimed(self, request_id: str) -> bool:
+        """A split request no decode has attached to: parked, or still queued or prefilling on its way
+        to park (releasing it then ends it before it parks)."""
+        req = self.requests.get(request_id)
+        if req is None or not req.park_after_prefill or req.num_preemptions:
+            return False
+        return request_id in self.parked or req.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running)
+        return bool(self.waiting or self.prefilling or self.running or self.attached)
 
     @property
     def num_unfinished(self) -> int:
@@ -250,10 +270,16 @@ class Scheduler:
     # -- internals ------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Move the queue's head into the prefill lane if its blocks are free (FIFO: no overtaking)."""
-        if not self.waiting or len(self.running) + len(self.parked) >= self.config.max_batch:
+        """Move the queue's head into the prefill lane if its blocks are free (FIFO: no overtaking).
+        A request that will park needs room among the parked; one that will decode needs a seat."""
+        if not self.waiting:
             return
         req = self.waiting[0]
+        if req.park_after_prefill and req.num_preemptions == 0:
+            if len(self.parked) + len(self.attached) >= (self.config.max_parked or self.config.max_batch):
+                return
+        elif len(self.running) + len(self.attached) >= self.config.max_batch:
+            return
         hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
                             req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache)
         if hit is None:
@@ -320,7 +346,8 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.PARKED:
-            self.parked.pop(req.request_id, None)
+            if self.parked.pop(req.request_id, None) is None:
+                self.attached.remove(req)
             self._lease_deadline.pop(req.request_id, None)
         elif req.status is RequestStatus.PREFILLING:
             self.prefilling = None

@@ -26,6 +26,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
 
+    def encode_releasing_gil(self, text: str) -> list[int]:
+        """`encode`, with Python's GIL released while it runs (the library's batch path does; `encode`
+        holds it): a server's other threads keep streaming meanwhile."""
+        return self.inner.encode_batch([text], add_special_tokens=False)[0].ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 
 from ninfer.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.client import ServerClient
+from services.tls import ClientTLS
 
 SamplingParams = common_pb2.SamplingParams
 
 
 class GatewayClient(ServerClient):
-    def __init__(self, target: str, api_key: str | None = None):
-        super().__init__(target, api_key)
+    def __init__(self, target: str, api_key: str | None = None, tls: ClientTLS | None = None):
+        super().__init__(target, api_key, tls=tls)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
 
     def generate(self, prompt: str | None = None, *, messages: list[tuple[str, str]] | None = None,

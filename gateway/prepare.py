@@ -1,15 +1,32 @@
 """A GenerateRequest, validated and tokenized: what the engine calls need. Nothing is enqueued
-before this passes; its errors name the field (INVALID_ARGUMENT)."""
+before this passes; its errors name the field and the limit (INVALID_ARGUMENT).
+
+Sizes are checked before any tokenizing, with limits derived from the context (`max_model_len`):
+a prompt of more than MAX_CHARS_PER_TOKEN characters per token of context cannot fit, nor can more
+messages than half the context (a chat message takes at least two tokens: <|im_start|>, <|im_end|>).
+Tokenizing runs with the GIL released (other streams go on); a long text (more than SLOT_CHARS)
+takes one of TOKENIZER_SLOTS first, waiting within its deadline, so that a burst of long prompts
+neither takes every core nor delays short prompts (those never wait for a slot).
+"""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+
+import grpc
 
 from engine.errors import InvalidArgumentError
 from engine.sampling_params import SamplingParams
 from ninfer.v1 import gateway_pb2
 from services.convert import sampling_from_proto, token_ids_from_proto
+from services.errors import RpcAbort
 from gateway.router import ServedModel
+
+MAX_CHARS_PER_TOKEN = 32          # far above any tokenizer's average (English text: about 4)
+TOKENIZER_SLOTS = 2               # long tokenizations at once (each holds a core)
+SLOT_CHARS = 8192                 # shorter texts tokenize at once (well under 10 ms)
+_slots = threading.BoundedSemaphore(TOKENIZER_SLOTS)
 
 
 @dataclass
@@ -19,26 +36,56 @@ class PreparedRequest:
     operation: str                    # gen_ai.operation.name: "chat" or "text_completion"
 
 
-def prepare(request: gateway_pb2.GenerateRequest, model: ServedModel) -> PreparedRequest:
+def prepare(request: gateway_pb2.GenerateRequest, model: ServedModel, wait_s: float | None = None) -> PreparedRequest:
+    """`wait_s`: how long the request may wait for a tokenizer slot (its deadline; None = no limit)."""
     info, tokenizer = model.info, model.tokenizer
     if request.model and request.model != info.model:
         raise InvalidArgumentError("model", f"unknown model {request.model!r}; this gateway serves {info.model!r}")
     params = sampling_from_proto(request.sampling)
+    max_chars = info.max_model_len * MAX_CHARS_PER_TOKEN
     kind = request.WhichOneof("input")
     if kind == "prompt" and request.prompt:
-        ids, operation = tokenizer.encode(request.prompt), "text_completion"
+        if len(request.prompt) > max_chars:
+            raise InvalidArgumentError("prompt", f"{len(request.prompt)} characters exceed the limit of {max_chars} "
+                                       f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={info.max_model_len})")
+        ids, operation = _encode(tokenizer, request.prompt, wait_s), "text_completion"
     elif kind == "messages" and request.messages.messages:
-        for i, m in enumerate(request.messages.messages):
+        messages = request.messages.messages
+        if len(messages) > info.max_model_len // 2:
+            raise InvalidArgumentError("messages", f"{len(messages)} messages exceed the limit of "
+                                       f"{info.max_model_len // 2} (half of max_model_len={info.max_model_len})")
+        chars = sum(len(m.role) + len(m.content) for m in messages)
+        if chars > max_chars:
+            raise InvalidArgumentError("messages", f"{chars} characters exceed the limit of {max_chars} "
+                                       f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={info.max_model_len})")
+        for i, m in enumerate(messages):
             if not m.role:
                 raise InvalidArgumentError(f"messages[{i}].role", "must not be empty")
-        text = tokenizer.apply_chat_template([(m.role, m.content) for m in request.messages.messages])
-        ids, operation = tokenizer.encode(text), "chat"
+        text = tokenizer.apply_chat_template([(m.role, m.content) for m in messages])
+        ids, operation = _encode(tokenizer, text, wait_s), "chat"
     elif kind == "prompt_token_ids" and request.prompt_token_ids.ids:
-        ids = token_ids_from_proto(request.prompt_token_ids.ids, "prompt_token_ids", info.vocab_size)
+        ids = request.prompt_token_ids.ids
+        if len(ids) >= info.max_model_len:
+            raise InvalidArgumentError("prompt_token_ids", f"{len(ids)} prompt tokens leave no room under the "
+                                       f"context limit of {info.max_model_len} tokens")
+        ids = token_ids_from_proto(ids, "prompt_token_ids", info.vocab_size)
         operation = "text_completion"
     else:
         raise InvalidArgumentError(kind or "prompt", "must not be empty (give prompt, messages or prompt_token_ids)")
     if len(ids) >= info.max_model_len:
         raise InvalidArgumentError(kind, f"{len(ids)} prompt tokens leave no room under the context limit of "
                                          f"{info.max_model_len} tokens")
+    if not request.sampling.HasField("max_tokens"):        # the default, clamped to what the context leaves
+        params = sampling_from_proto(request.sampling, room=info.max_model_len - len(ids))
     return PreparedRequest(ids, params, operation)
+
+
+def _encode(tokenizer, text: str, wait_s: float | None) -> list[int]:
+    if len(text) <= SLOT_CHARS:
+        return tokenizer.encode_releasing_gil(text)
+    if not _slots.acquire(timeout=wait_s):
+        raise RpcAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while waiting to tokenize")
+    try:
+        return tokenizer.encode_releasing_gil(text)
+    finally:
+        _slots.release()

@@ -24,9 +24,15 @@ from engine.tokenizer import Tokenizer
 from ninfer.v1 import decode_pb2_grpc, engine_info_pb2, engine_info_pb2_grpc, prefill_pb2_grpc
 from services.auth import bearer_metadata
 from services.errors import RpcAbort
+from services.tls import ClientTLS, open_channel
 
 log = structlog.get_logger(__name__)
 MODEL_INFO_MAX_BYTES = 256 * 1024 * 1024          # a large vocabulary's tokenizer.json is tens of MB
+# Reconnect quickly after an engine outage: grpc's backoff otherwise grows to 120 s, and a restarted
+# engine would wait that long for the gateway. Capped at 0.5 s (+ one health poll: back within 2 s).
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MODEL_INFO_MAX_BYTES),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                   ("grpc.max_reconnect_backoff_ms", 500)]
 
 
 @dataclass
@@ -43,10 +49,12 @@ class Engine:
     serving: bool = False
     in_flight: int = 0
     model_info: engine_info_pb2.ModelInfo | None = None
+    condition: str = "not checked yet"        # why it does not serve: down, warming up, draining...
+    served: bool = False                      # it has served since it was last seen down
 
     @classmethod
-    def connect(cls, address: str, tracer_provider: TracerProvider) -> "Engine":
-        channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MODEL_INFO_MAX_BYTES)])
+    def connect(cls, address: str, tracer_provider: TracerProvider, tls: ClientTLS | None = None) -> "Engine":
+        channel = open_channel(address, tls, options=CHANNEL_OPTIONS)
         traced = intercept_channel(channel, client_interceptor(tracer_provider=tracer_provider))
         return cls(address, channel, prefill_pb2_grpc.PrefillServiceStub(traced),
                    decode_pb2_grpc.DecodeServiceStub(channel), engine_info_pb2_grpc.EngineInfoServiceStub(channel),
@@ -66,10 +74,11 @@ class ServedModel:
 
 class EngineRouter:
     def __init__(self, addresses: list[str], tracer_provider: TracerProvider, api_key: str | None = None,
-                 poll_interval_s: float = 0.5, on_change: Callable[[bool], None] = lambda serving: None):
+                 poll_interval_s: float = 0.5, on_change: Callable[[bool], None] = lambda serving: None,
+                 tls: ClientTLS | None = None):
         if not addresses:
             raise ValueError("a gateway needs at least one engine address")
-        self.engines = [Engine.connect(a, tracer_provider) for a in addresses]
+        self.engines = [Engine.connect(a, tracer_provider, tls) for a in addresses]
         self.metadata = bearer_metadata(api_key)
         self.model: ServedModel | None = None
         self._poll_interval_s = poll_interval_s
@@ -85,13 +94,17 @@ class EngineRouter:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:              # started (a failed start() never did)
+            self._thread.join(timeout=5)
         for e in self.engines:
             e.channel.close()
 
     @property
     def any_serving(self) -> bool:
         return any(e.serving for e in self.engines)
+
+    def why_not_serving(self) -> str:
+        return "no engine is serving (" + ", ".join(f"{e.address}: {e.condition}" for e in self.engines) + ")"
 
     # -- routing --------------------------------------------------------------------------------
 
@@ -131,11 +144,16 @@ class EngineRouter:
     def _check(self, engine: Engine) -> bool:
         try:
             reply = engine.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
-        except grpc.RpcError:
+        except grpc.RpcError as e:
             engine.model_info = None                      # down: it may come back with another model
+            engine.served = False
+            engine.condition = f"down ({e.code().name})"
             return False
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            engine.condition = "draining" if engine.served else "warming up"
             return False
+        engine.served = True
+        engine.condition = "serving"
         if engine.model_info is None:
             try:
                 engine.model_info = engine.info.GetModelInfo(
@@ -155,6 +173,7 @@ class EngineRouter:
             return True
         log.error("engine_tokenizer_mismatch", engine=engine.address, model=engine.model_info.model,
                   expected_model=self.model.info.model)
+        engine.condition = f"serves another tokenizer ({engine.model_info.model})"
         return False
 
     def _set_serving(self, engine: Engine, serving: bool) -> None:

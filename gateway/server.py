@@ -12,20 +12,29 @@ from prometheus_client import CollectorRegistry
 
 from ninfer.v1 import gateway_pb2, gateway_pb2_grpc
 from services.prometheus import GatewayPrometheus
+from engine.config import EngineConfig
+from services.limits import admission_rpcs
 from services.server import NinferServer, ServerOptions
+from services.tls import ClientTLS
 from gateway.router import EngineRouter
 from gateway.servicer import GatewayServicer
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+DEFAULT_ENGINE = EngineConfig(device="cpu")      # only its admission defaults are read
 
 
 class GatewayServer(NinferServer):
     def __init__(self, engines: list[str], options: ServerOptions, engine_api_key: str | None = None,
-                 registry: CollectorRegistry | None = None, poll_interval_s: float = 0.5):
-        super().__init__(options, [SERVICE_NAME], "no engine is serving", "ninfer-gateway-rpc", registry)
+                 registry: CollectorRegistry | None = None, poll_interval_s: float = 0.5,
+                 engine_tls: ClientTLS | None = None, engine_admission_rpcs: int | None = None):
+        """`engine_admission_rpcs`: calls one engine admits (services.limits.admission_rpcs); the
+        default concurrency limit is that times the engines (the engine defaults when not given)."""
+        per_engine = engine_admission_rpcs or admission_rpcs(DEFAULT_ENGINE.max_batch, DEFAULT_ENGINE.max_pending)
+        super().__init__(options, [SERVICE_NAME], "no engine is serving", "ninfer-gateway-rpc", registry,
+                         default_max_rpcs=per_engine * max(1, len(engines)))
         self.router = EngineRouter(engines, options.tracer_provider, engine_api_key, poll_interval_s,
-                                   on_change=self._engines_changed)
+                                   on_change=self._engines_changed, tls=engine_tls)
         self.tracer = options.tracer_provider.get_tracer("ninfer.gateway")
         self.metrics = GatewayPrometheus(self.registry, self.router.loads)
         gateway_pb2_grpc.add_GatewayServicer_to_server(
@@ -49,4 +58,4 @@ class GatewayServer(NinferServer):
         log.info("gateway_stopped", address=self.address)
 
     def _engines_changed(self, any_serving: bool) -> None:
-        self.state.set_serving(any_serving and self.router.model is not None, "no engine is serving")
+        self.state.set_serving(any_serving and self.router.model is not None, self.router.why_not_serving())

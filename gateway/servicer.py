@@ -4,7 +4,10 @@
                          [detokenize]         --Decode(handle)--> engine: tokens ... final stats
 
 The client's deadline goes to both calls (what is left of it); a client that goes away cancels the
-engine call in flight (the engine aborts within one step), or releases a handle no decode took.
+engine call in flight (the engine aborts within one step). The gateway owns the handle (= its request
+id) from the Prefill call until the Decode stream's first message proves the engine attached it: a
+Prefill or Decode call that fails in between is followed by a Release (NOT_FOUND is fine), so that no
+handle waits for its lease.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from structlog.contextvars import bound_contextvars
 
 from ninfer.v1 import common_pb2, decode_pb2, engine_info_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from services.convert import stats_from_proto
-from services.errors import RpcAbort, status_for
+from services.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
 from services.lifecycle import ServingState
 from services.prometheus import GatewayPrometheus
 from gateway.prepare import prepare
@@ -34,6 +37,7 @@ DECODE_METHOD = "/ninfer.v1.DecodeService/Decode"
 DECODE_SPAN_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "ninfer.v1.DecodeService", "rpc.method": "Decode",
                           "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]}
 NO_DEADLINE_S = 1e8           # grpc reports ~forever when the client set no deadline
+RELEASE_TIMEOUT_S = 5.0
 
 
 class CallCanceller:
@@ -69,6 +73,11 @@ def time_left(context: grpc.ServicerContext) -> float | None:
     return left
 
 
+def past_deadline(context: grpc.ServicerContext) -> bool:
+    left = context.time_remaining()
+    return left is not None and left <= 0
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, router: EngineRouter, state: ServingState, tracer: Tracer, metrics: GatewayPrometheus):
         self.router = router
@@ -80,32 +89,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record = RequestRecord(request_id=uuid.uuid4().hex, received=time.monotonic())
         with bound_contextvars(request_id=record.request_id), \
                 self.tracer.start_as_current_span("generate") as span:
+            canceller = CallCanceller()
             try:
-                with self.state.admit():
-                    yield from self._generate(request, context, record)
+                with self.state.admit(), self.state.on_cut(canceller):
+                    yield from self._generate(request, context, record, canceller)
                 record.status = grpc.StatusCode.OK
             except BaseException as e:        # GeneratorExit too: the client went away
+                if self.state.shut_down and not isinstance(e, GeneratorExit):
+                    record.status = grpc.StatusCode.UNAVAILABLE          # cut at the drain timeout
+                    raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS) from e
                 record.status = status_for(e, 0).code
+                if record.status is grpc.StatusCode.CANCELLED and past_deadline(context):
+                    record.status = grpc.StatusCode.DEADLINE_EXCEEDED     # what the client saw
                 raise
             finally:
                 report(record, span, self.metrics)
 
-    def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord):
+    def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord,
+                  canceller: CallCanceller):
         model = self.router.model
         if model is None:
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "no engine has reported its model yet")
         record.model = model.info.model
         record.sampling = request.sampling
-        prepared = prepare(request, model)
+        prepared = prepare(request, model, wait_s=time_left(context))
         record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
         record.tokenize_s = time.monotonic() - record.received
         text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)
-        canceller = CallCanceller()
         if not context.add_callback(canceller):
             raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
         engine, first = self._prefill(request, prepared.prompt_ids, context, record, canceller)
         record.engine = engine.address
-        handle = None if first.finished else first.handle        # a handle no decode owns yet
+        handle = None if first.finished else first.handle        # a handle no decode has attached yet
         try:
             opts = request.stream_options
             if first.finished:
@@ -127,9 +142,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 call = engine.decode.Decode(decode_pb2.DecodeRequest(handle=handle), timeout=time_left(context),
                                             metadata=(*self.router.metadata, *carrier.items()))
                 canceller.watch(call)
-                handle = None                                     # the decode stream owns it now
                 try:
                     for msg in call:           # read to the stream's end, so that it ends OK, not cancelled
+                        handle = None          # a message: the engine attached the handle, the stream owns it
                         delta = text.push(list(msg.token_ids), final=msg.finished)
                         record.token_sent(len(msg.token_ids), self.metrics)
                         if msg.finished:
@@ -154,11 +169,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         message = prefill_pb2.PrefillRequest(request_id=record.request_id, prompt_token_ids=prompt_ids,
                                              sampling=request.sampling)
         while True:
+            timeout = time_left(context)          # before the engine's count is taken: it may raise
             engine = self.router.acquire(exclude=tried)
             start = time.monotonic()
-            future = engine.prefill.Prefill.future(message, timeout=time_left(context), metadata=self.router.metadata)
-            canceller.watch(future)
             try:
+                future = engine.prefill.Prefill.future(message, timeout=timeout, metadata=self.router.metadata)
+                canceller.watch(future)
                 response = future.result()
             except grpc.RpcError as e:
                 self.router.release(engine)
@@ -167,19 +183,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     tried += (engine,)
                     log.warning("engine_unavailable", engine=engine.address, details=e.details())
                     continue
+                if e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    # the engine may have parked it as the call ended: its response was lost
+                    self._release_handle(engine, record.request_id)
                 raise
             except BaseException:
                 self.router.release(engine)
+                self._release_handle(engine, record.request_id)
                 raise
             record.prefill_call_s = time.monotonic() - start
             return engine, response
 
     def _release_handle(self, engine: Engine, handle: str) -> None:
-        try:
-            engine.prefill.Release(prefill_pb2.ReleaseRequest(handle=handle), timeout=5.0,
-                                   metadata=self.router.metadata)
-        except grpc.RpcError as e:        # expired or the engine is gone: the lease frees it anyway
-            log.warning("release_failed", engine=engine.address, code=e.code().name, details=e.details())
+        """Release without waiting for the answer: NOT_FOUND (attached, finished or never parked) is
+        the usual one; anything else is logged (the lease frees the handle then)."""
+        future = engine.prefill.Release.future(prefill_pb2.ReleaseRequest(handle=handle), timeout=RELEASE_TIMEOUT_S,
+                                               metadata=self.router.metadata)
+
+        def done(f: grpc.Future) -> None:
+            e = f.exception()
+            if e is not None and e.code() is not grpc.StatusCode.NOT_FOUND:
+                log.warning("release_failed", engine=engine.address, handle=handle, code=e.code().name,
+                            details=e.details())
+        future.add_done_callback(done)
 
     def _chunk(self, record: RequestRecord, text: str, token_ids, usage: common_pb2.Usage,
                opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:

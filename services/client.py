@@ -13,14 +13,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ninfer.v1 import (common_pb2, decode_pb2, decode_pb2_grpc, engine_info_pb2, engine_info_pb2_grpc, prefill_pb2,
                        prefill_pb2_grpc)
 from services.auth import bearer_metadata
+from services.tls import ClientTLS, open_channel
 
 
 class ServerClient:
     """A channel to one ninfer server, its health, and the metadata that carries the bearer token."""
 
-    def __init__(self, target: str, api_key: str | None = None, options: list[tuple[str, int]] | None = None):
+    def __init__(self, target: str, api_key: str | None = None, options: list[tuple[str, int]] | None = None,
+                 tls: ClientTLS | None = None):
+        """`tls`: call over TLS (its CA; its certificate and key for mutual TLS); None: plaintext."""
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=options)
+        self.channel = open_channel(target, tls, options=options)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = bearer_metadata(api_key)
 
@@ -53,8 +56,8 @@ class ServerClient:
 
 
 class EngineClient(ServerClient):
-    def __init__(self, target: str, api_key: str | None = None):
-        super().__init__(target, api_key, options=[("grpc.max_receive_message_length", -1)])   # the tokenizer
+    def __init__(self, target: str, api_key: str | None = None, tls: ClientTLS | None = None):
+        super().__init__(target, api_key, options=[("grpc.max_receive_message_length", -1)], tls=tls)   # the tokenizer
         self.prefill_stub = prefill_pb2_grpc.PrefillServiceStub(self.channel)
         self.decode_stub = decode_pb2_grpc.DecodeServiceStub(self.channel)
         self.info_stub = engine_info_pb2_grpc.EngineInfoServiceStub(self.channel)

@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidArgumentError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+
+DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 from engine.stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage
 from ninfer.v1 import common_pb2, engine_info_pb2
 
@@ -34,13 +36,23 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
 
 # -- sampling ---------------------------------------------------------------------------------------
 
-def sampling_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated engine params; unset optional fields keep the engine's defaults.
-    Raises InvalidArgumentError naming the field."""
+def sampling_from_proto(p: common_pb2.SamplingParams, room: int | None = None) -> SamplingParams:
+    """Validated engine params; unset optional fields keep the engine's defaults, except that an unset
+    max_tokens is clamped to `room` (the tokens the context leaves after the prompt), so that a long
+    prompt is not refused for a field its caller never set. Raises InvalidArgumentError naming the field."""
+    if len(p.stop) > MAX_STOP_STRINGS:              # before copying a field that may hold millions
+        raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidArgumentError("stop_token_ids",
+                                   f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(p.stop_token_ids)}")
     kwargs: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "seed", "draft_tokens"):
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
+    if room is not None and "max_tokens" not in kwargs:
+        if room < 1:
+            raise InvalidArgumentError("prompt", "the prompt leaves no room for a token under the context limit")
+        kwargs["max_tokens"] = min(DEFAULT_MAX_TOKENS, room)
     return SamplingParams(top_k=p.top_k, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                           ignore_eos=p.ignore_eos, **kwargs)
 

@@ -15,7 +15,7 @@ from engine.stats import FinishReason, RequestStats
 from ninfer.v1 import decode_pb2, decode_pb2_grpc
 from services.convert import stats_to_proto
 from services.engine_context import EngineContext
-from services.errors import RpcAbort
+from services.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.prefill import AbortOnTermination
 from services.prometheus import observe_per_token
 from services.telemetry import stats_attributes
@@ -41,29 +41,36 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             # Cancelled or past its deadline: the request is aborted before the next engine step.
             guard = AbortOnTermination.register(context, loop, request.handle)
             span.set_attribute("ninfer.request_id", request.handle)
-            try:
-                last = time.monotonic()
-                for out in stream:
-                    now = time.monotonic()
-                    if out.new_token_ids:
-                        observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
-                    last = now
-                    if not out.finished:
-                        yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
-                        continue
-                    guard.disarm()
-                    self._report(out.stats, span)
-                    if out.finish_reason is FinishReason.ABORT:  # the call ended (cancel, deadline): no one listens
-                        raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
-                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
-                                                    stats=stats_to_proto(out.stats))
-            except GeneratorExit:                          # gRPC dropped the stream: the client is gone
-                if not stream.finished:
-                    guard()
-                    final = _final_output(stream)
-                    if final is not None:
-                        self._report(final.stats, span)
-                raise
+            with ctx.state.on_cut(guard):                  # the drain timeout: aborted, UNAVAILABLE
+                yield from self._stream(stream, guard, span)
+
+    def _stream(self, stream: RequestStream, guard: AbortOnTermination, span: "Span"):
+        ctx = self.ctx
+        try:
+            last = time.monotonic()
+            for out in stream:
+                now = time.monotonic()
+                if out.new_token_ids:
+                    observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
+                last = now
+                if not out.finished:
+                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                    continue
+                guard.disarm()
+                self._report(out.stats, span)
+                if out.finish_reason is FinishReason.ABORT:  # the call ended (cancel, deadline): no one listens
+                    if ctx.state.shut_down:
+                        raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
+                    raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
+                yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
+                                                stats=stats_to_proto(out.stats))
+        except GeneratorExit:                          # gRPC dropped the stream: the client is gone
+            if not stream.finished:
+                guard()
+                final = _final_output(stream)
+                if final is not None:
+                    self._report(final.stats, span)
+            raise
 
     def _report(self, stats: RequestStats, span: "Span") -> None:
         span.set_attributes(stats_attributes(stats))

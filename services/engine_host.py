@@ -22,6 +22,7 @@ from services.engine_context import EngineContext
 from services.engine_info import EngineInfoServicer
 from services.prefill import PrefillServicer
 from services.prometheus import EnginePrometheus
+from services.limits import admission_rpcs
 from services.server import NinferServer, ServerOptions
 from services.smg import add_smg_services
 
@@ -33,7 +34,8 @@ SERVICE_NAMES = [prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_
 
 class EngineHost(NinferServer):
     def __init__(self, config: EngineConfig, options: ServerOptions, registry: CollectorRegistry | None = None):
-        super().__init__(options, SERVICE_NAMES, "loading the model", "ninfer-engine-rpc", registry)
+        super().__init__(options, SERVICE_NAMES, "loading the model", "ninfer-engine-rpc", registry,
+                         default_max_rpcs=admission_rpcs(config.max_batch, config.max_pending))
         self.config = config
         self.ctx = EngineContext(self.state, options.tracer_provider.get_tracer("ninfer.engine"),
                                  EnginePrometheus(self.registry, self._metrics_if_loaded))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -19,13 +20,44 @@ log = structlog.get_logger(__name__)
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"     # gRPC's retry-throttling trailer (A6 retry design)
 
 
-class RpcAbort(Exception):
-    """End the call with this status (not ready, draining, cancelled, no engine...)."""
+SHUT_DOWN_DETAILS = "the server shut down (its drain timeout passed) before this call finished"
 
-    def __init__(self, code: grpc.StatusCode, details: str):
+
+class RpcAbort(Exception):
+    """End the call with this status (not ready, draining, cancelled, no engine...); `pushback`:
+    with the server's grpc-retry-pushback-ms."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, pushback: bool = False):
         super().__init__(details)
         self.code = code
         self.details = details
+        self.pushback = pushback
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """What the lenient deserializer returns for a request message it cannot take: the handler
+    raises `error` (INVALID_ARGUMENT for malformed bytes, RESOURCE_EXHAUSTED for too many)."""
+
+    error: RpcAbort
+
+
+def lenient(deserializer: Callable[[bytes], Any] | None, max_bytes: int) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises (grpc would answer INTERNAL): oversized or malformed
+    bytes become an `Unreadable` the wrapped handler turns into its status."""
+    def deserialize(data: bytes):
+        if len(data) > max_bytes:
+            return Unreadable(RpcAbort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"request message of {len(data)} bytes exceeds the limit of {max_bytes} "
+                                       "bytes (--max-message-bytes)", pushback=True))
+        if deserializer is None:
+            return data
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return Unreadable(RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"malformed request message ({type(e).__name__}: {e})"[:300]))
+    return deserialize
 
 
 @dataclass(frozen=True)
@@ -38,7 +70,8 @@ class RpcStatus:
 def status_for(exc: BaseException, retry_pushback_ms: int) -> RpcStatus:
     """The status a client sees for `exc`."""
     if isinstance(exc, RpcAbort):
-        return RpcStatus(exc.code, exc.details)
+        return RpcStatus(exc.code, exc.details,
+                         ((RETRY_PUSHBACK_KEY, str(retry_pushback_ms)),) if exc.pushback else ())
     if isinstance(exc, InvalidArgumentError):
         return RpcStatus(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, (QueueFullError, QueueTimeoutError)):
@@ -61,23 +94,28 @@ def status_for(exc: BaseException, retry_pushback_ms: int) -> RpcStatus:
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     """Turns what a servicer raises into its status (and trailing metadata); logs the unexpected."""
 
-    def __init__(self, retry_pushback_ms: int):
+    def __init__(self, retry_pushback_ms: int, max_message_bytes: int):
         self.retry_pushback_ms = retry_pushback_ms
+        self.max_message_bytes = max_message_bytes
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
+        read = lenient(handler.request_deserializer, self.max_message_bytes)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method))
+            return handler._replace(unary_unary=self._wrap_unary(handler.unary_unary, method), request_deserializer=read)
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method))
+            return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream, method),
+                                    request_deserializer=read)
         return handler
 
     def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
         def unary(request, context):
             try:
+                if isinstance(request, Unreadable):
+                    raise request.error
                 return behavior(request, context)
             except Exception as e:  # noqa: BLE001 - every error becomes a status
                 self._abort(context, e, method)
@@ -86,6 +124,8 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
     def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
         def stream(request, context) -> Iterator:
             try:
+                if isinstance(request, Unreadable):
+                    raise request.error
                 yield from behavior(request, context)
             except Exception as e:  # noqa: BLE001 - every error becomes a status
                 self._abort(context, e, method)

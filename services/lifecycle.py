@@ -4,6 +4,7 @@
     state.set_serving()                          # after the warm-up
     with state.admit():  ...                     # UNAVAILABLE while not ready or draining; counts in-flight
     state.drain(); state.wait_idle(grace_s)      # SIGTERM: new calls refused, streams in flight finish
+    with state.on_cut(cancel_fn): ...            # a call in flight that `cut()` ends (drain timeout)
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class ServingState:
         self._draining = False
         self._in_flight = 0
         self._not_ready_reason = not_ready_reason
+        self._cutters: dict[int, Callable[[], None]] = {}
+        self._next_cutter = 0
+        self.shut_down = False                          # cut(): the drain timeout passed
         self._publish()
 
     @property
@@ -63,7 +67,32 @@ class ServingState:
         if self._draining and not during_drain:
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down)")
         if not self._ready:
-            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"not serving yet: {self._not_ready_reason}")
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"not serving: {self._not_ready_reason}")
+
+    @contextmanager
+    def on_cut(self, cancel: Callable[[], None]) -> Iterator[None]:
+        """While the block runs, `cut()` calls `cancel` (it ends the call's work; the call then ends
+        UNAVAILABLE, see services.errors.SHUT_DOWN_DETAILS)."""
+        with self._cond:
+            key = self._next_cutter
+            self._next_cutter += 1
+            self._cutters[key] = cancel
+            cut = self.shut_down
+        if cut:
+            cancel()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._cutters.pop(key, None)
+
+    def cut(self) -> None:
+        """The drain timeout passed: end every call still in flight."""
+        with self._cond:
+            self.shut_down = True
+            cutters = list(self._cutters.values())
+        for cancel in cutters:
+            cancel()
 
     @contextmanager
     def admit(self, during_drain: bool = False) -> Iterator[None]:

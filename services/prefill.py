@@ -2,7 +2,9 @@
 
 The request is submitted with `park_after_prefill=True`: after its first token the engine keeps its
 KV under the request id (the handle) with a lease, until DecodeService attaches, `Release` drops it
-or the lease expires. A call that ends before its first token (cancel, deadline) aborts the request.
+or the lease expires. A call that ends before its first token (cancel, deadline) aborts the request;
+so does a call that fails after its response was written (the client never got the handle): the
+guard stays armed until the call has ended OK.
 """
 
 from __future__ import annotations
@@ -18,33 +20,48 @@ from engine.stats import FinishReason
 from ninfer.v1 import prefill_pb2, prefill_pb2_grpc
 from services.convert import sampling_from_proto, stats_to_proto
 from services.engine_context import EngineContext
-from services.errors import RpcAbort
+from services.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.telemetry import prefill_attributes, stats_attributes
 
 log = structlog.get_logger(__name__)
 
 
-class AbortOnTermination:
-    """gRPC termination callback: abort the engine request unless it was handed off (disarmed)."""
+def call_failed(context: grpc.ServicerContext) -> bool:
+    """In a termination callback: whether the call ended cancelled (by the client, its deadline or the
+    transport) rather than with its status sent. grpc's sync server has no public accessor for this;
+    it is the call state's `client` field ("cancelled"). Unknown: False (the lease still frees it)."""
+    state = getattr(context, "_state", None)
+    return getattr(state, "client", None) == "cancelled"
 
-    def __init__(self, loop: EngineLoop, request_id: str):
-        self._loop, self._request_id = loop, request_id
+
+class AbortOnTermination:
+    """gRPC termination callback: abort the engine request unless it was handed off (disarmed).
+    `hand_off()`: the response is on its way; the request is aborted still if the call then fails."""
+
+    def __init__(self, loop: EngineLoop, request_id: str, context: grpc.ServicerContext | None = None):
+        self._loop, self._request_id, self._context = loop, request_id, context
         self._armed = True
+        self._handed_off = False
         self._lock = threading.Lock()
 
     def __call__(self) -> None:
         with self._lock:
-            if self._armed:
-                self._armed = False
-                self._loop.abort(self._request_id)
+            fire = self._armed and (not self._handed_off or call_failed(self._context))
+            self._armed = False
+        if fire:
+            self._loop.abort(self._request_id)
 
     def disarm(self) -> None:
         with self._lock:
             self._armed = False
 
+    def hand_off(self) -> None:
+        with self._lock:
+            self._handed_off = True
+
     @classmethod
     def register(cls, context: grpc.ServicerContext, loop: EngineLoop, request_id: str) -> "AbortOnTermination":
-        guard = cls(loop, request_id)
+        guard = cls(loop, request_id, context)
         if not context.add_callback(guard):        # the call has ended already
             guard()
         return guard
@@ -59,15 +76,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         with ctx.state.admit(), bound_contextvars(request_id=request.request_id or None), \
                 ctx.tracer.start_as_current_span("prefill") as span:
             loop = ctx.engine
-            params = sampling_from_proto(request.sampling)
+            info = ctx.info
+            room = min(info.max_model_len, info.kv_capacity_tokens - info.draft_tokens) - len(request.prompt_token_ids)
+            params = sampling_from_proto(request.sampling, room=room)
             stream = loop.submit(list(request.prompt_token_ids), params, request.request_id or None,
                                  park_after_prefill=True)
             guard = AbortOnTermination.register(context, loop, stream.request_id)
-            first = stream.next()                     # QueueTimeoutError: RESOURCE_EXHAUSTED
-            guard.disarm()
+            with ctx.state.on_cut(guard):
+                first = stream.next()                 # QueueTimeoutError: RESOURCE_EXHAUSTED
+            guard.hand_off()                          # armed until the response has gone out
             stats = first.stats                       # the prefill's figures, or the finished request's
             if first.finished:
                 if first.finish_reason is FinishReason.ABORT:
+                    if ctx.state.shut_down:
+                        raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
                     raise RpcAbort(grpc.StatusCode.CANCELLED, "the prefill call ended before its first token")
                 span.set_attributes(stats_attributes(stats))
                 ctx.metrics.observe_prefill(stats)

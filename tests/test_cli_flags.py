@@ -88,3 +88,24 @@ def test_bad_flag_values_end_in_a_message_not_a_traceback():
     done = subprocess.run([sys.executable, "-m", "ninfer", "engine", "--log-level", "bogus"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "invalid choice: 'bogus'" in done.stderr
+
+
+@pytest.mark.parametrize("command", [["gateway", "--engine", "127.0.0.1:1"], ["engine", "--device", "cpu"]])
+def test_a_busy_metrics_port_ends_in_a_message_not_a_traceback(command):
+    import socket
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        done = subprocess.run([sys.executable, "-m", "ninfer", *command, "--listen", "127.0.0.1:0",
+                               "--metrics-listen", f"127.0.0.1:{busy.getsockname()[1]}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "cannot serve metrics on" in done.stderr and "--metrics-listen" in done.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--max-concurrent-rpcs", "0"), ("--drain-timeout", "-1"),
+                                         ("--max-message-bytes", "0")])
+def test_server_limits_must_be_positive(flag, value):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["gateway", "--engine", "127.0.0.1:1", flag, value])
+    assert e.value.code == 2

@@ -246,3 +246,75 @@ def test_pending_timeout_on_a_real_engine_with_a_busy_lane():
     assert long.finish_reason is FinishReason.LENGTH and core.metrics.snapshot(clock(), {}, {})["performance"][
         "requests"] == {"queue_timeout": 1, "length": 1}
     assert_kv_idle(core)
+
+
+# -- parked requests: no decode seat, a cap of their own (issue 12) -----------------------------------
+
+def park_one(sched, **kw):
+    req = make_request(prompt=8, max_tokens=50, **kw)
+    req.park_after_prefill = True
+    sched.add_request(req)
+    while req.status is not RequestStatus.PARKED:
+        step(sched)
+    return req
+
+
+def test_parked_requests_take_no_decode_seat():
+    sched = make_scheduler(max_batch=2)
+    parked = [park_one(sched), park_one(sched)]
+    runner = make_request(prompt=8, max_tokens=3)
+    sched.add_request(runner)
+    for _ in range(10):
+        step(sched)
+    assert runner.finish_reason is FinishReason.LENGTH, "a parked handle held a decode seat"
+    for p in parked:
+        sched.finish(p.request_id, FinishReason.ABORT)
+    assert kv_idle(sched)
+
+
+def test_at_most_max_parked_wait_parked_and_the_next_one_queues():
+    sched = make_scheduler(max_batch=4, max_parked=1)
+    first = park_one(sched)
+    second = make_request(prompt=8, max_tokens=5)
+    second.park_after_prefill = True
+    sched.add_request(second)
+    for _ in range(5):
+        step(sched)
+    assert second.status is RequestStatus.WAITING, "a second handle parked beyond max_parked"
+    sched.finish(first.request_id, FinishReason.ABORT)
+    step(sched)
+    assert second.status is RequestStatus.PARKED
+    sched.finish(second.request_id, FinishReason.ABORT)
+    assert kv_idle(sched)
+
+
+def test_an_attached_request_waits_for_a_seat_and_the_batch_never_exceeds_max_batch():
+    sched = make_scheduler(max_batch=1)
+    parked = park_one(sched)
+    busy = make_request(prompt=8, max_tokens=4)
+    sched.add_request(busy)
+    step(sched)
+    sched.resume(parked.request_id)
+    widths = []
+    while sched.has_work:
+        out = sched.schedule()
+        widths.append(len(out.decode))
+        model_step(sched, out)
+    assert max(widths) == 1 and busy.finish_reason is parked.finish_reason is FinishReason.LENGTH
+    assert parked.times.decode_start >= busy.times.finish
+    assert kv_idle(sched)
+
+
+def test_an_unclaimed_split_request_can_be_released_before_it_parks():
+    sched = make_scheduler()
+    req = make_request(prompt=8, max_tokens=5)
+    req.park_after_prefill = True
+    sched.add_request(req)
+    assert sched.is_unclaimed(req.request_id)                # queued: a Release ends it before it parks
+    while req.status is not RequestStatus.PARKED:
+        step(sched)
+    assert sched.is_unclaimed(req.request_id)
+    sched.resume(req.request_id)
+    assert not sched.is_unclaimed(req.request_id)            # attached: the decode owns it
+    sched.finish(req.request_id, FinishReason.ABORT)
+    assert kv_idle(sched) and not sched.attached

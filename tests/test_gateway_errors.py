@@ -12,16 +12,19 @@ from engine.config import EngineConfig
 from gateway.client import GatewayClient, SamplingParams
 from gateway.serve import ServeStack
 from services.client import EngineClient
+from services.errors import RETRY_PUSHBACK_KEY
 from services.server import ServerOptions
 
 KV = 2048                     # below the embedded model's 4096-token context: both limits can be hit
 MAX_MESSAGE_BYTES = 64 * 1024
+PUSHBACK_MS = 700
 
 
 @pytest.fixture(scope="module")
 def stack():
     s = ServeStack(EngineConfig(kv_capacity=KV),
-                   ServerOptions(listen="127.0.0.1:0", max_message_bytes=MAX_MESSAGE_BYTES)).start()
+                   ServerOptions(listen="127.0.0.1:0", max_message_bytes=MAX_MESSAGE_BYTES,
+                                 retry_pushback_ms=PUSHBACK_MS)).start()
     yield s
     s.stop()
 
@@ -90,8 +93,20 @@ def test_bad_prompts_are_invalid_argument(client, stack, kwargs, message):
 def test_an_oversized_message_is_resource_exhausted(client, stack):
     e = failure(lambda: client.generate("y" * (MAX_MESSAGE_BYTES + 1)))
     assert e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "larger than max" in e.details()
+    assert f"exceeds the limit of {MAX_MESSAGE_BYTES} bytes (--max-message-bytes)" in e.details()
+    assert (RETRY_PUSHBACK_KEY, str(PUSHBACK_MS)) in [(m.key, m.value) for m in e.trailing_metadata()]
     assert_still_serving(client, stack)
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x0a\x05ab", b"\x12\x80\x80\x80\x80\x10"])
+def test_malformed_bytes_are_invalid_argument_not_internal(stack, payload):
+    with grpc.insecure_channel(stack.address) as channel:
+        call = channel.unary_stream("/ninfer.v1.Gateway/Generate", request_serializer=None,
+                                    response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(payload, timeout=10))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "malformed request message" in e.value.details()
 
 
 def test_bad_inputs_are_counted_by_status(stack):

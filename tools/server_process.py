@@ -26,6 +26,7 @@ class ServerProcess:
         self.events: list[dict[str, Any]] = []
         self.other_lines: list[str] = []
         self.address: str | None = None
+        self.metrics_port: int | None = None
         self._listening = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"ninfer-{command}-stderr", daemon=True)
         self._reader.start()
@@ -53,6 +54,7 @@ class ServerProcess:
             self.events.append(event)
             if event.get("event") == LISTENING_EVENTS[self.command] and self.address is None:
                 self.address = event["address"]
+                self.metrics_port = event.get("metrics_port")
                 self._listening.set()
         self._listening.set()                       # exited before listening: start() reports it
 

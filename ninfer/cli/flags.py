@@ -9,7 +9,6 @@ as an alias. Environment variables are read when a command runs, never at import
 from __future__ import annotations
 
 import argparse
-import os
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
@@ -102,13 +101,23 @@ def add_server_args(p: argparse.ArgumentParser, listen: str, metrics_listen: str
     g.add_argument("--metrics-listen", default=metrics_listen, metavar="HOST:PORT",
                    help="address of the Prometheus /metrics endpoint ('off' = none)")
     g.add_argument("--api-key", default=None,
-                   help="bearer token every call but health must present (default: $NINFER_API_KEY, else none)")
+                   help="bearer token every call but health must present; visible in `ps`: prefer --api-key-file "
+                        "(default: $NINFER_API_KEY_FILE, then $NINFER_API_KEY, else none)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE", help="read the bearer token from FILE")
+    g.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM certificate chain: serve TLS (with --tls-key)")
+    g.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                   help="PEM CA: require client certificates it signed (mutual TLS; needs --tls-cert)")
     g.add_argument("--enable-reflection", action="store_true", help="serve gRPC server reflection")
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES,
-                   help="largest request message accepted (larger: RESOURCE_EXHAUSTED)")
-    g.add_argument("--max-workers", type=int, default=256, help="server threads (one per open stream)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds streams in flight get to finish after SIGTERM")
+    g.add_argument("--max-message-bytes", type=positive_int, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="largest request message accepted (larger: RESOURCE_EXHAUSTED with retry pushback)")
+    g.add_argument("--max-concurrent-rpcs", "--max-workers", dest="max_concurrent_rpcs", type=positive_int,
+                   default=None, help="calls served at once; the next is refused at once (RESOURCE_EXHAUSTED "
+                   "with retry pushback); health is exempt (default: what the engines admit, "
+                   "2 x --max-num-seqs + --max-pending + 1 per engine)")
+    g.add_argument("--drain-timeout", type=nonnegative_float, default=30.0,
+                   help="seconds from SIGTERM to exit, in total: streams still running shortly before it "
+                        "end UNAVAILABLE")
     g.add_argument("--retry-pushback-ms", type=int, default=1000,
                    help="grpc-retry-pushback-ms sent with RESOURCE_EXHAUSTED")
     g.add_argument("--otlp-endpoint", default=None,
@@ -134,16 +143,58 @@ def listen_address(args: argparse.Namespace) -> str:
 
 
 def server_options(args: argparse.Namespace, service_name: str):
-    """Flags -> ServerOptions; reads OTEL_* and NINFER_API_KEY now, at startup."""
+    """Flags -> ServerOptions; reads OTEL_*, NINFER_API_KEY(_FILE) and the TLS files now, at startup."""
     from services.server import ServerOptions
     from services.telemetry import build_tracer_provider
+    from services.tls import ServerTLS, read_secret
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise OSError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise OSError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    tls = ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None
+    if tls is not None:
+        tls.credentials()                      # unreadable files: a message now, not at the first call
     return ServerOptions(
         listen=listen_address(args),
         metrics_listen=None if args.metrics_listen in ("", "off") else args.metrics_listen,
-        api_key=args.api_key or os.environ.get("NINFER_API_KEY") or None, enable_reflection=args.enable_reflection,
-        max_workers=args.max_workers, max_message_bytes=args.max_message_bytes,
-        retry_pushback_ms=args.retry_pushback_ms, drain_timeout_s=args.drain_timeout,
+        api_key=read_secret(args.api_key, args.api_key_file, "NINFER_API_KEY", "NINFER_API_KEY_FILE", "--api-key"),
+        enable_reflection=args.enable_reflection, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_message_bytes=args.max_message_bytes, retry_pushback_ms=args.retry_pushback_ms,
+        drain_timeout_s=args.drain_timeout, tls=tls,
         tracer_provider=build_tracer_provider(service_name, args.otlp_endpoint))
+
+
+def add_client_tls_args(g, prefix: str = "--", what: str = "the server") -> None:
+    """--tls-ca/--tls-cert/--tls-key of a client (prefix "--engine-": the gateway's calls to engines)."""
+    g.add_argument(f"{prefix}tls-ca", default=None, metavar="FILE",
+                   help=f"PEM CA to trust: call {what} over TLS (default: plaintext)")
+    g.add_argument(f"{prefix}tls-cert", default=None, metavar="FILE",
+                   help=f"PEM client certificate for {what} (mutual TLS; with {prefix}tls-key)")
+    g.add_argument(f"{prefix}tls-key", default=None, metavar="FILE", help=f"PEM private key of {prefix}tls-cert")
+
+
+def client_tls(ca: str | None, cert: str | None, key: str | None, flag: str = "--tls"):
+    """ClientTLS from the client flags; None (plaintext) when none is given."""
+    from services.tls import ClientTLS
+    if not (ca or cert or key):
+        return None
+    tls = ClientTLS(ca, cert, key)
+    tls.credentials(flag)                      # unreadable files: a message now
+    return tls
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 # -- sampling -------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from ninfer.cli.flags import engine_config_from_args, sampling_from_args
@@ -50,7 +49,11 @@ def _generate_remote(args: argparse.Namespace) -> int:
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     msg = None
-    with GatewayClient(args.gateway, api_key=args.api_key or os.environ.get("NINFER_API_KEY")) as client:
+    from ninfer.cli.flags import client_tls
+    from services.tls import read_secret
+    api_key = read_secret(args.api_key, args.api_key_file, "NINFER_API_KEY", "NINFER_API_KEY_FILE", "--api-key")
+    tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
+    with GatewayClient(args.gateway, api_key=api_key, tls=tls) as client:
         try:
             if args.wait_ready:
                 client.wait_until_serving(args.wait_ready)

@@ -29,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--wait-ready", type=float, default=0.0, metavar="SECONDS",
                    help="first wait up to SECONDS for the gateway's health to say SERVING")
     g.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="deadline of the call")
-    g.add_argument("--api-key", default=None, help="bearer token for the gateway (default: $NINFER_API_KEY)")
+    g.add_argument("--api-key", default=None, help="bearer token for the gateway; visible in `ps`: prefer "
+                   "--api-key-file (default: $NINFER_API_KEY_FILE, then $NINFER_API_KEY)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE", help="read the gateway's bearer token from FILE")
+    flags.add_client_tls_args(g, "--", "the gateway")
     gen.add_argument("--json", action="store_true", help="JSON lines: one per delta, then the final stats")
     flags.add_log_args(gen, default_level="warning")
 
@@ -41,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--engine", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                          help="engine endpoints; each request goes to the least loaded one")
     gateway.add_argument("--engine-api-key", default=None,
-                         help="bearer token the engines expect (default: $NINFER_ENGINE_API_KEY)")
+                         help="bearer token the engines expect; visible in `ps`: prefer --engine-api-key-file "
+                              "(default: $NINFER_ENGINE_API_KEY_FILE, then $NINFER_ENGINE_API_KEY)")
+    gateway.add_argument("--engine-api-key-file", default=None, metavar="FILE",
+                         help="read the engines' bearer token from FILE")
+    flags.add_client_tls_args(gateway.add_argument_group("calls to the engines"), "--engine-", "the engines")
     flags.add_server_args(gateway, flags.DEFAULT_GATEWAY_LISTEN, flags.DEFAULT_GATEWAY_METRICS)
 
     serve = command("serve", "engine and gateway in one process (the embedded model unless --model)",

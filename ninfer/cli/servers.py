@@ -8,12 +8,11 @@ SIGTERM (or Ctrl-C) drains: new calls get UNAVAILABLE, streams in flight finish 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 
-from ninfer.cli.flags import engine_config_from_args, server_options
+from ninfer.cli.flags import client_tls, engine_config_from_args, server_options
 
 SIGNAL_CHECK_S = 0.2
 EMBEDDED_MODEL_NOTICE = (
@@ -31,10 +30,13 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.server import GatewayServer
+    from services.tls import read_secret
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
     options = server_options(args, "ninfer-gateway")
-    engine_key = args.engine_api_key or os.environ.get("NINFER_ENGINE_API_KEY") or None
-    return _run(GatewayServer(engines, options, engine_api_key=engine_key), options)
+    engine_key = read_secret(args.engine_api_key, args.engine_api_key_file, "NINFER_ENGINE_API_KEY",
+                             "NINFER_ENGINE_API_KEY_FILE", "--engine-api-key")
+    engine_tls = client_tls(args.engine_tls_ca, args.engine_tls_cert, args.engine_tls_key, "--engine-tls")
+    return _run(GatewayServer(engines, options, engine_api_key=engine_key, engine_tls=engine_tls), options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
