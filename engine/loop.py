@@ -162,6 +162,15 @@ class EngineLoop:
         """Requests admitted and not finished (queued, prefilling, parked or decoding)."""
         return self._call(lambda: self.core.scheduler.num_unfinished)
 
+    def add_kv_listener(self, listener) -> None:
+        """From now on the KV manager tells `listener` (`engine.kv_cache.KVEventListener`, called on the
+        engine thread) about blocks that become reusable and blocks evicted (the router's KV events)."""
+        self._call(lambda: self.core.kv.listeners.append(listener))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no request holds (requests in flight keep theirs; evictions are announced)."""
+        self._call(self.core.kv.reset_prefix_cache)
+
     def call(self, fn: Callable[[EngineCore], Any]) -> Any:
         """Run `fn(core)` on the engine thread between steps: for tests and diagnostics only; the
         services use the typed methods above."""

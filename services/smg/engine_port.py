@@ -1,8 +1,6 @@
 """The one module of services/smg that talks to the engine, through the loop's front door
-(`EngineContext.loop`: submit, abort, metrics; `ctx.info` for what it serves). Kept thin on purpose.
-
-The prefix cache's events and flush go through `engine.prefix_cache_events` (the loop has no
-method for them).
+(`EngineContext.loop`: submit, abort, metrics, add_kv_listener, reset_prefix_cache; `ctx.info` for
+what it serves). Kept thin on purpose.
 
 Everything here is safe to call from any gRPC thread.
 """
@@ -17,7 +15,6 @@ from engine.errors import EngineDeadError
 from engine.info import EngineInfo
 from engine.kv_cache import KVEventListener
 from engine.loop import EngineLoop, RequestStream
-from engine.prefix_cache_events import add_kv_listener, reset_prefix_cache
 from engine.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
 from services.engine_context import EngineContext
@@ -77,8 +74,8 @@ class EnginePort:
 
     def add_kv_listener(self, listener: KVEventListener) -> None:
         """Register a prefix-cache listener on the KV manager (called on the engine thread from now on)."""
-        add_kv_listener(self._loop(), listener)
+        self._loop().add_kv_listener(listener)
 
     def flush_prefix_cache(self) -> None:
         """Forget every cached block no request holds (requests in flight keep theirs)."""
-        reset_prefix_cache(self._loop())
+        self._loop().reset_prefix_cache()
