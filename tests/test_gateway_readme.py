@@ -14,9 +14,11 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def ninfer_invocations(block: str) -> list[list[str]]:
     """Each `ninfer ...` command of a shell snippet, split on & ; && ( ) and comments."""
     out = []
-    for line in block.splitlines():
+    for line in block.replace("\\\n", " ").splitlines():          # join continued lines
         line = line.split("#", 1)[0]
         for part in re.split(r"&&|;|&|\(|\)", line):
+            if not part.strip().split(" ")[0].endswith("ninfer"):       # other tools' commands (curl, smg)
+                continue
             words = shlex.split(part)
             if words and (words[0] == "ninfer" or words[0].endswith("/bin/ninfer")):
                 out.append(words[1:])
