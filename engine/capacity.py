@@ -40,6 +40,13 @@ class MemoryPlan:
     kv_bytes_per_token: int    # all KV layers (main + MTP), per rank, scales included
     kv_tokens: int             # the capacity, a whole number of blocks
     num_blocks: int
+    # Hybrids: linear-attention state slots (one per batch seat, plus a scratch slot) and their bytes.
+    state_slots: int = 0
+    state_bytes_per_slot: int = 0
+
+    @property
+    def state_bytes(self) -> int:
+        return (self.state_slots + 1) * self.state_bytes_per_slot if self.state_slots else 0
 
     @property
     def kv_bytes(self) -> int:
@@ -47,7 +54,9 @@ class MemoryPlan:
 
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        return (f"KV {self.kv_tokens} tokens x {self.kv_bytes_per_token} B = {g(self.kv_bytes)}, weights "
+        states = (f"state slots {self.state_slots} (+1 scratch) x {self.state_bytes_per_slot} B = "
+                  f"{g(self.state_bytes)}, " if self.state_slots else "")
+        return (f"KV {self.kv_tokens} tokens x {self.kv_bytes_per_token} B = {g(self.kv_bytes)}, {states}weights "
                 f"{g(self.weights_bytes)}, activations {g(self.activation_bytes)}, reserve "
                 f"{g(self.reserve_bytes)}; available {g(self.available_bytes)}")
 
@@ -65,10 +74,10 @@ def shard_bytes(model: ModelConfig, tp: int, with_mtp: bool, max_position: int, 
     """Bytes of one rank's shard: its parameters in the model dtype (quantized ones in their own) and
     its buffers (the RoPE table), counted on a shard built on the meta device -- exact for whatever each layer splits or keeps
     whole (norms, the MTP fc, KV heads fewer than ranks, padded vocabulary rows)."""
-    from engine.models.qwen3 import Qwen3ForCausalLM
+    from engine.models.registry import model_class
     from engine.parallel import TPGroup
     with torch.device("meta"):
-        shard = Qwen3ForCausalLM(model, TPGroup(rank=0, size=tp), with_mtp=with_mtp, max_position=max_position)
+        shard = model_class(model)(model, TPGroup(rank=0, size=tp), with_mtp=with_mtp, max_position=max_position)
     # quantized layers' tensors (packed codes, scales) keep their own dtype
     return (sum(p.numel() * (p.element_size() if getattr(p, "quantized", False) else elt) for p in shard.parameters())
             + sum(b.numel() * b.element_size() for b in shard.buffers()))
@@ -80,7 +89,7 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     elt = dtype_bytes(cfg.torch_dtype_name)
     kv_elt = dtype_bytes(cfg.kv_dtype_name)
     kv_heads = max(1, model.num_key_value_heads // tp)
-    kv_layers = model.num_hidden_layers + (model.mtp_num_hidden_layers if draft_tokens > 0 else 0)
+    kv_layers = len(model.full_attention_layers) + (model.mtp_num_hidden_layers if draft_tokens > 0 else 0)
     per_token = kv_layers * 2 * kv_heads * model.head_dim * kv_elt
     if cfg.kv_dtype_name == "int8":
         per_token += kv_layers * 2 * kv_heads * 4                   # float32 scale per token and head
@@ -95,7 +104,13 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     activations += logit_rows * model.vocab_size * 4 * (4 if draft_tokens else 2)
     reserve = 0 if cfg.device == "cpu" else CUDA_RESERVE_BYTES + (CUDA_TP_RESERVE_BYTES if tp > 1 else 0)
     avail = available_memory(cfg) if available is None else available
-    room = avail - weights - activations - reserve
+    state_slots, state_per_slot = 0, 0
+    if model.is_hybrid:
+        from engine.hybrid_config import linear_state_bytes
+        state_slots = cfg.max_batch
+        # the conv window keeps the model dtype: count it at float32 (an upper bound, a few KB)
+        state_per_slot = linear_state_bytes(model, tp)
+    room = avail - weights - activations - reserve - (state_slots + 1) * state_per_slot * (state_slots > 0)
     if cfg.kv_capacity is not None:
         tokens = -(-cfg.kv_capacity // cfg.block_size) * cfg.block_size
     else:
@@ -103,10 +118,12 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
         if cfg.device == "cpu":
             tokens = min(tokens, max(CPU_AUTO_KV_TOKENS, max_model_len + draft_tokens)
                          // cfg.block_size * cfg.block_size + cfg.block_size)
-    plan = MemoryPlan(avail, weights, activations, reserve, per_token, tokens, tokens // cfg.block_size)
+    plan = MemoryPlan(avail, weights, activations, reserve, per_token, tokens, tokens // cfg.block_size,
+                      state_slots, state_per_slot)
     if tokens < cfg.block_size or plan.kv_bytes > room:
         asked = f"kv_capacity={cfg.kv_capacity}" if cfg.kv_capacity is not None else "an automatic KV capacity"
         raise CapacityError(
             f"{asked} does not fit: needs {plan.describe()} -- {(plan.kv_bytes - room) / GiB:.2f} GiB short. "
-            f"Lower kv_capacity, prefill_chunk or max_batch, use kv_dtype=int8, or add tensor parallelism.")
+            f"Lower kv_capacity, prefill_chunk or max_batch (one state slot per seat on hybrid models), "
+            f"use kv_dtype=int8, or add tensor parallelism.")
     return plan

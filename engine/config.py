@@ -8,7 +8,10 @@ from typing import Any
 
 from engine.errors import InvalidArgumentError, ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5")
+# Hybrid (Gated DeltaNet + gated attention) checkpoints: Qwen3_5ForCausalLM and the language model
+# of Qwen3_5ForConditionalGeneration (its `text_config`); see engine/hybrid_config.py.
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -33,11 +36,42 @@ class ModelConfig:
     model_type: str = "qwen3"
     # FP8-block or NVFP4 linear layers (engine.quant.scheme.QuantScheme); None = the model dtype
     quant: Any = None
+    # Hybrid models only (Qwen3.5 class). `layer_types` empty = every layer full attention (Qwen3).
+    layer_types: tuple[str, ...] = ()
+    partial_rotary_factor: float = 1.0      # share of each head's dims that RoPE rotates
+    attn_output_gate: bool = False          # q_proj also emits a sigmoid gate per head
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.layer_types)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """Indices of the main model's layers that keep paged KV."""
+        if not self.layer_types:
+            return list(range(self.num_hidden_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
         model_type = hf.get("model_type")
+        if model_type in HYBRID_MODEL_TYPES:
+            from engine.hybrid_config import hybrid_config_from_hf
+            return hybrid_config_from_hf(cls, hf, eos_token_ids)
         if model_type not in SUPPORTED_MODEL_TYPES:
+            if model_type == "qwen3_next":
+                raise ModelLoadError(
+                    "unsupported model_type 'qwen3_next' (Qwen3-Next: its MLPs are mixtures of experts, which "
+                    f"ninfer does not implement); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
             raise ModelLoadError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )

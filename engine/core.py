@@ -17,15 +17,16 @@ from engine.config import EngineConfig
 from engine.default_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
 from engine.errors import InvalidArgumentError
 from engine.kv_cache import KVCacheManager
-from engine.loader import MTP_PREFIX, RandomWeights, check_tensors, read_model_dir
+from engine.loader import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
 from engine.info import EngineInfo, WarmupReport
 from engine.metrics import EngineMetrics
-from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.registry import model_class
 from engine.presets import PREFIX as PRESET_PREFIX, preset
 from engine.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.executor import Executor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from engine.state_slots import StateSlotPool
 from engine.stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
@@ -71,7 +72,7 @@ class EngineCore:
                 weights = RandomQuantWeights.for_model(model_config, device)
             else:
                 with torch.device("meta"):
-                    shapes = Qwen3ForCausalLM(model_config, with_mtp=True).checkpoint_shapes()
+                    shapes = model_class(model_config)(model_config, with_mtp=True).checkpoint_shapes()
                 weights = RandomWeights(shapes, device)
             self.tokenizer = build_default_tokenizer()
         else:
@@ -94,8 +95,10 @@ class EngineCore:
             found = _shapes(weights, model_config)
         self.draft_tokens = k
         with torch.device("meta"):
-            expected = Qwen3ForCausalLM(model_config, with_mtp=k > 0).checkpoint_shapes()
+            expected = model_class(model_config)(model_config, with_mtp=k > 0).checkpoint_shapes()
         check_tensors(expected, found, self.model_name)
+        if model_config.quant is None and hasattr(weights, "dtypes"):
+            check_dtypes(weights.dtypes(), self.model_name)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if config.draft_vocab > model_config.vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
@@ -105,12 +108,17 @@ class EngineCore:
         self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
         log.info("weights_loaded", model=self.model_name, ranks=self.executor.num_ranks,
                  seconds=round(time.perf_counter() - t0, 2))
-        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, config.prefix_reuse)
+        # hybrids: a cached prefix would need the linear layers' state at its end (not kept yet)
+        prefix_reuse = config.prefix_reuse and not model_config.is_hybrid
+        if config.prefix_reuse and not prefix_reuse:
+            log.info("prefix_reuse_off", reason="hybrid model: linear-attention state snapshots are not kept")
+        self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, prefix_reuse)
+        self.states = StateSlotPool(self.memory.state_slots) if model_config.is_hybrid else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds), self.kv, clock)
+            lease_s=config.lease_seconds), self.kv, clock, states=self.states)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")

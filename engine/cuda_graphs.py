@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from engine.decode_round import RoundInputs, RoundSetup, pack_round, run_round
+from engine.decode_round import ROWS, RoundInputs, RoundSetup, pack_round, run_round
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ class _Captured:
         self.batch = batch
         self.setup = setup
         pin = dict(pin_memory=True)
-        self.host = (torch.zeros(9 * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
+        self.host = (torch.zeros(ROWS * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
                      torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
                      torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)

@@ -27,6 +27,9 @@ from engine.forward_context import ForwardContext, forward_context
 from engine.hidden_pool import HiddenStatePool
 from engine.models.qwen3 import Qwen3ForCausalLM
 
+# int64 rows per request at the head of a round's packed ints (RoundInputs.from_packed)
+ROWS = 10
+
 
 def sampling_variant(works: list) -> tuple[bool, bool]:
     """(all_greedy, any_filter) of a round's requests: which sampling code its graph runs."""
@@ -49,6 +52,7 @@ class RoundSetup:
     max_batch: int                    # scratch hidden-pool row of padded rows
     draft_vocab: int | None           # draft over the first N token ids; None = all
     device: torch.device
+    scratch_slot: int = 0             # hybrids: the state slot padded rows step (engine.state_cache)
 
     @property
     def pool_rows(self) -> dict[str, int]:
@@ -72,17 +76,19 @@ class RoundInputs:
     seeds: torch.Tensor           # [B] int64
     output_index: torch.Tensor    # [B] int64: index of x_n among the request's outputs
     num_drafts: torch.Tensor      # [B] int64: each request's own k (<= k)
+    state_slots: torch.Tensor     # [B] int64: linear-attention state slot (hybrids; scratch otherwise)
 
     @classmethod
     def from_packed(cls, ints: torch.Tensor, floats: torch.Tensor, tables: torch.Tensor, k: int) -> "RoundInputs":
         """Views into three flat buffers (one host-to-device copy each):
-        ints [9 * B + B * (k+1)] int64, floats [2 * B] float32, tables [B, W] int32."""
+        ints [ROWS * B + B * (k+1)] int64, floats [2 * B] float32, tables [B, W] int32."""
         bsz = tables.shape[0]
-        i = ints[:9 * bsz].view(9, bsz)
+        i = ints[:ROWS * bsz].view(ROWS, bsz)
         f = floats.view(2, bsz)
         return cls(last_ids=i[0], num_tokens=i[1], mtp_start=i[2], mtp_counts=i[3],
-                   mtp_ids=ints[9 * bsz:].view(bsz, k + 1), pool_rows=i[4], block_tables=tables,
-                   temperature=f[0], top_k=i[5], top_p=f[1], seeds=i[6], output_index=i[7], num_drafts=i[8])
+                   mtp_ids=ints[ROWS * bsz:].view(bsz, k + 1), pool_rows=i[4], block_tables=tables,
+                   temperature=f[0], top_k=i[5], top_p=f[1], seeds=i[6], output_index=i[7], num_drafts=i[8],
+                   state_slots=i[9])
 
     def sampling(self, all_greedy: bool, any_filter: bool) -> sampler.SamplingBatch:
         return sampler.SamplingBatch(self.temperature, self.top_k, self.top_p, self.seeds, self.output_index,
@@ -90,7 +96,8 @@ class RoundInputs:
 
 
 def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Tensor, block_size: int,
-                    max_seq_len: int) -> tuple[torch.Tensor, ForwardContext]:
+                    max_seq_len: int, state_slots: torch.Tensor | None = None,
+                    defer_state_commit: bool = False) -> tuple[torch.Tensor, ForwardContext]:
     """B sequences each adding `query_len` tokens at positions start .. start+query_len-1.
 
     start: [B] int64 -> positions [B * query_len] and the context, computed on the device."""
@@ -107,6 +114,8 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
         max_query_len=query_len,
         max_seq_len=max_seq_len,
         uniform_query_len=query_len,
+        state_slots=state_slots,
+        defer_state_commit=defer_state_commit,
     )
     return positions, ctx
 
@@ -123,7 +132,7 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
     s = inp.sampling(all_greedy, any_filter)
     tables = inp.block_tables
     if k == 0:
-        positions, ctx = uniform_context(inp.num_tokens - 1, 1, tables, block_size, max_seq_len)
+        positions, ctx = uniform_context(inp.num_tokens - 1, 1, tables, block_size, max_seq_len, inp.state_slots)
         with forward_context(ctx):
             logits = model.compute_logits(model(inp.last_ids, positions))
         tokens = sampler.sample(logits, s).unsqueeze(1)
@@ -149,12 +158,16 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
 
     draft_tokens = torch.stack(drafts, dim=1)                                            # [B, k]
     verify_ids = torch.cat([inp.last_ids.unsqueeze(1), draft_tokens], dim=1)             # [B, k+1]
-    positions, ctx = uniform_context(inp.num_tokens - 1, k + 1, tables, block_size, max_seq_len)
+    hybrid = hasattr(model, "commit_linear_states")
+    positions, ctx = uniform_context(inp.num_tokens - 1, k + 1, tables, block_size, max_seq_len, inp.state_slots,
+                                     defer_state_commit=hybrid)
     with forward_context(ctx):
         hidden = model(verify_ids.flatten(), positions)                                  # [B(k+1), hidden]
     logits = model.compute_logits(hidden).view(bsz, k + 1, -1)
     q = None if all_greedy else torch.stack(draft_probs, dim=1)
     tokens, num_accepted = sampler.verify(logits, draft_tokens, q, inp.num_drafts, s)
+    if hybrid:          # linear layers keep the state after x_{n-1} and the accepted drafts only
+        model.commit_linear_states(num_accepted + 1)
     hidden_pool[inp.pool_rows] = hidden.view(bsz, k + 1, -1)
     return tokens, num_accepted
 
@@ -164,21 +177,23 @@ def pack_round(setup: RoundSetup, works: list, batch: int, width: int,
     """Host arrays of a round for `batch` rows (rows past len(works) are padding that writes only
     the scratch block and the scratch pool row). `out` reuses (pinned) staging arrays."""
     k, null_block, scratch_row, pool_row = setup.k, setup.null_block, setup.max_batch, setup.pool_rows
+    scratch_slot = setup.scratch_slot
     ints, floats, tables = out if out is not None else (
-        np.zeros(9 * batch + batch * (k + 1), np.int64), np.zeros(2 * batch, np.float32),
+        np.zeros(ROWS * batch + batch * (k + 1), np.int64), np.zeros(2 * batch, np.float32),
         np.zeros((batch, width), np.int32))
-    i = ints[:9 * batch].reshape(9, batch)
-    mtp = ints[9 * batch:].reshape(batch, k + 1)
+    i = ints[:ROWS * batch].reshape(ROWS, batch)
+    mtp = ints[ROWS * batch:].reshape(batch, k + 1)
     f = floats.reshape(2, batch)
     i[:] = 0
     i[1], i[3], i[4] = 1, 1, scratch_row            # padding: n = 1, one MTP row, scratch pool row
+    i[9] = scratch_slot                             # and the scratch state slot
     mtp[:] = 0
     f[0], f[1] = 0.0, 1.0
     tables[:] = null_block
     for r, w in enumerate(works):
         i[:, r] = (w.last_token_id, w.num_tokens, w.num_mtp_computed, w.num_tokens - 1 - w.num_mtp_computed,
                    pool_row.get(w.request_id, scratch_row), w.sampling.top_k, w.seed, w.output_index,
-                   w.draft_tokens)
+                   w.draft_tokens, w.state_slot if w.state_slot >= 0 else scratch_slot)
         f[:, r] = (w.sampling.temperature, w.sampling.top_p)
         if k > 0:
             mtp[r, :len(w.mtp_token_ids)] = w.mtp_token_ids

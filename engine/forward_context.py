@@ -30,6 +30,10 @@ class ForwardContext:
     max_seq_len: int
     # Set when every sequence adds the same number of tokens (decode and verify rounds).
     uniform_query_len: int | None = None
+    # Hybrid models: [B] int64, each sequence's linear-attention state slot (engine.state_cache).
+    state_slots: torch.Tensor | None = None
+    # A verify pass: linear layers keep their inputs and leave the states to `commit_linear_states`.
+    defer_state_commit: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -62,7 +66,8 @@ def forward_context(ctx: ForwardContext):
 
 
 def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                          block_size: int, device: torch.device) -> tuple[torch.Tensor, ForwardContext]:
+                          block_size: int, device: torch.device,
+                          state_slots: list[int] | None = None) -> tuple[torch.Tensor, ForwardContext]:
     """Positions [T] and context for sequences whose new tokens sit at [seq_len - query_len, seq_len)."""
     q = torch.tensor(query_lens, dtype=torch.int64)
     s = torch.tensor(seq_lens, dtype=torch.int64)
@@ -85,5 +90,7 @@ def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tabl
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
         uniform_query_len=uniform,
+        state_slots=(None if state_slots is None
+                     else torch.tensor(state_slots, dtype=torch.int64).to(device, non_blocking=True)),
     )
     return positions.to(device, non_blocking=True), ctx

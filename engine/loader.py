@@ -7,15 +7,18 @@ wrong checkpoint fails with one error naming every problem and nothing half-load
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
+
+log = structlog.get_logger(__name__)
 
 MTP_PREFIX = "mtp."
 
@@ -23,8 +26,9 @@ MTP_PREFIX = "mtp."
 class CheckpointWeights:
     """Tensors of one checkpoint, read lazily file by file."""
 
-    def __init__(self, files: dict[str, Path]):
+    def __init__(self, files: dict[str, Path], stored: dict[str, str] | None = None):
         self._file_of = files                        # tensor name -> file
+        self._stored = stored or {}                  # tensor name -> name in the file, where renamed
 
     @classmethod
     def from_dir(cls, path: Path) -> "CheckpointWeights":
@@ -48,9 +52,19 @@ class CheckpointWeights:
             with safe_open(file, "pt") as f:
                 present = set(f.keys())
                 for name in names:
-                    if name not in present:
-                        raise ModelLoadError(f"{file.name}: the index lists {name} but the file lacks it")
-                    out[name] = tuple(f.get_slice(name).get_shape())
+                    stored = self._stored.get(name, name)
+                    if stored not in present:
+                        raise ModelLoadError(f"{file.name}: the index lists {stored} but the file lacks it")
+                    out[name] = tuple(f.get_slice(stored).get_shape())
+        return out
+
+    def dtypes(self) -> dict[str, str]:
+        """Each tensor's safetensors dtype ("BF16", "F32", ...), from the headers only."""
+        out: dict[str, str] = {}
+        for file, names in self._by_file().items():
+            with safe_open(file, "pt") as f:
+                for name in names:
+                    out[name] = f.get_slice(self._stored.get(name, name)).get_dtype()
         return out
 
     def dtypes(self) -> dict[str, str]:
@@ -66,10 +80,19 @@ class CheckpointWeights:
         for file, names in self._by_file().items():
             with safe_open(file, "pt") as f:
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(self._stored.get(name, name))
 
     def without(self, prefix: str) -> "CheckpointWeights":
-        return CheckpointWeights({n: f for n, f in self._file_of.items() if not n.startswith(prefix)})
+        return CheckpointWeights({n: f for n, f in self._file_of.items() if not n.startswith(prefix)}, self._stored)
+
+    def renamed(self, rename: Callable[[str], str | None]) -> "CheckpointWeights":
+        """The tensors under new names (`rename` returns None to drop one); nothing is read."""
+        files, stored = {}, {}
+        for name, file in self._file_of.items():
+            new = rename(name)
+            if new is not None:
+                files[new], stored[new] = file, self._stored.get(name, name)
+        return CheckpointWeights(files, stored)
 
     def _by_file(self) -> dict[Path, list[str]]:
         grouped: dict[Path, list[str]] = {}
@@ -154,7 +177,41 @@ def read_model_dir(path: str | Path) -> ModelDir:
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.exists():
         raise ModelLoadError(f"{path}: no tokenizer.json")
-    return ModelDir(path, config, tokenizer_file, CheckpointWeights.from_dir(path))
+    weights = CheckpointWeights.from_dir(path)
+    if config.model_type == "qwen3_5":
+        weights = language_model_weights(weights, path)
+    return ModelDir(path, config, tokenizer_file, weights)
+
+
+def language_model_weights(weights: CheckpointWeights, path: Path) -> CheckpointWeights:
+    """A Qwen3_5ForConditionalGeneration checkpoint as its language model: `model.language_model.X`
+    becomes `model.X`; the vision tower (`model.visual.*`) is skipped."""
+    skipped = []
+
+    def rename(name: str) -> str | None:
+        if name.startswith(("model.visual.", "visual.")):
+            skipped.append(name)
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name[len("model.language_model."):]
+        return name
+    renamed = weights.renamed(rename)
+    if skipped:
+        log.info("vision_tower_skipped", model=str(path), tensors=len(skipped),
+                 detail="ninfer serves the language model of Qwen3_5ForConditionalGeneration; images are not supported")
+    return renamed
+
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+def check_dtypes(found: dict[str, str], where: str) -> None:
+    """Unquantized checkpoints only: one error naming every tensor stored in another dtype."""
+    wrong = sorted(f"{n} {d}" for n, d in found.items() if d not in FLOAT_DTYPES)
+    if wrong:
+        shown = ", ".join(wrong[:8]) + (f" and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        raise ModelLoadError(f"{where}: tensors of an unsupported dtype ({len(wrong)}; supported: "
+                             f"{', '.join(FLOAT_DTYPES)}): {shown}")
 
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], where: str) -> None:

@@ -52,6 +52,7 @@ class Request:
     park_after_prefill: bool = False
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    state_slot: int = -1                     # hybrids: linear-attention state slot (-1 = none held)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # Tokens whose target-model KV is final, and positions whose MTP-layer KV is final.

@@ -22,9 +22,10 @@ from engine.decode_round import RoundInputs, RoundSetup, pack_round, run_round, 
 from engine.forward_context import build_forward_context, forward_context
 from engine.hidden_pool import HiddenStatePool
 from engine.kv_pages import LayerKV
-from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models.registry import model_class
 from engine.parallel import SINGLE_RANK, TPGroup
 from engine.scheduler import DecodeWork, ModelOutput, PrefillWork, SchedulerOutput
+from engine.state_cache import StateCache
 
 log = structlog.get_logger(__name__)
 
@@ -73,7 +74,7 @@ class ModelRunner:
         self.max_seq_len = max_model_len + draft_tokens + 1
         self.max_blocks = -(-self.max_seq_len // self.block_size)
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = Qwen3ForCausalLM(model_config, tp, with_mtp=draft_tokens > 0,
+            self.model = model_class(model_config)(model_config, tp, with_mtp=draft_tokens > 0,
                                           max_position=self.max_seq_len)
         self.model.load_weights(weights.on(self.device) if hasattr(weights, "on") else weights)
         self.model.eval()
@@ -84,13 +85,18 @@ class ModelRunner:
                               layers[0].head_dim, kv_dtype, self.device)
         for layer, kv in zip(layers, self.kv):
             layer.kv = kv
+        # hybrids: a linear-attention state slot per request seat (engine.state_cache), plus scratch
+        linear = self.model.linear_layers() if hasattr(self.model, "linear_layers") else []
+        self.states = StateCache(linear, self.max_batch, self.dtype, self.device) if linear else None
+        self.scratch_slot = self.states.scratch_slot if self.states is not None else 0
         # rows beyond the batch: parked requests (the scheduler's max_parked = max_batch) and the prefill lane
         self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
                                        self.device, extra_rows=self.max_batch + 1) if draft_tokens > 0 else None)
         self.round_setup = RoundSetup(
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
-            max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device)
+            max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
+            scratch_slot=self.scratch_slot)
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -123,7 +129,13 @@ class ModelRunner:
 
     def _prefill(self, w: PrefillWork, result: ModelOutput) -> None:
         n = len(w.token_ids)
-        positions, ctx = build_forward_context([n], [w.start + n], [w.block_ids], self.block_size, self.device)
+        slots = None
+        if self.states is not None:
+            slots = [w.state_slot]
+            if w.start == 0:
+                self.states.reset(w.state_slot)
+        positions, ctx = build_forward_context([n], [w.start + n], [w.block_ids], self.block_size, self.device,
+                                               state_slots=slots)
         ids = torch.tensor(w.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         with forward_context(ctx):
             hidden = self.model(ids, positions)                                      # [n, hidden]

@@ -29,6 +29,7 @@ from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundE
 from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.state_slots import StateSlotPool
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,9 @@ class PrefillWork:
     output_index: int              # index of that token among the request's outputs (RNG counter)
     sampling: SamplingParams
     seed: int
+    state_slot: int = -1           # hybrids: the request's linear-attention state slot
+    # hybrids: the chunk starts from a state snapshot in this slot (a prefix hit), or -1
+    restore_slot: int = -1
 
 
 @dataclass
@@ -74,6 +78,7 @@ class DecodeWork:
     output_index: int
     sampling: SamplingParams
     seed: int
+    state_slot: int = -1           # hybrids: the request's linear-attention state slot
 
 
 @dataclass
@@ -102,9 +107,11 @@ class RequestEvent:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 states: StateSlotPool | None = None):
         self.config = config
         self.kv = kv
+        self.states = states                 # hybrids: linear-attention state slots, held beside KV
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
@@ -280,11 +287,15 @@ class Scheduler:
                 return
         elif len(self.running) + len(self.attached) >= self.config.max_batch:
             return
+        if self.states is not None and self.states.num_free == 0:     # hybrids: a state slot too
+            return
         hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
                             req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache)
         if hit is None:
             return
         self.waiting.popleft()
+        if self.states is not None:
+            self.states.allocate(req)
         req.num_computed_tokens = req.num_mtp_computed = hit.num_tokens
         if req.num_preemptions == 0:
             req.num_cached_tokens = hit.num_tokens
@@ -301,7 +312,8 @@ class Scheduler:
         return PrefillWork(
             request_id=req.request_id, token_ids=tokens[start:end], start=start,
             next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
-            sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed)
+            sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed,
+            state_slot=req.state_slot)
 
     def _decode_work(self, req: Request) -> DecodeWork:
         return DecodeWork(
@@ -310,7 +322,7 @@ class Scheduler:
             mtp_token_ids=req.tokens_from(req.num_mtp_computed + 1) if self.config.draft_tokens else [],
             block_ids=req.block_ids,       # read within this step only: no copy per round
             draft_tokens=req.draft_tokens, output_index=req.num_output_tokens,
-            sampling=req.sampling, seed=req.seed)
+            sampling=req.sampling, seed=req.seed, state_slot=req.state_slot)
 
     def _append(self, req: Request, tokens: list[int], now: float) -> RequestEvent:
         """Append tokens one by one, stopping at EOS / a stop token id / max_tokens."""
@@ -332,7 +344,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self._free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = req.num_mtp_computed = 0
         req.num_prefill_tokens = req.num_tokens
@@ -351,9 +363,15 @@ class Scheduler:
             self._lease_deadline.pop(req.request_id, None)
         elif req.status is RequestStatus.PREFILLING:
             self.prefilling = None
-        self.kv.free(req)
+        self._free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.times.finish = self.clock() if now is None else now
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+
+    def _free(self, req: Request) -> None:
+        """Everything the request holds: KV blocks, and its state slot on a hybrid model."""
+        self.kv.free(req)
+        if self.states is not None:
+            self.states.free(req)

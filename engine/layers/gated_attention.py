@@ -1,0 +1,75 @@
+"""Gated full attention of Qwen3.5-class hybrids, over paged KV.
+
+Differences from Qwen3's attention: `q_proj` emits, per head, the query (head_dim) followed by an
+output gate (head_dim), and the attention output is multiplied by sigmoid(gate) before `o_proj`;
+q/k norms are zero-centred; RoPE (rotate-half) turns only the first `partial_rotary_factor` of each
+head's dims, the rest pass through.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.attention import PagedAttention
+from engine.layers.hybrid_norm import ZeroCentredRMSNorm
+from engine.layers.linear import RowParallelLinear, _Linear
+from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import SINGLE_RANK, TPGroup
+
+
+class GatedQKVParallelLinear(_Linear):
+    """q (with its gate: 2 x head_dim rows per head), k and v fused; heads split over ranks, KV heads
+    replicated when fewer than ranks. Checkpoint shards: "q" [2 heads d, H], "k"/"v" [kv_heads d, H]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 tp: TPGroup = SINGLE_RANK):
+        self.head_dim = head_dim
+        self.num_heads = tp.shard(num_heads, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
+        elif tp.size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads={num_kv_heads} cannot be replicated over {tp.size} ranks")
+        else:
+            self.num_kv_heads = 1
+        self._kv_replicas = max(1, tp.size // num_kv_heads)
+        super().__init__(hidden_size, (2 * self.num_heads + 2 * self.num_kv_heads) * head_dim, tp)
+
+    def weight_loader(self, param, loaded, shard_id: str) -> None:
+        q_rows, kv_rows = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            dst, src = param.data.narrow(0, 0, q_rows), loaded.narrow(0, self.tp.rank * q_rows, q_rows)
+        else:
+            kv_rank = self.tp.rank // self._kv_replicas
+            start = q_rows + (0 if shard_id == "k" else kv_rows)
+            dst, src = param.data.narrow(0, start, kv_rows), loaded.narrow(0, kv_rank * kv_rows, kv_rows)
+        dst.copy_(src)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup = SINGLE_RANK):
+        super().__init__()
+        d = cfg.head_dim
+        self.qkv_proj = GatedQKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
+                                               cfg.num_key_value_heads, tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp)
+        self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
+        self.rotary = rotary                                   # built for the rotary dims only
+        self.rotary_dim = rotary.cos_sin.shape[-1]
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # positions: [T]; x: [T, hidden] -> [T, hidden]
+        d, h, kvh = self.head_dim, self.num_heads, self.num_kv_heads
+        qg, k, v = self.qkv_proj(x).split([2 * h * d, kvh * d, kvh * d], dim=-1)
+        q, gate = qg.view(-1, h, 2 * d).split([d, d], dim=-1)                 # [T, h, d] each
+        q, k = self.q_norm(q), self.k_norm(k.view(-1, kvh, d))
+        r = self.rotary_dim
+        q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
+        q = torch.cat([q_rot, q[..., r:]], dim=-1)
+        k = torch.cat([k_rot, k[..., r:]], dim=-1)
+        o = self.attn(q.contiguous(), k.contiguous(), v.reshape(-1, kvh, d))
+        return self.o_proj(o.flatten(1) * torch.sigmoid(gate.flatten(1)))

@@ -1,0 +1,148 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3.5-class hybrids.
+
+    [q k v] = causal depthwise conv1d (width 4) over in_proj_qkv(x), then SiLU
+    q, k    = L2-normalised per head (q also scaled by dk^-1/2); key heads serve groups of value heads
+    beta    = sigmoid(in_proj_b(x));  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
+    o       = gated delta rule (engine.kernels.gated_delta_ref) from the request's state
+    out     = out_proj(GatedRMSNorm(o, z = in_proj_z(x)))
+
+A request's state lives in a slot of `self.state` (engine.state_cache), picked by
+`ForwardContext.state_slots`. Three uses:
+- prefill chunks and decode steps read the slot and write the state after their tokens back;
+- a verify pass (`ctx.defer_state_commit`) reads the slot, computes every position's output, writes
+  nothing and keeps its per-position inputs; `commit(num_kept)` then replays the recurrence over
+  the first num_kept tokens of each row only (later steps masked to beta = 0, g = 0, which leave
+  the state exactly unchanged), so rejected drafts never reach the state. Keeping inputs instead of
+  k+1 states costs a few KB per row instead of (k+1) recurrent matrices.
+
+Tensor parallelism: key and value heads (and the conv channels of each of q, k, v) split over the
+ranks; out_proj is row-parallel (its all-reduce is the layer's only communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.forward_context import get_forward_context
+from engine.kernels import gated_delta_ref
+from engine.layers.hybrid_norm import GatedRMSNorm
+from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.parallel import SINGLE_RANK, TPGroup
+
+# Runs of at most this many new tokens use the recurrent form (decode, verify, short chunks).
+RECURRENT_MAX_TOKENS = 16
+
+
+def load_sections(param: nn.Parameter, loaded: torch.Tensor, sizes: list[int], tp: TPGroup) -> None:
+    """Copy this rank's share of each section of a tensor fused along dim 0 (global sizes `sizes`)."""
+    dst, src = 0, 0
+    for size in sizes:
+        local = size // tp.size
+        param.data.narrow(0, dst, local).copy_(loaded.narrow(0, src + tp.rank * local, local).view(
+            local, *param.shape[1:]))
+        dst, src = dst + local, src + size
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK):
+        super().__init__()
+        self.tp = tp
+        self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
+        self.num_v_heads = tp.shard(cfg.linear_num_value_heads, "linear_num_value_heads")
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        key_dim, value_dim = cfg.linear_num_key_heads * self.head_k_dim, cfg.linear_num_value_heads * self.head_v_dim
+        self.sections = [key_dim, key_dim, value_dim]                       # global q, k, v channels
+        self.conv_channels = sum(self.sections) // tp.size
+        h = cfg.hidden_size
+        self.in_proj_qkv = ColumnParallelLinear(h, sum(self.sections), tp)
+        self.in_proj_qkv.weight.weight_loader = self._load_qkv
+        self.in_proj_z = ColumnParallelLinear(h, value_dim, tp)
+        self.in_proj_b = ColumnParallelLinear(h, cfg.linear_num_value_heads, tp)
+        self.in_proj_a = ColumnParallelLinear(h, cfg.linear_num_value_heads, tp)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, self.kernel), requires_grad=False)
+        self.conv_weight.weight_loader = self._load_qkv
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        for p in (self.A_log, self.dt_bias):
+            p.weight_loader = self._load_heads
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_dim, h, tp)
+        self.state = None                    # engine.state_cache.LayerState, bound by the runner
+        self._pending = None                 # a verify pass's inputs, until `commit`
+
+    def _load_qkv(self, param, loaded, shard_id=None) -> None:
+        load_sections(param, loaded, self.sections, self.tp)
+
+    def _load_heads(self, param, loaded, shard_id=None) -> None:
+        n = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        ctx = get_forward_context()
+        mixed = self.in_proj_qkv(x)                                            # [T, C]
+        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()                                     # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if ctx.uniform_query_len is not None:
+            n = ctx.uniform_query_len
+            o = self._run(mixed.view(-1, n, mixed.shape[-1]), beta.view(-1, n, beta.shape[-1]),
+                          g.view(-1, n, g.shape[-1]), ctx.state_slots, ctx.defer_state_commit)
+            o = o.flatten(0, 1)
+        else:
+            outs, start = [], 0
+            for i, n in enumerate(ctx.host_lens()[0]):
+                if n:
+                    sl = slice(start, start + n)
+                    outs.append(self._run(mixed[None, sl], beta[None, sl], g[None, sl],
+                                          ctx.state_slots[i:i + 1], False)[0])
+                start += n
+            o = torch.cat(outs)
+        o = self.norm(o, z)                                                    # [T, Hv, dv]
+        return self.out_proj(o.flatten(1))
+
+    def _run(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor,
+             defer: bool) -> torch.Tensor:
+        # mixed: [B, n, C]; beta, g: [B, n, Hv]; slots: [B] -> o [B, n, Hv, dv] (float32)
+        bsz, n, _ = mixed.shape
+        window = self.state.conv[slots]                                        # [B, C, kernel-1]
+        extended = torch.cat([window, mixed.transpose(1, 2).to(window.dtype)], dim=-1)
+        conv = F.conv1d(extended.to(self.conv_weight.dtype), self.conv_weight.unsqueeze(1),
+                        groups=self.conv_channels)                             # [B, C, n]
+        qkv = F.silu(conv).transpose(1, 2).to(mixed.dtype)
+        q, k, v = qkv.split([s // self.tp.size for s in self.sections], dim=-1)
+        q, k = (self._heads(t) for t in (q, k))
+        q = q * self.head_k_dim ** -0.5
+        v = v.reshape(bsz, n, self.num_v_heads, self.head_v_dim)
+        s0 = self.state.ssm[slots]
+        if defer:
+            o, _ = gated_delta_ref.recurrent(q, k, v, g, beta, s0)
+            self._pending = (slots, extended, q, k, v, g, beta)
+            return o
+        step = gated_delta_ref.recurrent if n <= RECURRENT_MAX_TOKENS else gated_delta_ref.chunked
+        o, s = step(q, k, v, g, beta, s0)
+        self.state.ssm[slots] = s
+        self.state.conv[slots] = extended[..., n:]
+        return o
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        # [B, n, Hk * dk] -> L2-normalised [B, n, Hv, dk] (each key head repeated for its value heads)
+        t = t.float().reshape(*t.shape[:2], self.num_k_heads, self.head_k_dim)
+        t = t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6)
+        return t.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+
+    def commit(self, num_kept: torch.Tensor) -> None:
+        """After a verify pass: the state after each row's first num_kept [B] tokens (>= 1) becomes its slot's."""
+        slots, extended, q, k, v, g, beta = self._pending
+        self._pending = None
+        n = q.shape[1]
+        keep = (torch.arange(n, device=num_kept.device).unsqueeze(0) < num_kept.unsqueeze(1)).unsqueeze(-1)
+        _, s = gated_delta_ref.recurrent(q, k, v, g * keep, beta * keep, self.state.ssm[slots])
+        self.state.ssm[slots] = s
+        # the window after m tokens: inputs m .. m+kernel-2 of [old window, the n new inputs]
+        idx = num_kept.view(-1, 1, 1) + torch.arange(self.kernel - 1, device=num_kept.device)
+        self.state.conv[slots] = extended.gather(2, idx.expand(-1, extended.shape[1], -1))
