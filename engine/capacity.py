@@ -40,7 +40,8 @@ class MemoryPlan:
     kv_bytes_per_token: int    # all KV layers (main + MTP), per rank, scales included
     kv_tokens: int             # the capacity, a whole number of blocks
     num_blocks: int
-    # Hybrids: linear-attention state slots (one per batch seat, plus a scratch slot) and their bytes.
+    # Hybrids: linear-attention state slots (one per batch seat, the prefix-reuse snapshots, plus a
+    # scratch slot) and their bytes.
     state_slots: int = 0
     state_bytes_per_slot: int = 0
 
@@ -54,7 +55,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         g = lambda b: f"{b / GiB:.2f} GiB"  # noqa: E731
-        states = (f"state slots {self.state_slots} (+1 scratch) x {self.state_bytes_per_slot} B = "
+        states = (f"state slots {self.state_slots} (seats and snapshots, +1 scratch) x {self.state_bytes_per_slot} B = "
                   f"{g(self.state_bytes)}, " if self.state_slots else "")
         return (f"KV {self.kv_tokens} tokens x {self.kv_bytes_per_token} B = {g(self.kv_bytes)}, {states}weights "
                 f"{g(self.weights_bytes)}, activations {g(self.activation_bytes)}, reserve "
@@ -106,8 +107,8 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     avail = available_memory(cfg) if available is None else available
     state_slots, state_per_slot = 0, 0
     if model.is_hybrid:
-        from engine.hybrid_config import linear_state_bytes
-        state_slots = cfg.max_batch
+        from engine.hybrid_config import linear_state_bytes, state_slot_counts
+        state_slots = sum(state_slot_counts(cfg, model))
         # the conv window keeps the model dtype: count it at float32 (an upper bound, a few KB)
         state_per_slot = linear_state_bytes(model, tp)
     room = avail - weights - activations - reserve - (state_slots + 1) * state_per_slot * (state_slots > 0)

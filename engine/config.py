@@ -137,6 +137,7 @@ class EngineConfig:
     max_pending: int = 256                  # queued requests before new ones are refused
     pending_timeout_ms: int = 60_000        # a request queued longer fails with a queue timeout
     prefix_reuse: bool = True               # share full KV blocks of identical prefixes
+    state_snapshots: int = 16               # hybrids: linear-attention states kept for prefix reuse
     max_model_len: int | None = None        # context limit; None = the model's
     tensor_parallel_size: int = 1
     tp_comm: str = "auto"                   # TP all-reduce: "p2p" (one-shot NVLink), "nccl", "auto"
@@ -165,6 +166,7 @@ class EngineConfig:
         _require_int("pending_timeout_ms", self.pending_timeout_ms, 1, 1 << 40)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         _require_int("draft_vocab", self.draft_vocab, 0, 1 << 24)
+        _require_int("state_snapshots", self.state_snapshots, 0, 1 << 16)
         if self.tp_comm not in ("auto", "p2p", "nccl"):
             raise InvalidArgumentError("tp_comm", f"must be auto, p2p or nccl, got {self.tp_comm!r}")
         if self.kv_capacity is not None:

@@ -26,7 +26,9 @@ from engine.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.executor import Executor
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from engine.hybrid_config import state_slot_counts
 from engine.state_slots import StateSlotPool
+from engine.state_snapshots import StateSnapshots
 from engine.stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
@@ -108,17 +110,17 @@ class EngineCore:
         self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
         log.info("weights_loaded", model=self.model_name, ranks=self.executor.num_ranks,
                  seconds=round(time.perf_counter() - t0, 2))
-        # hybrids: a cached prefix would need the linear layers' state at its end (not kept yet)
-        prefix_reuse = config.prefix_reuse and not model_config.is_hybrid
-        if config.prefix_reuse and not prefix_reuse:
-            log.info("prefix_reuse_off", reason="hybrid model: linear-attention state snapshots are not kept")
+        # hybrids: a cached prefix is used only up to a linear-attention state snapshot at its end
+        seats, snapshots = state_slot_counts(config, model_config)
+        prefix_reuse = config.prefix_reuse and (snapshots > 0 or not model_config.is_hybrid)
         self.kv = KVCacheManager(self.memory.num_blocks, config.block_size, prefix_reuse)
-        self.states = StateSlotPool(self.memory.state_slots) if model_config.is_hybrid else None
+        self.states = StateSlotPool(seats) if seats else None
+        self.snapshots = StateSnapshots(seats, snapshots) if seats and prefix_reuse else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds), self.kv, clock, states=self.states)
+            lease_s=config.lease_seconds), self.kv, clock, states=self.states, snapshots=self.snapshots)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
@@ -155,6 +157,8 @@ class EngineCore:
             graph_s = max(self.executor.run_all(lambda runner: runner.capture_graphs(buckets)))
             why = ""
         self.kv.reset_prefix_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         self.metrics = EngineMetrics(interval_s=self.config.stats_interval_s)
         self.warmup_report = WarmupReport(done=True, seconds=time.perf_counter() - start, cuda_graphs=bool(buckets),
                                           graph_buckets=tuple(buckets), graph_capture_seconds=graph_s,

@@ -84,3 +84,11 @@ def linear_state_bytes(cfg, tp: int = 1) -> int:
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     conv = (2 * hk * dk + hv * dv) * (cfg.linear_conv_kernel_dim - 1)
     return len(cfg.linear_attention_layers) * (conv + hv * dk * dv) * 4
+
+
+def state_slot_counts(config, model) -> tuple[int, int]:
+    """(seats, snapshots): state slots of running requests (one per batch seat) and of prefix-reuse
+    snapshots (engine.state_snapshots), on a hybrid model; (0, 0) otherwise."""
+    if not model.is_hybrid:
+        return 0, 0
+    return config.max_batch, (config.state_snapshots if config.prefix_reuse else 0)

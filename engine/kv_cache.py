@@ -16,7 +16,7 @@ import array
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 
 class KVRequest(Protocol):
@@ -104,12 +104,17 @@ class KVCacheManager:
         hit.num_tokens = len(hit.block_ids) * bs
         return hit
 
-    def admit(self, req: KVRequest, token_ids: list[int], num_slots: int, reuse: bool = True) -> PrefixHit | None:
+    def admit(self, req: KVRequest, token_ids: list[int], num_slots: int, reuse: bool = True,
+              trim: Callable[[list[bytes]], int] | None = None) -> PrefixHit | None:
         """Give a new request its cached prefix (unless `reuse` is off) plus fresh blocks for
-        `num_slots` slots, or nothing."""
+        `num_slots` slots, or nothing. `trim(keys of the cached blocks)` -> how many leading ones to
+        use (hybrids: up to a state snapshot)."""
         if req.block_ids:
             raise RuntimeError(f"request {req.request_id} already holds blocks")
         hit = self.find_prefix(token_ids) if reuse else PrefixHit()
+        if trim is not None and hit.block_ids:
+            del hit.block_ids[trim([self._blocks[b].key for b in hit.block_ids]):]
+            hit.num_tokens = len(hit.block_ids) * self.block_size
         reclaimed = sum(self._blocks[b].ref_count == 0 for b in hit.block_ids)   # cached but free
         if self.blocks_for(num_slots) - len(hit.block_ids) + reclaimed > len(self._free):
             return None
@@ -119,6 +124,10 @@ class KVCacheManager:
         self._keys[req.request_id] = [self._blocks[b].key for b in hit.block_ids]
         self.allocate(req, num_slots)
         return hit
+
+    def block_keys(self, req: KVRequest) -> list[bytes]:
+        """Prefix keys of the request's leading registered blocks (in order)."""
+        return self._keys.get(req.request_id, [])
 
     def register_blocks(self, req: KVRequest, num_final_tokens: int) -> None:
         """Make the request's full blocks below `num_final_tokens` reusable by later requests."""

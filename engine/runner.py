@@ -25,6 +25,7 @@ from engine.kv_pages import LayerKV
 from engine.models.registry import model_class
 from engine.parallel import SINGLE_RANK, TPGroup
 from engine.scheduler import DecodeWork, ModelOutput, PrefillWork, SchedulerOutput
+from engine.hybrid_config import state_slot_counts
 from engine.state_cache import StateCache
 
 log = structlog.get_logger(__name__)
@@ -87,7 +88,8 @@ class ModelRunner:
             layer.kv = kv
         # hybrids: a linear-attention state slot per request seat (engine.state_cache), plus scratch
         linear = self.model.linear_layers() if hasattr(self.model, "linear_layers") else []
-        self.states = StateCache(linear, self.max_batch, self.dtype, self.device) if linear else None
+        seats, snapshots = state_slot_counts(config, model_config)
+        self.states = StateCache(linear, seats + snapshots, self.dtype, self.device) if linear else None
         self.scratch_slot = self.states.scratch_slot if self.states is not None else 0
         # rows beyond the batch: parked requests (the scheduler's max_parked = max_batch) and the prefill lane
         self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
@@ -132,7 +134,9 @@ class ModelRunner:
         slots = None
         if self.states is not None:
             slots = [w.state_slot]
-            if w.start == 0:
+            if w.restore_slot >= 0:                      # a prefix hit: its end's state snapshot
+                self.states.copy(w.restore_slot, w.state_slot)
+            elif w.start == 0:
                 self.states.reset(w.state_slot)
         positions, ctx = build_forward_context([n], [w.start + n], [w.block_ids], self.block_size, self.device,
                                                state_slots=slots)
@@ -145,6 +149,8 @@ class ModelRunner:
                 nxt = torch.zeros(n, dtype=torch.int64)
                 nxt[:len(w.next_token_ids)] = torch.tensor(w.next_token_ids, dtype=torch.int64)
                 self.model.draft_hidden(nxt.to(self.device, non_blocking=True), hidden, positions)
+        if w.snapshot_slot >= 0:
+            self.states.copy(w.state_slot, w.snapshot_slot)
         collect = self.prompt_logits.get(w.request_id)
         if collect is not None:
             collect.chunks.append(self.model.compute_logits(hidden).float().cpu())

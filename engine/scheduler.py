@@ -30,6 +30,7 @@ from engine.kv_cache import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.state_slots import StateSlotPool
+from engine.state_snapshots import StateSnapshots
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,10 @@ class PrefillWork:
     sampling: SamplingParams
     seed: int
     state_slot: int = -1           # hybrids: the request's linear-attention state slot
-    # hybrids: the chunk starts from a state snapshot in this slot (a prefix hit), or -1
+    # hybrids: the first chunk after a prefix hit starts from the state snapshot in this slot
     restore_slot: int = -1
+    # hybrids: the chunk ends on a block boundary; copy the state there into this snapshot slot
+    snapshot_slot: int = -1
 
 
 @dataclass
@@ -108,10 +111,12 @@ class RequestEvent:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
-                 states: StateSlotPool | None = None):
+                 states: StateSlotPool | None = None, snapshots: StateSnapshots | None = None):
         self.config = config
         self.kv = kv
         self.states = states                 # hybrids: linear-attention state slots, held beside KV
+        self.snapshots = snapshots           # hybrids with prefix reuse: states at block boundaries
+        self._restore: dict[str, int] = {}   # request id -> snapshot slot its first chunk starts from
         self.clock = clock
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
@@ -210,6 +215,9 @@ class Scheduler:
                         req.times.decode_start = now
                 events.append(self._append(req, result.sampled[req.request_id], now))
             self._register(req, spec)
+            if out.prefill.snapshot_slot >= 0:
+                keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
+                self.snapshots.bind(out.prefill.snapshot_slot, keys[i] if i < len(keys) else None)
         for work in out.decode:
             req = self.requests[work.request_id]
             tokens = result.sampled[work.request_id]
@@ -289,10 +297,19 @@ class Scheduler:
             return
         if self.states is not None and self.states.num_free == 0:     # hybrids: a state slot too
             return
+        found: list[int] = []
+
+        def up_to_a_snapshot(keys: list[bytes]) -> int:
+            blocks, slot = self.snapshots.usable_prefix(keys)
+            found.append(slot)
+            return blocks
         hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
-                            req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache)
+                            req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache,
+                            trim=up_to_a_snapshot if self.snapshots is not None else None)
         if hit is None:
             return
+        if hit.num_tokens and self.snapshots is not None:
+            self._restore[req.request_id] = found[-1]
         self.waiting.popleft()
         if self.states is not None:
             self.states.allocate(req)
@@ -307,13 +324,23 @@ class Scheduler:
     def _prefill_work(self, req: Request) -> PrefillWork:
         start = req.num_computed_tokens
         end = min(start + self.config.prefill_chunk, req.num_prefill_tokens)
+        snapshot_slot = -1
+        if self.snapshots is not None:
+            # end a chunk at the prompt's last block boundary (the longest prefix a repeat can reuse)
+            bs = self.kv.block_size
+            last = (req.num_prefill_tokens - 1) // bs * bs
+            if start < last < end:
+                end = last
+            if end % bs == 0 and end < req.num_prefill_tokens:
+                snapshot_slot = self.snapshots.reserve()
         tokens = req.all_token_ids
         sample = end == req.num_prefill_tokens
         return PrefillWork(
             request_id=req.request_id, token_ids=tokens[start:end], start=start,
             next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
             sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed,
-            state_slot=req.state_slot)
+            state_slot=req.state_slot, restore_slot=self._restore.pop(req.request_id, -1),
+            snapshot_slot=snapshot_slot)
 
     def _decode_work(self, req: Request) -> DecodeWork:
         return DecodeWork(

@@ -104,12 +104,15 @@ def test_plan_counts_state_slots_and_refusal_names_both():
     # 6 linear layers x (conv window 3 x (48*4*2 + 48*8) channels + 8 heads x 48 x 48) x 4 bytes
     assert per_request == 6 * (3 * 768 + 8 * 48 * 48) * 4 == 497_664
     plan = plan_memory(EngineConfig(model="x", max_batch=16, kv_capacity=1024), cfg, 0, 4096)
-    assert plan.state_slots == 16 and plan.state_bytes == 17 * per_request
+    assert plan.state_slots == 16 + 16 and plan.state_bytes == 33 * per_request          # seats + snapshots
+    no_reuse = plan_memory(EngineConfig(model="x", max_batch=16, kv_capacity=1024, prefix_reuse=False), cfg, 0, 4096)
+    assert no_reuse.state_slots == 16 and no_reuse.state_bytes == 17 * per_request
     assert plan.kv_bytes_per_token == 2 * 2 * 2 * 64 * 4       # 2 full layers only, 2 KV heads, float32
     with pytest.raises(CapacityError) as e:
         plan_memory(EngineConfig(model="x", max_batch=64, kv_capacity=1 << 20), cfg, 0, 4096,
                     available=200 << 20)
-    assert "KV 1048576 tokens" in str(e.value) and "state slots 64 (+1 scratch) x 497664 B" in str(e.value)
+    assert "KV 1048576 tokens" in str(e.value)
+    assert "state slots 80 (seats and snapshots, +1 scratch) x 497664 B" in str(e.value)
 
 
 # -- the engine on the shared hybrid ----------------------------------------------------------------------
