@@ -18,6 +18,17 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1_000_000.0,
         max_position_embeddings=262144, tie_word_embeddings=False, mtp_num_hidden_layers=1,
         eos_token_ids=QWEN3_EOS),
+    # Qwen3.5-27B's language model (its config.json text_config): 48 Gated DeltaNet layers (16 key
+    # heads, 48 value heads, dk = dv = 128, conv 4) and 16 gated full-attention layers (24 heads, 4 KV
+    # heads of 256, RoPE on 25 % of each head), 3 : 1; one MTP layer.
+    "qwen3.5-27b": ModelConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, rope_theta=10_000_000.0,
+        max_position_embeddings=262144, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        model_type="qwen3_5_text",
+        layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 16,
+        partial_rotary_factor=0.25, attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48),
     "tiny": DEFAULT_CONFIG,
 }
 

@@ -62,8 +62,8 @@ def test_against_transformers_reference(form):
     raw_q, raw_k = torch.randn(2, 90, 2, 16), torch.randn(2, 90, 2, 16)
     hf = mod.torch_chunk_gated_delta_rule if form == "chunked" else mod.torch_recurrent_gated_delta_rule
     o_hf, s_hf = hf(raw_q, raw_k, v, g, beta, initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    qn = (raw_q * torch.rsqrt(raw_q.pow(2).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(2, dim=2) * 16 ** -0.5
-    kn = (raw_k * torch.rsqrt(raw_k.pow(2).sum(-1, keepdim=True) + 1e-6)).repeat_interleave(2, dim=2)
+    qn = raw_q * torch.rsqrt(raw_q.pow(2).sum(-1, keepdim=True) + 1e-6) * 16 ** -0.5
+    kn = raw_k * torch.rsqrt(raw_k.pow(2).sum(-1, keepdim=True) + 1e-6)            # grouped key heads
     o, s = getattr(ref, form)(qn, kn, v, g, beta, s0)
     torch.testing.assert_close(o, o_hf, rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(s, s_hf, rtol=1e-5, atol=2e-5)

@@ -22,9 +22,10 @@ lower triangular: one unit-lower-triangular solve per chunk gives every u_t. The
     o_t = e^{G_t} S0^T q_t + sum_{j<=t} e^{G_t - G_j} (q_t . k_j) u_j
     S_C = e^{G_C} S0 + sum_j e^{G_C - G_j} k_j u_j^T
 
-All inputs come prepared: q, k already L2-normalised, q already scaled, key heads already repeated
-to the value heads. Shapes: q, k [B, T, H, dk]; v [B, T, H, dv]; g, beta [B, T, H]; state
-[B, H, dk, dv] float32 (read, not written). Returns o [B, T, H, dv] float32 and the final state.
+All inputs come prepared: q, k already L2-normalised, q already scaled. Shapes: q, k [B, T, Hk, dk]
+with Hk dividing H (each key head serves H / Hk consecutive value heads); v [B, T, H, dv]; g, beta
+[B, T, H]; state [B, H, dk, dv] float32 (read, not written). Returns o [B, T, H, dv] float32 and the
+final state. `engine.kernels.gated_delta_fla` has the same interface on CUDA (fla-core's kernels).
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ from __future__ import annotations
 import torch
 
 
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rep = v.shape[2] // q.shape[2]
+    return (q, k) if rep == 1 else (q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2))
+
+
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _grouped(q, k, v)
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     s = state.float().clone()                                                  # [B, H, dk, dv]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
@@ -48,6 +55,7 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _grouped(q, k, v)
     q, k, v, g, beta = (x.float().transpose(1, 2) for x in (q, k, v, g, beta))   # heads before time
     s = state.float().clone()                                                  # [B, H, dk, dv]
     total = q.shape[2]

@@ -102,7 +102,7 @@ class GatedDeltaNet(nn.Module):
                                           ctx.state_slots[i:i + 1], False)[0])
                 start += n
             o = torch.cat(outs)
-        o = self.norm(o, z)                                                    # [T, Hv, dv]
+        o = self.norm(o.to(x.dtype), z)                                        # [T, Hv, dv]
         return self.out_proj(o.flatten(1))
 
     def _run(self, mixed: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slots: torch.Tensor,
@@ -119,21 +119,21 @@ class GatedDeltaNet(nn.Module):
         q = q * self.head_k_dim ** -0.5
         v = v.reshape(bsz, n, self.num_v_heads, self.head_v_dim)
         s0 = self.state.ssm[slots]
+        kernels = _kernels(mixed.device)
         if defer:
-            o, _ = gated_delta_ref.recurrent(q, k, v, g, beta, s0)
+            o, _ = kernels.recurrent(q, k, v, g, beta, s0)
             self._pending = (slots, extended, q, k, v, g, beta)
             return o
-        step = gated_delta_ref.recurrent if n <= RECURRENT_MAX_TOKENS else gated_delta_ref.chunked
+        step = kernels.recurrent if n <= RECURRENT_MAX_TOKENS else kernels.chunked
         o, s = step(q, k, v, g, beta, s0)
         self.state.ssm[slots] = s
         self.state.conv[slots] = extended[..., n:]
         return o
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
-        # [B, n, Hk * dk] -> L2-normalised [B, n, Hv, dk] (each key head repeated for its value heads)
+        # [B, n, Hk * dk] -> L2-normalised [B, n, Hk, dk] float32 (each serves Hv / Hk value heads)
         t = t.float().reshape(*t.shape[:2], self.num_k_heads, self.head_k_dim)
-        t = t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6)
-        return t.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)
+        return t * torch.rsqrt(t.pow(2).sum(-1, keepdim=True) + 1e-6)
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """After a verify pass: the state after each row's first num_kept [B] tokens (>= 1) becomes its slot's."""
@@ -141,8 +141,16 @@ class GatedDeltaNet(nn.Module):
         self._pending = None
         n = q.shape[1]
         keep = (torch.arange(n, device=num_kept.device).unsqueeze(0) < num_kept.unsqueeze(1)).unsqueeze(-1)
-        _, s = gated_delta_ref.recurrent(q, k, v, g * keep, beta * keep, self.state.ssm[slots])
+        _, s = _kernels(q.device).recurrent(q, k, v, g * keep, beta * keep, self.state.ssm[slots])
         self.state.ssm[slots] = s
         # the window after m tokens: inputs m .. m+kernel-2 of [old window, the n new inputs]
         idx = num_kept.view(-1, 1, 1) + torch.arange(self.kernel - 1, device=num_kept.device)
         self.state.conv[slots] = extended.gather(2, idx.expand(-1, extended.shape[1], -1))
+
+
+def _kernels(device: torch.device):
+    """The gated delta rule for a device: fla-core's Triton kernels on CUDA, the torch reference elsewhere."""
+    if device.type == "cuda":
+        from engine.kernels import gated_delta_fla
+        return gated_delta_fla
+    return gated_delta_ref
