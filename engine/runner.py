@@ -91,6 +91,10 @@ class ModelRunner:
         seats, snapshots = state_slot_counts(config, model_config)
         self.states = StateCache(linear, seats + snapshots, self.dtype, self.device) if linear else None
         self.scratch_slot = self.states.scratch_slot if self.states is not None else 0
+        if linear and self.device.type == "cuda":
+            from engine.kernels.gated_delta_fla import compile_for
+            d = linear[0]
+            compile_for(d.num_k_heads, d.num_v_heads, d.head_k_dim, d.head_v_dim, self.dtype, self.device)
         # rows beyond the batch: parked requests (the scheduler's max_parked = max_batch) and the prefill lane
         self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
                                        self.device, extra_rows=self.max_batch + 1) if draft_tokens > 0 else None)

@@ -33,3 +33,20 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
             state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     return _run(chunk_gated_delta_rule, q, k, v, g, beta, state)
+
+
+def compile_for(num_k_heads: int, num_v_heads: int, dk: int, dv: int, dtype: torch.dtype,
+                device: torch.device) -> None:
+    """Run both kernels once at a layer's head shapes, so that Triton compiles and autotunes them for
+    this device now. Under tensor parallelism each rank must do it before its first collective: a rank
+    still autotuning inside its first prefill leaves the others waiting in an all-reduce (seen on
+    2 x H200: the P2P all-reduce gave up waiting)."""
+    with torch.cuda.device(device):
+        for t in (64, 1):
+            q = torch.nn.functional.normalize(torch.randn(1, t, num_k_heads, dk, device=device), dim=-1).to(dtype)
+            v = torch.randn(1, t, num_v_heads, dv, device=device, dtype=dtype)
+            g = -torch.rand(1, t, num_v_heads, device=device)
+            beta = torch.rand(1, t, num_v_heads, device=device).to(dtype)
+            state = torch.zeros(1, num_v_heads, dk, dv, device=device)
+            (chunked if t > 1 else recurrent)(q, q, v, g, beta, state)
+        torch.cuda.synchronize(device)
