@@ -68,12 +68,11 @@ def test_fla_masked_steps_commit_the_kept_prefix():
 
 
 def generate(**kw) -> tuple[list[list[int]], dict]:
-    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)
-    llm.engine.warmup()
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)      # warms up (graphs)
     outs = llm.generate(PROMPTS, GREEDY)
-    spec = [o.stats["speculative"] for o in outs]
+    spec = [o.stats.speculative for o in outs]
     llm.engine.executor.shutdown()
-    return [o.token_ids for o in outs], {"accepted": sum(s["accepted"] for s in spec)}
+    return [o.token_ids for o in outs], {"accepted": sum(s.accepted for s in spec)}
 
 
 @pytest.fixture(scope="module")

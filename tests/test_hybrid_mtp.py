@@ -44,9 +44,9 @@ def test_greedy_with_k_drafts_equals_k0(hybrid, greedy_k0, k):
     llm = make_llm(hybrid, draft_tokens=k)
     outs = llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
     assert [o.token_ids for o in outs] == want
-    spec = [o.stats["speculative"] for o in outs]
-    accepted = sum(s["accepted"] for s in spec)
-    assert accepted > 0 and sum(s["drafted"] for s in spec) > accepted       # accepts and rejects both ran
+    spec = [o.stats.speculative for o in outs]
+    accepted = sum(s.accepted for s in spec)
+    assert accepted > 0 and sum(s.drafted for s in spec) > accepted       # accepts and rejects both ran
 
 
 N_SAMPLED = 800
@@ -78,13 +78,13 @@ def sampled(hybrid):
                    pending_timeout_ms=1 << 30)
     outs = llm.generate([PROMPT] * N_SAMPLED,
                         [SamplingParams(seed=5000 + i, **SAMPLING) for i in range(N_SAMPLED)])
-    return llm, [o.token_ids for o in outs], [o.stats["speculative"] for o in outs]
+    return llm, [o.token_ids for o in outs], [o.stats.speculative for o in outs]
 
 
 def test_sampling_with_drafts_keeps_the_target_distribution(hybrid, sampled):
     _, outs, spec = sampled
     assert all(len(t) == 3 for t in outs)
-    rejected_first = sum(s["rounds"] >= 1 and s["accepted_per_position"][0] == 0 for s in spec)
+    rejected_first = sum(s.rounds >= 1 and s.accepted_per_position[0] == 0 for s in spec)
     assert rejected_first > N_SAMPLED // 3              # many third tokens come after a rejection
     llm_k0 = make_llm(hybrid)
     p = third_token_pvalue(llm_k0, outs)

@@ -59,8 +59,8 @@ def test_shared_system_prompt_is_computed_once(hybrid, fresh, k):
         # key covers the token after it too, hence b < shared)
         want = max((b for prev in seen for b in snapshot_points(len(prev), 64, bs) if b < common(prev, ids)),
                    default=0)
-        assert s["cached_tokens"] == want and s["cached_tokens"] % bs == 0
-        assert s["cached_tokens"] + s["computed_prefill_tokens"] == s["prompt_tokens"]
+        assert s.usage.cached_tokens == want and want % bs == 0
+        assert s.usage.cached_tokens + s.usage.computed_prefill_tokens == s.usage.prompt_tokens
         seen.append(ids)
     assert want >= 128                                  # the shared system prompt was skipped
     assert_kv_idle(llm.engine)
@@ -71,8 +71,8 @@ def test_repeated_prompt_reuses_up_to_its_last_block(hybrid, fresh):
     prompt = SYSTEM + QUESTIONS[0]
     p = len(llm.tokenizer.encode(prompt))
     first, again = (llm.generate([prompt], PARAMS)[0] for _ in range(2))
-    assert first.stats["cached_tokens"] == 0
-    assert again.stats["cached_tokens"] == (p - 1) // 16 * 16 > 0
+    assert first.stats.usage.cached_tokens == 0
+    assert again.stats.usage.cached_tokens == (p - 1) // 16 * 16 > 0
     assert first.token_ids == again.token_ids == fresh[QUESTIONS[0]]
 
 
@@ -82,12 +82,12 @@ def test_without_a_snapshot_the_prefix_is_recomputed(hybrid, fresh):
     a, b = SYSTEM + WORKLOADS["json"][0], SYSTEM + QUESTIONS[1]
     first_a = llm.generate([a], PARAMS)[0]
     out_b = llm.generate([b], PARAMS)[0]           # its KV prefix is cached, but no snapshot inside it
-    assert out_b.stats["cached_tokens"] == 0 and out_b.token_ids == fresh[QUESTIONS[1]]
+    assert out_b.stats.usage.cached_tokens == 0 and out_b.token_ids == fresh[QUESTIONS[1]]
     again_a = llm.generate([a], PARAMS)[0]         # b's snapshot evicted a's: recompute again
-    assert again_a.stats["cached_tokens"] == 0 and again_a.token_ids == first_a.token_ids
+    assert again_a.stats.usage.cached_tokens == 0 and again_a.token_ids == first_a.token_ids
     assert llm.engine.snapshots.num_bound == 1
     once_more = llm.generate([a], PARAMS)[0]       # and now a's own snapshot is back
-    assert once_more.stats["cached_tokens"] > 0 and once_more.token_ids == first_a.token_ids
+    assert once_more.stats.usage.cached_tokens > 0 and once_more.token_ids == first_a.token_ids
     assert_kv_idle(llm.engine)
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import WORKLOADS, make_llm
 from engine import SamplingParams as EngineSamplingParams
 from gateway.client import GatewayClient, SamplingParams
-from gateway.launch import ServerProcess
+from tools.server_process import ServerProcess
 from hybrid_support import require_shared_hybrid
 from services.convert import stats_from_proto
 
@@ -42,10 +42,10 @@ def test_serve_hybrid_with_mtp_end_to_end(offline_k0):
                     last = msg
                 stats = stats_from_proto(last.result.stats)
                 assert tokens == want, prompt
-                assert stats["finish_reason"] == "length" and stats["completion_tokens"] == MAX_TOKENS
-                spec = stats["speculative"]
-                assert spec["draft_tokens"] == 3 and spec["accepted"] > 0 and len(spec["accepted_per_position"]) == 3
+                assert stats.finish_reason == "length" and stats.usage.completion_tokens == MAX_TOKENS
+                spec = stats.speculative
+                assert spec.draft_tokens == 3 and spec.accepted > 0 and len(spec.accepted_per_position) == 3
         serve.terminate()
         assert serve.wait(60) == 0
-    plans = serve.named("memory_plan")
+    plans = [e for e in serve.events if e.get("event") == "memory_plan"]
     assert plans and "state slots" in plans[0]["plan"]

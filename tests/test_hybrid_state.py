@@ -161,7 +161,7 @@ def test_preempted_requests_finish_as_if_alone(hybrid):
     for k in (0, 2):
         llm = make_llm(hybrid, kv_capacity=320, draft_tokens=k)
         outs = llm.generate(prompts, params)
-        assert sum(o.stats["preemptions"] for o in outs) > 0
+        assert sum(o.stats.preemptions for o in outs) > 0
         assert [o.token_ids for o in outs] == want, f"k={k}"
         assert_kv_idle(llm.engine)
         assert_states_idle(llm.engine)

@@ -65,7 +65,7 @@ def main() -> int:
     llm = LLM(PRESET, device="cuda", tensor_parallel_size=args.tp, max_batch=4, prefill_chunk=4096,
               kv_capacity=max(contexts) + 1024, max_model_len=max(contexts) + 256, prefix_reuse=False)
     res["load_s"] = time.perf_counter() - t0
-    res["warmup"] = llm.engine.warmup()
+    res["warmup"] = str(llm.warmup)
     plan = llm.engine.memory
     res["plan"] = plan.describe()
     res["state_bytes_per_request_per_rank"] = plan.state_bytes_per_slot
@@ -77,12 +77,12 @@ def main() -> int:
             ids = torch.randint(10, 200_000, (ctx,), generator=gen).tolist()
             o = llm.generate([ids], SamplingParams(max_tokens=64, ignore_eos=True))[0]
             s = o.stats
-            point.update(prefill_tok_s=s["prefill_tok_s"], decode_tok_s=s["decode_tok_s"],
-                         prefill_chunk=s["prefill_chunk"], computed_prefill_tokens=s["computed_prefill_tokens"])
+            point.update(prefill_tok_s=s.rates.prefill_tok_s, decode_tok_s=s.rates.decode_tok_s,
+                         prefill_chunk=s.prefill_chunk, computed_prefill_tokens=s.usage.computed_prefill_tokens)
             read = plan.weights_bytes + (ctx + 32) * plan.kv_bytes_per_token + 2 * plan.state_bytes_per_slot
             floor_s = read / res["copy_bandwidth_bytes_s"]
             point.update(bytes_per_token_per_rank=read, floor_ms=floor_s * 1e3,
-                         ms_per_token=1e3 / s["decode_tok_s"], roofline_fraction=floor_s * s["decode_tok_s"])
+                         ms_per_token=1e3 / s.rates.decode_tok_s, roofline_fraction=floor_s * s.rates.decode_tok_s)
         except Exception as e:  # noqa: BLE001 - record it, keep the other points
             point["error"] = repr(e)
         res["points"].append(point)
