@@ -113,6 +113,12 @@ class ModelConfig:
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
         layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + 2 * d
         n = self.num_hidden_layers * layer + self.vocab_size * h + h
+        if self.is_hybrid:
+            from engine.hybrid_config import hybrid_layer_params
+            full, linear = hybrid_layer_params(self)
+            layer = full                     # the MTP layer is a full-attention one
+            n = (len(self.full_attention_layers) * full + len(self.linear_attention_layers) * linear
+                 + self.vocab_size * h + h)
         if not self.tie_word_embeddings:
             n += self.vocab_size * h
         if include_mtp:

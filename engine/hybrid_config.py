@@ -92,3 +92,16 @@ def state_slot_counts(config, model) -> tuple[int, int]:
     if not model.is_hybrid:
         return 0, 0
     return config.max_batch, (config.state_snapshots if config.prefix_reuse else 0)
+
+
+def hybrid_layer_params(cfg) -> tuple[int, int]:
+    """Parameters of one gated full-attention layer and of one Gated DeltaNet layer (MLP and norms included)."""
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    common = 3 * h * f + 2 * h
+    full = h * (2 * q + 2 * kv) + q * h + 2 * d + common
+    key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    conv, hv = 2 * key + value, cfg.linear_num_value_heads
+    linear = (h * conv + h * value + 2 * h * hv + conv * cfg.linear_conv_kernel_dim + 2 * hv
+              + cfg.linear_value_head_dim + value * h + common)
+    return full, linear

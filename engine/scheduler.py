@@ -16,6 +16,9 @@ requests take no decode-batch seat: they hold their KV (which admission counts l
 at most `max_parked` of them (parked + attached, waiting for a seat) exist at once; a request that
 would park beyond that waits in the queue under the pending timeout. An attached request joins
 the decode batch when a seat frees, ahead of new prefills.
+
+Hybrid models: a request also holds a linear-attention state slot (engine.state_slots) from admission
+to finish or preemption, and a prefix hit is used only up to a state snapshot (engine.state_snapshots).
 """
 
 from __future__ import annotations

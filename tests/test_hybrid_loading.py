@@ -111,3 +111,15 @@ def test_non_float_dtype_is_named(tmp_path, random_hybrid):
     with pytest.raises(ModelLoadError, match=r"unsupported dtype \(1; supported: F32, BF16, F16\): "
                                              r"model\.layers\.3\.self_attn\.k_proj\.weight I8"):
         make_llm(str(_copy_with(tmp_path, src, tensors)), kv_capacity=1024)
+
+
+def test_parameter_count_matches_the_modules():
+    from engine.models.registry import model_class
+    from engine.presets import preset
+    for cfg in (read_model_dir(require_shared_hybrid()).config, preset("qwen3.5-27b")):
+        for with_mtp in (False, True):
+            with torch.device("meta"):
+                model = model_class(cfg)(cfg, with_mtp=with_mtp)
+            assert cfg.num_params(include_mtp=with_mtp) == sum(p.numel() for p in model.parameters())
+    assert read_model_dir(require_shared_hybrid()).config.num_params() == 22_428_672     # the card's 22.4 M
+    assert preset("qwen3.5-27b").num_params(include_mtp=False) == 26_895_998_464
