@@ -59,21 +59,12 @@ class CheckpointWeights:
         return out
 
     def dtypes(self) -> dict[str, str]:
-        """Each tensor's safetensors dtype ("BF16", "F32", ...), from the headers only."""
-        out: dict[str, str] = {}
-        for file, names in self._by_file().items():
-            with safe_open(file, "pt") as f:
-                for name in names:
-                    out[name] = f.get_slice(self._stored.get(name, name)).get_dtype()
-        return out
-
-    def dtypes(self) -> dict[str, str]:
         """The safetensors header dtype of every tensor ("BF16", "U8", "F8_E4M3", ...)."""
         out: dict[str, str] = {}
         for file, names in self._by_file().items():
             with safe_open(file, "pt") as f:
                 for name in names:
-                    out[name] = f.get_slice(name).get_dtype()
+                    out[name] = f.get_slice(self._stored.get(name, name)).get_dtype()
         return out
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
