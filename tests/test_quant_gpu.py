@@ -67,13 +67,21 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
+def _clear_top1(logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """Positions whose top-1 leads its runner-up by more than 5% of the logits' range: there a bf16 path
+    must pick the same token (a near-tie may go either way)."""
+    top2 = logits.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]) > 0.05 * scale
+
+
 def test_kernels_logits_match_the_reference_path(quantized):
     bf16, fp32 = _llm(quantized), _llm(quantized, dtype="float32")
     for prompt in PROMPTS:
         a, b = bf16.prompt_logits(prompt).float(), fp32.prompt_logits(prompt)
         rel = float((a - b).abs().max() / b.abs().max())
         assert rel < 0.05, rel
-        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
+        clear = _clear_top1(b, float(b.max() - b.min()))
+        assert bool((a.argmax(-1) == b.argmax(-1))[clear].all()), (prompt, int(clear.sum()))
     bf16.engine.executor.shutdown()
     fp32.engine.executor.shutdown()
 

@@ -36,10 +36,18 @@ FP8_BLOCK = (128, 128)
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
-def e2m1_values() -> torch.Tensor:
-    """float32 [16]: the value of every 4-bit code."""
-    mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
-    return torch.cat([mags, -mags])
+_E2M1_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+def e2m1_values(device: torch.device | str = "cpu") -> torch.Tensor:
+    """float32 [16]: the value of every 4-bit code, on `device`. Kept per device: a CUDA graph that runs
+    the reference path (float32 engines) must find it there, since capture allows no host copy."""
+    device = torch.device(device)
+    values = _E2M1_VALUES.get(device)
+    if values is None:
+        mags = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32)
+        values = _E2M1_VALUES[device] = torch.cat([mags, -mags]).to(device)
+    return values
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -72,9 +80,11 @@ def dequantize_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_sc
                      group: int = NVFP4_GROUP) -> torch.Tensor:
     # weight: uint8 [out, in/2]; weight_scale: fp8 [out, in/group]; weight_scale_2: scalar -> float32 [out, in]
     codes = unpack_e2m1(weight).long()
-    values = e2m1_values().to(weight.device)[codes]
+    values = e2m1_values(weight.device)[codes]
     scales = weight_scale.float().repeat_interleave(group, dim=1)[:, :values.shape[1]]
-    return values * scales * torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device)
+    if isinstance(weight_scale_2, (int, float)):            # no host-to-device copy (graph capture)
+        return values * scales * float(weight_scale_2)
+    return values * scales * weight_scale_2.to(device=weight.device, dtype=torch.float32)
 
 
 def dequantize_fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -145,4 +155,4 @@ def _nvfp4_groups(groups: torch.Tensor, group_amax: torch.Tensor, scale_2: torch
 
 
 def _nvfp4_values(codes: torch.Tensor, group_scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    return e2m1_values().to(codes.device)[codes.long()] * group_scale.float().unsqueeze(-1) * scale_2
+    return e2m1_values(codes.device)[codes.long()] * group_scale.float().unsqueeze(-1) * scale_2
