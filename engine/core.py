@@ -204,7 +204,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         # nothing could run (queued requests wait for KV or a batch seat held by parked ones)
         self.last_step_idle = sched.empty
-        prefilling = self.scheduler.prefilling
+        prefilling = list(self.scheduler.lane.requests)
         # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
         result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids
                   else ModelOutput())
@@ -248,11 +248,15 @@ class EngineCore:
         return RequestOutput(req.request_id, tokens, True, req.finish_reason, stats,
                              self._stop_text.pop(req.request_id, None))
 
-    def _record(self, sched, prefilling: Request | None, events) -> None:
-        prefill = len(sched.prefill.token_ids) if sched.prefill else 0
-        first_chunk = (prefilling is not None and prefilling.num_preemptions == 0
-                       and sched.prefill.start == prefilling.num_cached_tokens)
-        hits = prefilling.num_cached_tokens if first_chunk else 0
+    def _record(self, sched, prefilling: list[Request], events) -> None:
+        prefill = sum(len(p.token_ids) for p in sched.prefills)
+        # prefix-cache hits count once, in the step of a request's first chunk
+        lane = {r.request_id: r for r in prefilling}
+        hits = 0
+        for piece in sched.prefills:
+            req = lane.get(piece.request_id)
+            if req is not None and req.num_preemptions == 0 and piece.start == req.num_cached_tokens:
+                hits += req.num_cached_tokens
         decoding = {w.request_id for w in sched.decode}
         decode = sum(len(ev.new_token_ids) for ev in events if ev.request.request_id in decoding)
         if prefill or decode:
@@ -264,7 +268,7 @@ class EngineCore:
               "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
               "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
         s = self.scheduler
-        queue = {"waiting": len(s.waiting), "prefilling": int(s.prefilling is not None),
+        queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
                  "parked": len(s.parked)}
         return self.metrics.snapshot(self.clock(), kv, queue)

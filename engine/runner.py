@@ -1,6 +1,6 @@
 """Turns scheduler output into tensors, runs the model, samples and verifies. One host read per step.
 
-Prefill chunks run eagerly (one request per step: the lane). Decode rounds run through
+Prefill chunks run eagerly (one packed chunk of the lane's prompts per step). Decode rounds run through
 `engine.decode_round.run_round`, replayed from a CUDA graph of the smallest batch bucket that
 fits when graphs are captured (`engine.cuda_graphs`), eagerly otherwise.
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 
 import structlog
 import torch
@@ -106,8 +107,8 @@ class ModelRunner:
         """The step's prefill chunk, then (unless the executor replays it itself) its decode round."""
         self.release_rows(out.finished_request_ids)
         result = ModelOutput()
-        if out.prefill is not None:
-            self._prefill(out.prefill, result)
+        if out.prefills:
+            self._prefill(out.prefills, result)
         if out.decode and with_decode:
             self._decode(out.decode, result)
         return result
@@ -121,28 +122,37 @@ class ModelRunner:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def _prefill(self, w: PrefillWork, result: ModelOutput) -> None:
-        n = len(w.token_ids)
-        positions, ctx = build_forward_context([n], [w.start + n], [w.block_ids], self.block_size, self.device)
-        ids = torch.tensor(w.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _prefill(self, pieces: list[PrefillWork], result: ModelOutput) -> None:
+        """One forward over the step's packed chunk: each piece is a run of one prompt's tokens."""
+        lens = [len(w.token_ids) for w in pieces]
+        positions, ctx = build_forward_context(lens, [w.start + n for w, n in zip(pieces, lens)],
+                                               [w.block_ids for w in pieces], self.block_size, self.device)
+        ids = torch.tensor([t for w in pieces for t in w.token_ids], dtype=torch.int64)
+        ends = list(accumulate(lens))                           # piece i holds rows [ends[i] - lens[i], ends[i])
         with forward_context(ctx):
-            hidden = self.model(ids, positions)                                      # [n, hidden]
+            hidden = self.model(ids.to(self.device, non_blocking=True), positions)   # [T, hidden]
             if self.k > 0:
-                # MTP entries of this chunk's positions; the last prompt position waits for the
-                # sampled token (round 1, step 1), which overwrites the placeholder written here.
-                nxt = torch.zeros(n, dtype=torch.int64)
-                nxt[:len(w.next_token_ids)] = torch.tensor(w.next_token_ids, dtype=torch.int64)
+                # MTP entries of the chunk's positions; a prompt's last position waits for the sampled
+                # token (round 1, step 1), which overwrites the placeholder written here.
+                nxt = torch.zeros(len(ids), dtype=torch.int64)
+                for w, end, n in zip(pieces, ends, lens):
+                    nxt[end - n:end - n + len(w.next_token_ids)] = torch.tensor(w.next_token_ids, dtype=torch.int64)
                 self.model.draft_hidden(nxt.to(self.device, non_blocking=True), hidden, positions)
-        collect = self.prompt_logits.get(w.request_id)
-        if collect is not None:
-            collect.chunks.append(self.model.compute_logits(hidden).float().cpu())
-        if not w.sample:
+        for w, end, n in zip(pieces, ends, lens):
+            collect = self.prompt_logits.get(w.request_id)
+            if collect is not None:
+                collect.chunks.append(self.model.compute_logits(hidden[end - n:end]).float().cpu())
+        done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
+        if not done:
             return
-        s = sampler.SamplingBatch.build([w.sampling], [w.seed], [w.output_index], self.device)
-        token = sampler.sample(self.model.compute_logits(hidden[-1:]), s)
-        if self.hidden is not None:
-            self.hidden.states[self.hidden.row_for(w.request_id), 0] = hidden[-1]
-        result.sampled[w.request_id] = token.tolist()
+        last = hidden[[row for _, row in done]]                                          # [S, hidden]
+        s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
+                                        [w.output_index for w, _ in done], self.device)
+        tokens = sampler.sample(self.model.compute_logits(last), s).tolist()
+        for i, (w, _) in enumerate(done):
+            if self.hidden is not None:
+                self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
+            result.sampled[w.request_id] = [tokens[i]]
 
     # -- decode ---------------------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 Every request wants its KV to catch up with its tokens: `num_tokens - num_computed_tokens` new
 tokens, plus `k` draft slots while it decodes. A prefill chunk and a decode round are that one
-thing at two sizes. The single asymmetry is the lane: one request at a time prefills, at most
-`prefill_chunk` tokens per step, while every running request advances one round per step, so a
-long prompt never stalls running streams for more than one chunk.
+thing at two sizes. The single asymmetry is the lane: prompts prefill in FIFO order, at most
+`prefill_chunk` tokens per step shared by the prompts at the lane's front (`engine.prefill_pack`),
+while every running request advances one round per step, so a long prompt never stalls running
+streams for more than one chunk.
 
 Out of KV mid-decode: the newest running request is preempted (its blocks are freed, it goes back
 to the head of the queue and is recomputed from prompt + outputs when blocks free up); streams
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.kv_cache import KVCacheManager
+from engine.prefill_pack import PrefillLane, PrefillWork
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -41,23 +43,6 @@ class SchedulerConfig:
     max_model_len: int
     lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
     max_parked: int | None = None  # parked + attached-awaiting-a-seat at once; None = max_batch
-
-
-@dataclass
-class PrefillWork:
-    """One chunk of one request's prefill: the tokens at positions [start, start + len(token_ids))."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int
-    # Tokens at positions start+1 .. : the MTP pass reads x_{t+1} for position t. One shorter than
-    # token_ids when the chunk ends the prefill (that token is sampled by this very step).
-    next_token_ids: list[int]
-    block_ids: list[int]
-    sample: bool                   # the chunk ends the prefill: sample a token
-    output_index: int              # index of that token among the request's outputs (RNG counter)
-    sampling: SamplingParams
-    seed: int
 
 
 @dataclass
@@ -78,14 +63,15 @@ class DecodeWork:
 
 @dataclass
 class SchedulerOutput:
-    prefill: PrefillWork | None
+    # One packed prefill chunk: pieces of several prompts in FIFO order (engine.prefill_pack).
+    prefills: list[PrefillWork]
     decode: list[DecodeWork]
     # Requests that left since the previous step: the runner drops any state it keeps for them.
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return not self.prefills and not self.decode
 
 
 @dataclass
@@ -107,7 +93,7 @@ class Scheduler:
         self.kv = kv
         self.clock = clock
         self.waiting: deque[Request] = deque()
-        self.prefilling: Request | None = None
+        self.lane = PrefillLane(config.prefill_chunk, config.draft_tokens, kv, clock)
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
         self.attached: deque[Request] = deque()       # resumed (decode attached), waiting for a seat
@@ -171,25 +157,23 @@ class Scheduler:
                     break
             if req.status is RequestStatus.RUNNING:
                 decode.append(self._decode_work(req))
-        if self.prefilling is None:
-            self._admit()
-        prefill = self._prefill_work(self.prefilling) if self.prefilling is not None else None
+        prefills = self.lane.plan(self.waiting, self._has_room)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(prefill=prefill, decode=decode, finished_request_ids=finished)
+        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=finished)
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestEvent]:
         now = self.clock()
         events: list[RequestEvent] = []
         spec = self.config.draft_tokens > 0
-        if out.prefill is not None:
-            req = self.requests[out.prefill.request_id]
-            end = out.prefill.start + len(out.prefill.token_ids)
+        for piece in out.prefills:
+            req = self.requests[piece.request_id]
+            end = piece.start + len(piece.token_ids)
             if req.num_preemptions == 0:
-                req.computed_prefill_tokens += len(out.prefill.token_ids)
+                req.computed_prefill_tokens += len(piece.token_ids)
             req.num_computed_tokens = end
             req.num_mtp_computed = min(end, req.num_prefill_tokens - 1) if spec else 0
-            if out.prefill.sample:
-                self.prefilling = None
+            if piece.sample:
+                self.lane.done(req)
                 if req.times.first_token is None:
                     req.times.first_token = now
                 if req.park_after_prefill and req.num_preemptions == 0:
@@ -253,7 +237,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.attached)
+        return bool(self.waiting or self.lane or self.running or self.attached)
 
     @property
     def num_unfinished(self) -> int:
@@ -269,39 +253,15 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Move the queue's head into the prefill lane if its blocks are free (FIFO: no overtaking).
-        A request that will park needs room among the parked; one that will decode needs a seat."""
-        if not self.waiting:
-            return
-        req = self.waiting[0]
-        if req.park_after_prefill and req.num_preemptions == 0:
-            if len(self.parked) + len(self.attached) >= (self.config.max_parked or self.config.max_batch):
-                return
-        elif len(self.running) + len(self.attached) >= self.config.max_batch:
-            return
-        hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
-                            req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache)
-        if hit is None:
-            return
-        self.waiting.popleft()
-        req.num_computed_tokens = req.num_mtp_computed = hit.num_tokens
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = hit.num_tokens
-        if req.times.prefill_start is None:
-            req.times.prefill_start = self.clock()
-        req.status = RequestStatus.PREFILLING
-        self.prefilling = req
-
-    def _prefill_work(self, req: Request) -> PrefillWork:
-        start = req.num_computed_tokens
-        end = min(start + self.config.prefill_chunk, req.num_prefill_tokens)
-        tokens = req.all_token_ids
-        sample = end == req.num_prefill_tokens
-        return PrefillWork(
-            request_id=req.request_id, token_ids=tokens[start:end], start=start,
-            next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
-            sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed)
+    def _has_room(self, req: Request) -> bool:
+        """Room for the queue's head once prefilled: a request that will park needs room among the
+        parked; one that will decode needs a seat. The lane's requests count where they are headed."""
+        def parks(r: Request) -> bool:
+            return r.park_after_prefill and r.num_preemptions == 0
+        ahead = sum(1 for r in self.lane.requests if parks(r) == parks(req))
+        if parks(req):
+            return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
+        return len(self.running) + len(self.attached) + ahead < self.config.max_batch
 
     def _decode_work(self, req: Request) -> DecodeWork:
         return DecodeWork(
@@ -350,7 +310,7 @@ class Scheduler:
                 self.attached.remove(req)
             self._lease_deadline.pop(req.request_id, None)
         elif req.status is RequestStatus.PREFILLING:
-            self.prefilling = None
+            self.lane.done(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -277,6 +277,13 @@ def _concurrency(r: dict) -> list[str]:
              fmt(p.get("aggregate_over_single")), fmt(p.get("wall_aggregate_tok_s"))]
             for p in _measured(sec.get("points"))]
     L += _tab(["N", "per stream tok/s", "aggregate tok/s", "× one stream", "wall-clock aggregate"], rows)
+    b = sec.get("ttft_burst") or {}
+    if b.get("over_single") is not None:
+        L.append(f"- TTFT of {b['streams']} prompts of {b['prompt']} tokens sent together (chunk {b['prefill_chunk']}): "
+                 f"median **{b['burst_ttft_s_median'] * 1e3:.1f} ms** (longest {b['burst_ttft_s_max'] * 1e3:.1f} ms) "
+                 f"against {b['single_ttft_s_median'] * 1e3:.1f} ms alone → **{b['over_single']:.2f}×**")
+    elif b:
+        L.append(f"- TTFT burst: {b.get('skipped') or b.get('error')}")
     i = sec.get("prefill_interference") or {}
     if "max_gap_ms" in i:
         waits = (f"the stream waited {i['chunk_gaps']} times for {i['chunks']} chunks → "
