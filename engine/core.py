@@ -110,7 +110,7 @@ class EngineCore:
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds), self.kv, clock)
+            lease_s=config.lease_seconds, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")

@@ -19,7 +19,7 @@ import torch
 
 from engine import sampler
 from engine.config import EngineConfig, ModelConfig
-from engine.decode_round import RoundInputs, RoundSetup, pack_round, run_round, sampling_variant
+from engine.decode_round import RoundInputs, RoundSetup, pack_round, round_drafts, run_round, sampling_variant
 from engine.forward_context import build_forward_context, forward_context
 from engine.hidden_pool import HiddenStatePool
 from engine.kv_pages import LayerKV
@@ -91,7 +91,8 @@ class ModelRunner:
         self.round_setup = RoundSetup(
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
-            max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device)
+            max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
+            adaptive=config.adaptive_draft and draft_tokens > 0)
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -165,7 +166,8 @@ class ModelRunner:
             packed = pack_round(self.round_setup, works, len(works), width)
             inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
             max_len = max(w.num_tokens for w in works) + self.k
-            tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter)
+            tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
+                                  round_drafts(self.round_setup, works))
         read_tokens(works, tokens, result)
 
 

@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.kv_cache import KVCacheManager
 from engine.prefill_pack import PrefillLane, PrefillWork
@@ -43,6 +44,7 @@ class SchedulerConfig:
     max_model_len: int
     lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
     max_parked: int | None = None  # parked + attached-awaiting-a-seat at once; None = max_batch
+    adaptive_draft: bool = False   # each round's k is picked in [0, draft_tokens] (engine.draft_policy)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class DecodeWork:
     num_mtp_computed: int          # m0: first MTP position whose entry is recomputed this round
     mtp_token_ids: list[int]       # x_{m0+1} .. x_{n-1}: the next token of each position recomputed
     block_ids: list[int]
-    draft_tokens: int              # this request's k (<= the engine's)
+    draft_tokens: int              # this request's drafts this round (<= its k <= the engine's)
     output_index: int
     sampling: SamplingParams
     seed: int
@@ -100,6 +102,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._lease_deadline: dict[str, float] = {}
+        self.draft_policy = DraftPolicy(config.draft_tokens) if config.adaptive_draft else None
 
     # -- the door -------------------------------------------------------------------------------
 
@@ -157,6 +160,10 @@ class Scheduler:
                     break
             if req.status is RequestStatus.RUNNING:
                 decode.append(self._decode_work(req))
+        if self.draft_policy is not None and decode:
+            k_round = self.draft_policy.choose(len(decode))
+            for work in decode:
+                work.draft_tokens = min(work.draft_tokens, k_round)
         prefills = self.lane.plan(self.waiting, self._has_room)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=finished)
@@ -198,6 +205,8 @@ class Scheduler:
                 s.accepted += accepted
                 for i in range(accepted):
                     s.accepted_per_position[i] += 1
+                if self.draft_policy is not None:
+                    self.draft_policy.observe(work.draft_tokens, accepted)
                 req.num_mtp_computed = req.num_tokens - 1
             req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
             events.append(self._append(req, tokens, now))

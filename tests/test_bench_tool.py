@@ -120,6 +120,15 @@ def test_headline_has_every_figure_or_a_reason(cpu_run):
         assert r["headline"][name] is not None, (name, r["headline_detail"][name]["reason"])
 
 
+def test_compiled_peer_runs_its_code_path_on_the_cpu_and_gives_no_figure_there(cpu_run):
+    _, _, r = cpu_run
+    c = r["sections"]["peer"]["compiled_decode"]
+    assert not c["compiled"] and c["ms_per_token_best"] == min(c["ms_per_token"]) > 0
+    assert c["context"] == r["plan"]["reference"]["decode_context"]
+    assert r["headline"]["decode_b1_over_compiled_peer"] is None
+    assert "CPU dry run" in r["headline_detail"]["decode_b1_over_compiled_peer"]["reason"]
+
+
 def test_prefill_figures_follow_from_the_request_stats(cpu_run):
     _, _, r = cpu_run
     mm = r["sections"]["roofline"]["matmul"]["flops_per_s"]

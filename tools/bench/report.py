@@ -160,6 +160,11 @@ def _peer(r: dict) -> list[str]:
                  f"new tokens: **{d['tok_s']:.1f} tok/s** ({d['ms_per_token']:.1f} ms/token)")
     elif d:
         L.append(f"- decode: {d.get('skipped') or d.get('error')}")
+    c = sec.get("compiled_decode") or {}
+    if "ms_per_token_best" in c:
+        how = "torch.compile + the step in one CUDA graph" if c["compiled"] else c.get("note")
+        L.append(f"- decode, our static-cache step written gpt-fast style ({how}), batch 1 at context "
+                 f"{c['context']}: **{c['ms_per_token_best']:.2f} ms/token** (best of {len(c['ms_per_token'])})")
     L += _skips(sec.get("prefill"), lambda p: f"prefill P={p['P']}")
     return L + [""]
 
