@@ -96,7 +96,7 @@ def test_greedy_auto_equals_k0(model, request):
     assert_kv_idle(auto.engine)
 
 
-def test_the_replay_never_trails_the_best_fixed_k_by_more_than_three_percent(shared_model):
+def test_the_replay_never_trails_the_best_fixed_k_by_more_than_five_percent(shared_model):
     """The trained model's workloads (and random ids, where drafts fail) replayed at batch 1 .. 64:
     the policy's throughput against the best fixed k of each row (tools.bench.adaptive_k)."""
     from tools.bench import adaptive_k
@@ -105,6 +105,6 @@ def test_the_replay_never_trails_the_best_fixed_k_by_more_than_three_percent(sha
     print("\n" + adaptive_k.table(rows))
     assert {r["workload"] for r in rows} == {"prose", "code", "json", "enumeration", "random_ids"}
     for r in rows:
-        assert r["adaptive_over_best"] >= 0.97, r
+        assert r["adaptive_over_best"] >= 0.95, r
     # the workloads differ enough that no single fixed k is best everywhere
     assert len({r["best_fixed_k"] for r in rows}) > 1
