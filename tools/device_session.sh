@@ -35,7 +35,7 @@ step() {
     bench) python3 -m tools.bench --acceptance-model $MODEL --out "$OUT/bench" ;;
     bench-tp) python3 -m tools.bench --sections roofline,tp --time-scale 1.6 --out "$OUT/bench-tp" ;;   # 1.6: room for the 192k run
     perf15-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py -s -rA -k "adaptive or packed" 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
-    perf15-bench) python3 -m tools.bench --quick --sections peer,concurrency,decode --budget-s 230 --out "$OUT/bench-perf15" ;;   # issue 15: compiled peer, TTFT burst, decode b1
+    perf15-bench) python3 -m tools.bench --quick --sections peer,concurrency,decode --budget-s 195 --out "$OUT/bench-perf15" ;;   # issue 15: compiled peer, TTFT burst, decode b1
     bench-tp-kv) python3 -m tools.bench --sections roofline,kv,tp --out "$OUT/bench-tp" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -176,7 +176,7 @@ def headline(results: dict) -> tuple[dict, dict]:
         inputs["decode_b1_over_compiled_peer"] = {"context": ctx, "engine_ms": d0[0]["ms_per_round_best"],
                                                   "compiled_peer_ms": comp["ms_per_token_best"]}
     else:
-        why["decode_b1_over_compiled_peer"] = missing("peer") or missing("decode") or comp.get("note") or (
+        why["decode_b1_over_compiled_peer"] = missing("peer") or missing("decode") or comp.get("error") or comp.get("note") or (
             f"needs a compiled peer point and a k=0 decode point at context {ctx}")
 
     # prefill at the reference P and chunk, against transformers and the matmul rate

@@ -165,6 +165,8 @@ def _peer(r: dict) -> list[str]:
         how = "torch.compile + the step in one CUDA graph" if c["compiled"] else c.get("note")
         L.append(f"- decode, our static-cache step written gpt-fast style ({how}), batch 1 at context "
                  f"{c['context']}: **{c['ms_per_token_best']:.2f} ms/token** (best of {len(c['ms_per_token'])})")
+    elif c:
+        L.append(f"- decode, our compiled static-cache step: {c.get('error')}")
     L += _skips(sec.get("prefill"), lambda p: f"prefill P={p['P']}")
     return L + [""]
 
