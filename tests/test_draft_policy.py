@@ -71,6 +71,8 @@ def test_the_flag_and_the_config():
     assert cfg.draft_tokens == 3 and cfg.adaptive_draft
     cfg = engine_config_from_args(p.parse_args(["--num-speculative-tokens", "3", "--device", "cpu"]))
     assert cfg.draft_tokens == 3 and not cfg.adaptive_draft
+    cfg = engine_config_from_args(p.parse_args(["--num-speculative-tokens", "2", "--adaptive-draft", "--device", "cpu"]))
+    assert cfg.draft_tokens == 2 and cfg.adaptive_draft
     with pytest.raises(InvalidArgumentError, match="draft_tokens"):
         EngineConfig(device="cpu", draft_tokens=0, adaptive_draft=True)
 

@@ -54,6 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MTP draft tokens per round, k (0 = no speculation; needs a checkpoint with mtp.* weights); "
                         f"auto = the engine picks each round's k in [0, {AUTO_MAX_DRAFT_TOKENS}] from the running "
                         "acceptance and the batch (auto:K: in [0, K])")
+    g.add_argument("--adaptive-draft", action="store_true",
+                   help="pick each round's k in [0, --num-speculative-tokens] (the same as auto:K)")
     g.add_argument("--draft-vocab", type=int, default=d["draft_vocab"].default,
                    help="draft over the first N token ids only (0 = the whole vocabulary)")
     g.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=d["max_batch"].default,
@@ -98,7 +100,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
         block_size=args.block_size, prefill_chunk=args.prefill_chunk, kv_capacity=args.kv_capacity,
         memory_utilization=args.memory_utilization, draft_tokens=int(args.draft_tokens),
-        adaptive_draft=isinstance(args.draft_tokens, AutoDraftTokens),
+        adaptive_draft=args.adaptive_draft or isinstance(args.draft_tokens, AutoDraftTokens),
         draft_vocab=args.draft_vocab, max_batch=args.max_batch, max_pending=args.max_pending,
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
