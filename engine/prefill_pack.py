@@ -3,7 +3,9 @@
 The lane stays one FIFO line. Each step hands out the chunk's token budget in order: first to the
 requests already in the lane (a prompt that spans several chunks continues before anyone behind
 it), then, while budget and batch seats remain, to the queue's head, admitted one by one (no
-overtaking: the head that does not fit in the KV stops admission, as before). The pieces become one
+overtaking: the head that does not fit in the KV stops admission, as before; so does a head whose
+next prompt block a request in the lane is computing right now: it waits one chunk and takes that
+block from the prefix cache instead of computing it twice). The pieces become one
 forward over several sequences (`engine.forward_context` takes varlen batches). Eight 512-token
 prompts arriving together thus prefill in two steps of a 2048-token chunk instead of eight, and each
 still has its own prefill start (admission) and first token (the step that ends its prompt).
@@ -66,7 +68,7 @@ class PrefillLane:
             budget -= len(works[-1].token_ids)
         while budget > 0 and waiting:
             req = waiting[0]
-            if not has_room(req) or not self._admit(req):
+            if not has_room(req) or self._awaits_shared_prefix(req) or not self._admit(req):
                 break
             waiting.popleft()
             works.append(self._work(req, budget))
@@ -76,6 +78,18 @@ class PrefillLane:
     def done(self, req: Request) -> None:
         """The request's prompt is computed (or it ended): it leaves the lane."""
         self.requests = [r for r in self.requests if r is not req]
+
+    def _awaits_shared_prefix(self, req: Request) -> bool:
+        """A request in the lane is computing the next block of `req`'s prompt (a duplicate or an
+        extension sent together): `req` waits for it to be cached rather than computing it twice."""
+        if not (req.prefix_cache and self.kv.prefix_reuse):
+            return False
+        tokens = req.all_token_ids[:req.num_prefill_tokens]
+        bs = self.kv.block_size
+        end = (self.kv.find_prefix(tokens).num_tokens // bs + 1) * bs + 1    # the next block and the token after it
+        if end > len(tokens):
+            return False
+        return any(r.num_computed_tokens < end and r.all_token_ids[:end] == tokens[:end] for r in self.requests)
 
     def _admit(self, req: Request) -> bool:
         """Give the queue's head its cached prefix and blocks for the whole prompt, or nothing."""

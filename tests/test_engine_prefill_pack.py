@@ -126,18 +126,23 @@ def test_packed_prefill_on_two_cpu_ranks_equals_prompts_alone(shared_model):
     core.shutdown()
 
 
-def test_prefix_reuse_within_and_across_packed_steps(shared_model):
-    """Two equal prompts in one packed step both compute (nothing is cached yet); a third, later,
-    takes their blocks from the cache. Tokens equal; hits counted once per request."""
+def test_a_duplicate_sent_together_waits_for_the_cached_prefix(shared_model):
+    """Two equal prompts sent together: the second does not join the first's chunk (it would compute
+    the same blocks) but waits one step and takes them from the prefix cache; a third, later, too.
+    Tokens equal to the prompt alone; a prompt with another prefix is not held back."""
     llm = make_llm(shared_model, draft_tokens=3, prefill_chunk=256)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     p = prompt_ids(100, 9)
-    want = llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True, draft_tokens=None))[0].token_ids
+    want = llm.generate(p, params)[0].token_ids
     llm.engine.kv.reset_prefix_cache()
     core = llm.engine
     a, b = core.add_request(p, params), core.add_request(p, params)
     core.step()
-    assert a.num_cached_tokens == b.num_cached_tokens == 0       # packed together: no hit yet
+    assert core.scheduler.lane.requests == [] and b.status is RequestStatus.WAITING   # a done in one chunk
+    other = core.add_request(prompt_ids(60, 4), params)
+    core.step()
+    assert b.num_cached_tokens == 96 and b.computed_prefill_tokens == 4
+    assert other.num_cached_tokens == 0 and other.status is not RequestStatus.WAITING   # packed beside b
     c = core.add_request(p, params)
     run_to_idle(core)
     assert c.num_cached_tokens == 96 and c.computed_prefill_tokens == 4
