@@ -139,6 +139,7 @@ class EngineConfig:
     kv_capacity: int | None = None          # tokens of KV; None = derived from free memory
     memory_utilization: float = 0.90        # share of device memory the engine may take
     draft_tokens: int = 0                   # MTP draft tokens per round (k); 0 = no speculation
+    adaptive_draft: bool = False            # pick each round's k in [0, draft_tokens] (engine.draft_policy)
     max_batch: int = 64                     # running requests in the decode batch
     max_pending: int = 256                  # queued requests before new ones are refused
     pending_timeout_ms: int = 60_000        # a request queued longer fails with a queue timeout
@@ -167,6 +168,8 @@ class EngineConfig:
             raise InvalidArgumentError("block_size", f"must be a power of two, got {self.block_size}")
         _require_int("prefill_chunk", self.prefill_chunk, 16, 1 << 20)
         _require_int("draft_tokens", self.draft_tokens, 0, 8)
+        if self.adaptive_draft and self.draft_tokens < 1:
+            raise InvalidArgumentError("draft_tokens", "adaptive draft length needs a maximum k >= 1")
         _require_int("max_batch", self.max_batch, 1, 4096)
         _require_int("max_pending", self.max_pending, 0, 1 << 20)
         _require_int("pending_timeout_ms", self.pending_timeout_ms, 1, 1 << 40)

@@ -120,7 +120,8 @@ class EngineCore:
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds), self.kv, clock, states=self.states, snapshots=self.snapshots)
+            lease_s=config.lease_seconds, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
+            states=self.states, snapshots=self.snapshots)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
@@ -216,7 +217,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         # nothing could run (queued requests wait for KV or a batch seat held by parked ones)
         self.last_step_idle = sched.empty
-        prefilling = self.scheduler.prefilling
+        prefilling = list(self.scheduler.lane.requests)
         # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
         result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids
                   else ModelOutput())
@@ -260,11 +261,15 @@ class EngineCore:
         return RequestOutput(req.request_id, tokens, True, req.finish_reason, stats,
                              self._stop_text.pop(req.request_id, None))
 
-    def _record(self, sched, prefilling: Request | None, events) -> None:
-        prefill = len(sched.prefill.token_ids) if sched.prefill else 0
-        first_chunk = (prefilling is not None and prefilling.num_preemptions == 0
-                       and sched.prefill.start == prefilling.num_cached_tokens)
-        hits = prefilling.num_cached_tokens if first_chunk else 0
+    def _record(self, sched, prefilling: list[Request], events) -> None:
+        prefill = sum(len(p.token_ids) for p in sched.prefills)
+        # prefix-cache hits count once, in the step of a request's first chunk
+        lane = {r.request_id: r for r in prefilling}
+        hits = 0
+        for piece in sched.prefills:
+            req = lane.get(piece.request_id)
+            if req is not None and req.num_preemptions == 0 and piece.start == req.num_cached_tokens:
+                hits += req.num_cached_tokens
         decoding = {w.request_id for w in sched.decode}
         decode = sum(len(ev.new_token_ids) for ev in events if ev.request.request_id in decoding)
         if prefill or decode:
@@ -276,7 +281,7 @@ class EngineCore:
               "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
               "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
         s = self.scheduler
-        queue = {"waiting": len(s.waiting), "prefilling": int(s.prefilling is not None),
+        queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
                  "parked": len(s.parked)}
         return self.metrics.snapshot(self.clock(), kv, queue)

@@ -1,5 +1,5 @@
-"""CUDA graphs of the decode round, one per (batch bucket, context class, sampling variant), captured
-at warm-up.
+"""CUDA graphs of the decode round, one per (batch bucket, context class, sampling variant) -- and per
+round length (0 .. k drafts) with an adaptive draft length -- captured at warm-up.
 
 A replay costs three host-to-device copies (packed inputs from pinned staging buffers), one
 graph launch and the one device-to-host read of the tokens. Variants exist because the sampling
@@ -17,7 +17,7 @@ import numpy as np
 import structlog
 import torch
 
-from engine.decode_round import ROWS, RoundInputs, RoundSetup, pack_round, run_round
+from engine.decode_round import ROWS, RoundInputs, RoundSetup, pack_round, round_drafts, run_round
 
 log = structlog.get_logger(__name__)
 
@@ -46,8 +46,8 @@ class _Captured:
                      torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
-        # (context class, variant) -> (graph, its output tokens)
-        self.graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (context class, variant, draft steps) -> (graph, its output tokens)
+        self.graphs: dict[tuple[int, tuple[bool, bool], int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def pack(self, works) -> None:
         pack_round(self.setup, works, self.batch, self.setup.max_blocks, out=self.host)
@@ -80,13 +80,15 @@ class GraphedRounds:
         # ranks of one process capture at once, each on its own thread
         self.capture_mode = "thread_local" if thread_local else "global"
         self._by_batch: dict[int, _Captured] = {}
+        # an adaptive draft length replays a graph per round length: k + 1 times the captures
+        self.draft_counts = list(range(setup.k + 1)) if setup.adaptive else [setup.k]
 
     def fits(self, n: int) -> bool:
         return n <= self.buckets[-1]
 
     @torch.inference_mode()
     def capture(self) -> float:
-        """Capture every bucket, class and variant (largest first, one memory pool). -> seconds."""
+        """Capture every bucket, class, variant and round length (largest first, one memory pool). -> seconds."""
         start = time.perf_counter()
         setup = self.setup
         self.classes = [c for c in CONTEXT_CLASSES if c < setup.max_seq_len] + [setup.max_seq_len]
@@ -100,8 +102,8 @@ class GraphedRounds:
             cap = self._by_batch[batch] = _Captured(batch, setup)
             cap.pack([])                                         # all rows padding
             cap.upload()
-            for cls, variant in ((c, v) for c in self.classes for v in VARIANTS):
-                args = (setup, cap.inputs, cls, *variant)
+            for cls, variant, drafts in ((c, v, d) for c in self.classes for v in VARIANTS for d in self.draft_counts):
+                args = (setup, cap.inputs, cls, *variant, drafts)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
@@ -111,7 +113,7 @@ class GraphedRounds:
                 # the ranks of a TP group capture at the same time, each on its own thread: NCCL
                 # may talk to its peers while a collective is captured
                 tokens, _ = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
-                cap.graphs[(cls, variant)] = (graph, tokens)
+                cap.graphs[(cls, variant, drafts)] = (graph, tokens)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
@@ -127,7 +129,7 @@ class GraphedRounds:
         cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
         longest = max(w.num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
-        return cap, (cls, (True, False) if all_greedy else (False, any_filter))
+        return cap, (cls, (True, False) if all_greedy else (False, any_filter), round_drafts(self.setup, works))
 
     @staticmethod
     def launch(cap: _Captured, key: tuple) -> torch.Tensor:

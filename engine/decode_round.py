@@ -53,10 +53,17 @@ class RoundSetup:
     draft_vocab: int | None           # draft over the first N token ids; None = all
     device: torch.device
     scratch_slot: int = 0             # hybrids: the state slot padded rows step (engine.state_cache)
+    adaptive: bool = False            # rounds draft fewer than k when the scheduler says (round_drafts)
 
     @property
     def pool_rows(self) -> dict[str, int]:
         return self.hidden.rows if self.hidden is not None else {}
+
+
+def round_drafts(setup: RoundSetup, works: list) -> int:
+    """Draft steps of this round: k, or with an adaptive draft length the most any request drafts
+    (the MTP window of step 1 stays k + 1 whatever the round drafts: see run_round)."""
+    return max(w.draft_tokens for w in works) if setup.adaptive else setup.k
 
 
 @dataclass
@@ -122,13 +129,18 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
 
 @torch.inference_mode()
 def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
-              any_filter: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [B, k+1] (accepted drafts, bonus, then -1) and num_accepted [B].
+              any_filter: bool, drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1) and num_accepted [B].
+
+    `drafts` (default k) is the round's number of draft steps (an adaptive draft length runs fewer).
+    Step 1 still recomputes a window of k + 1 MTP entries (the previous round may have accepted k),
+    so a round of 0 drafts keeps the MTP layer's KV current and verifies x_{n-1} alone.
 
     The hidden pool's rows ([rows, k+1, hidden]) are updated in place with this round's target hidden
     states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
     model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     hidden_pool = setup.hidden.states if setup.hidden is not None else None
+    drafts = k if drafts is None else drafts
     s = inp.sampling(all_greedy, any_filter)
     tables = inp.block_tables
     if k == 0:
@@ -146,29 +158,33 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
         g = model.draft_hidden(inp.mtp_ids.flatten(), hidden_pool[inp.pool_rows].flatten(0, 1), positions)
     g = g.view(bsz, k + 1, -1)[rows, inp.mtp_counts - 1]                                # [B, hidden]
 
-    drafts, draft_probs = [], []
-    for j in range(k):
+    draft_list, draft_probs = [], []
+    for j in range(drafts):
         d, q = sampler.draft(model.compute_logits(g, draft_vocab), s.shifted(j), vocab)
-        drafts.append(d)
+        draft_list.append(d)
         draft_probs.append(q)
-        if j + 1 < k:
+        if j + 1 < drafts:
             positions, ctx = uniform_context(inp.num_tokens - 1 + j, 1, tables, block_size, max_seq_len)
             with forward_context(ctx):
                 g = model.draft_hidden(d, g, positions)
 
-    draft_tokens = torch.stack(drafts, dim=1)                                            # [B, k]
-    verify_ids = torch.cat([inp.last_ids.unsqueeze(1), draft_tokens], dim=1)             # [B, k+1]
+    width = drafts + 1
+    verify_ids = torch.stack([inp.last_ids, *draft_list], dim=1)                         # [B, drafts+1]
     hybrid = hasattr(model, "commit_linear_states")
-    positions, ctx = uniform_context(inp.num_tokens - 1, k + 1, tables, block_size, max_seq_len, inp.state_slots,
+    positions, ctx = uniform_context(inp.num_tokens - 1, width, tables, block_size, max_seq_len, inp.state_slots,
                                      defer_state_commit=hybrid)
     with forward_context(ctx):
-        hidden = model(verify_ids.flatten(), positions)                                  # [B(k+1), hidden]
-    logits = model.compute_logits(hidden).view(bsz, k + 1, -1)
-    q = None if all_greedy else torch.stack(draft_probs, dim=1)
-    tokens, num_accepted = sampler.verify(logits, draft_tokens, q, inp.num_drafts, s)
+        hidden = model(verify_ids.flatten(), positions)                                  # [B(drafts+1), hidden]
+    logits = model.compute_logits(hidden).view(bsz, width, -1)
+    if drafts == 0:
+        tokens, num_accepted = sampler.sample(logits[:, 0], s).unsqueeze(1), torch.zeros_like(inp.num_tokens)
+    else:
+        q = None if all_greedy else torch.stack(draft_probs, dim=1)
+        tokens, num_accepted = sampler.verify(logits, verify_ids[:, 1:], q, inp.num_drafts, s)
     if hybrid:          # linear layers keep the state after x_{n-1} and the accepted drafts only
         model.commit_linear_states(num_accepted + 1)
-    hidden_pool[inp.pool_rows] = hidden.view(bsz, k + 1, -1)
+    # rows 0 .. drafts of each request's pool slot: the next round's step 1 reads accepted + 1 of them
+    hidden_pool[inp.pool_rows, :width] = hidden.view(bsz, width, -1)
     return tokens, num_accepted
 
 

@@ -98,7 +98,7 @@ class Executor:
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         lockstep = bool(self._workers and out.decode and self.driver.graphed(out.decode))
-        if out.prefill is None and lockstep:
+        if not out.prefills and lockstep:
             for runner in self.runners:
                 runner.release_rows(out.finished_request_ids)
             result = ModelOutput()

@@ -1,6 +1,6 @@
 """Turns scheduler output into tensors, runs the model, samples and verifies. One host read per step.
 
-Prefill chunks run eagerly (one request per step: the lane). Decode rounds run through
+Prefill chunks run eagerly (one packed chunk of the lane's prompts per step). Decode rounds run through
 `engine.decode_round.run_round`, replayed from a CUDA graph of the smallest batch bucket that
 fits when graphs are captured (`engine.cuda_graphs`), eagerly otherwise.
 
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 
 import structlog
 import torch
 
 from engine import sampler
 from engine.config import EngineConfig, ModelConfig
-from engine.decode_round import RoundInputs, RoundSetup, pack_round, run_round, sampling_variant
+from engine.decode_round import RoundInputs, RoundSetup, pack_round, round_drafts, run_round, sampling_variant
 from engine.forward_context import build_forward_context, forward_context
 from engine.hidden_pool import HiddenStatePool
 from engine.kv_pages import LayerKV
@@ -102,7 +103,7 @@ class ModelRunner:
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
             max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
-            scratch_slot=self.scratch_slot)
+            scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0)
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -118,8 +119,8 @@ class ModelRunner:
         """The step's prefill chunk, then (unless the executor replays it itself) its decode round."""
         self.release_rows(out.finished_request_ids)
         result = ModelOutput()
-        if out.prefill is not None:
-            self._prefill(out.prefill, result)
+        if out.prefills:
+            self._prefill(out.prefills, result)
         if out.decode and with_decode:
             self._decode(out.decode, result)
         return result
@@ -133,38 +134,49 @@ class ModelRunner:
 
     # -- prefill --------------------------------------------------------------------------------
 
-    def _prefill(self, w: PrefillWork, result: ModelOutput) -> None:
-        n = len(w.token_ids)
+    def _prefill(self, pieces: list[PrefillWork], result: ModelOutput) -> None:
+        """One forward over the step's packed chunk: each piece is a run of one prompt's tokens."""
+        lens = [len(w.token_ids) for w in pieces]
         slots = None
         if self.states is not None:
-            slots = [w.state_slot]
-            if w.restore_slot >= 0:                      # a prefix hit: its end's state snapshot
-                self.states.copy(w.restore_slot, w.state_slot)
-            elif w.start == 0:
-                self.states.reset(w.state_slot)
-        positions, ctx = build_forward_context([n], [w.start + n], [w.block_ids], self.block_size, self.device,
+            # hybrids: each piece runs from its request's state slot (the lane sends one piece per step)
+            slots = [w.state_slot for w in pieces]
+            for w in pieces:
+                if w.restore_slot >= 0:                  # a prefix hit: its end's state snapshot
+                    self.states.copy(w.restore_slot, w.state_slot)
+                elif w.start == 0:
+                    self.states.reset(w.state_slot)
+        positions, ctx = build_forward_context(lens, [w.start + n for w, n in zip(pieces, lens)],
+                                               [w.block_ids for w in pieces], self.block_size, self.device,
                                                state_slots=slots)
-        ids = torch.tensor(w.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = torch.tensor([t for w in pieces for t in w.token_ids], dtype=torch.int64)
+        ends = list(accumulate(lens))                           # piece i holds rows [ends[i] - lens[i], ends[i])
         with forward_context(ctx):
-            hidden = self.model(ids, positions)                                      # [n, hidden]
+            hidden = self.model(ids.to(self.device, non_blocking=True), positions)   # [T, hidden]
             if self.k > 0:
-                # MTP entries of this chunk's positions; the last prompt position waits for the
-                # sampled token (round 1, step 1), which overwrites the placeholder written here.
-                nxt = torch.zeros(n, dtype=torch.int64)
-                nxt[:len(w.next_token_ids)] = torch.tensor(w.next_token_ids, dtype=torch.int64)
+                # MTP entries of the chunk's positions; a prompt's last position waits for the sampled
+                # token (round 1, step 1), which overwrites the placeholder written here.
+                nxt = torch.zeros(len(ids), dtype=torch.int64)
+                for w, end, n in zip(pieces, ends, lens):
+                    nxt[end - n:end - n + len(w.next_token_ids)] = torch.tensor(w.next_token_ids, dtype=torch.int64)
                 self.model.draft_hidden(nxt.to(self.device, non_blocking=True), hidden, positions)
-        if w.snapshot_slot >= 0:
-            self.states.copy(w.state_slot, w.snapshot_slot)
-        collect = self.prompt_logits.get(w.request_id)
-        if collect is not None:
-            collect.chunks.append(self.model.compute_logits(hidden).float().cpu())
-        if not w.sample:
+        for w, end, n in zip(pieces, ends, lens):
+            if w.snapshot_slot >= 0:
+                self.states.copy(w.state_slot, w.snapshot_slot)
+            collect = self.prompt_logits.get(w.request_id)
+            if collect is not None:
+                collect.chunks.append(self.model.compute_logits(hidden[end - n:end]).float().cpu())
+        done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
+        if not done:
             return
-        s = sampler.SamplingBatch.build([w.sampling], [w.seed], [w.output_index], self.device)
-        token = sampler.sample(self.model.compute_logits(hidden[-1:]), s)
-        if self.hidden is not None:
-            self.hidden.states[self.hidden.row_for(w.request_id), 0] = hidden[-1]
-        result.sampled[w.request_id] = token.tolist()
+        last = hidden[[row for _, row in done]]                                          # [S, hidden]
+        s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
+                                        [w.output_index for w, _ in done], self.device)
+        tokens = sampler.sample(self.model.compute_logits(last), s).tolist()
+        for i, (w, _) in enumerate(done):
+            if self.hidden is not None:
+                self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
+            result.sampled[w.request_id] = [tokens[i]]
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -177,7 +189,8 @@ class ModelRunner:
             packed = pack_round(self.round_setup, works, len(works), width)
             inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
             max_len = max(w.num_tokens for w in works) + self.k
-            tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter)
+            tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
+                                  round_drafts(self.round_setup, works))
         read_tokens(works, tokens, result)
 
 

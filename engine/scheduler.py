@@ -2,9 +2,10 @@
 
 Every request wants its KV to catch up with its tokens: `num_tokens - num_computed_tokens` new
 tokens, plus `k` draft slots while it decodes. A prefill chunk and a decode round are that one
-thing at two sizes. The single asymmetry is the lane: one request at a time prefills, at most
-`prefill_chunk` tokens per step, while every running request advances one round per step, so a
-long prompt never stalls running streams for more than one chunk.
+thing at two sizes. The single asymmetry is the lane: prompts prefill in FIFO order, at most
+`prefill_chunk` tokens per step shared by the prompts at the lane's front (`engine.prefill_pack`),
+while every running request advances one round per step, so a long prompt never stalls running
+streams for more than one chunk.
 
 Out of KV mid-decode: the newest running request is preempted (its blocks are freed, it goes back
 to the head of the queue and is recomputed from prompt + outputs when blocks free up); streams
@@ -19,6 +20,7 @@ the decode batch when a seat frees, ahead of new prefills.
 
 Hybrid models: a request also holds a linear-attention state slot (engine.state_slots) from admission
 to finish or preemption, and a prefix hit is used only up to a state snapshot (engine.state_snapshots).
+The lane takes their prompts one at a time, unpacked (engine.prefill_pack says why).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.kv_cache import KVCacheManager
+from engine.prefill_pack import PrefillLane, PrefillWork
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.state_slots import StateSlotPool
@@ -46,28 +50,7 @@ class SchedulerConfig:
     max_model_len: int
     lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
     max_parked: int | None = None  # parked + attached-awaiting-a-seat at once; None = max_batch
-
-
-@dataclass
-class PrefillWork:
-    """One chunk of one request's prefill: the tokens at positions [start, start + len(token_ids))."""
-
-    request_id: str
-    token_ids: list[int]
-    start: int
-    # Tokens at positions start+1 .. : the MTP pass reads x_{t+1} for position t. One shorter than
-    # token_ids when the chunk ends the prefill (that token is sampled by this very step).
-    next_token_ids: list[int]
-    block_ids: list[int]
-    sample: bool                   # the chunk ends the prefill: sample a token
-    output_index: int              # index of that token among the request's outputs (RNG counter)
-    sampling: SamplingParams
-    seed: int
-    state_slot: int = -1           # hybrids: the request's linear-attention state slot
-    # hybrids: the first chunk after a prefix hit starts from the state snapshot in this slot
-    restore_slot: int = -1
-    # hybrids: the chunk ends on a block boundary; copy the state there into this snapshot slot
-    snapshot_slot: int = -1
+    adaptive_draft: bool = False   # each round's k is picked in [0, draft_tokens] (engine.draft_policy)
 
 
 @dataclass
@@ -80,7 +63,7 @@ class DecodeWork:
     num_mtp_computed: int          # m0: first MTP position whose entry is recomputed this round
     mtp_token_ids: list[int]       # x_{m0+1} .. x_{n-1}: the next token of each position recomputed
     block_ids: list[int]
-    draft_tokens: int              # this request's k (<= the engine's)
+    draft_tokens: int              # this request's drafts this round (<= its k <= the engine's)
     output_index: int
     sampling: SamplingParams
     seed: int
@@ -89,14 +72,15 @@ class DecodeWork:
 
 @dataclass
 class SchedulerOutput:
-    prefill: PrefillWork | None
+    # One packed prefill chunk: pieces of several prompts in FIFO order (engine.prefill_pack).
+    prefills: list[PrefillWork]
     decode: list[DecodeWork]
     # Requests that left since the previous step: the runner drops any state it keeps for them.
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return not self.prefills and not self.decode
 
 
 @dataclass
@@ -117,18 +101,30 @@ class Scheduler:
                  states: StateSlotPool | None = None, snapshots: StateSnapshots | None = None):
         self.config = config
         self.kv = kv
-        self.states = states                 # hybrids: linear-attention state slots, held beside KV
-        self.snapshots = snapshots           # hybrids with prefix reuse: states at block boundaries
-        self._restore: dict[str, int] = {}   # request id -> snapshot slot its first chunk starts from
         self.clock = clock
         self.waiting: deque[Request] = deque()
-        self.prefilling: Request | None = None
+        self.lane = PrefillLane(config.prefill_chunk, config.draft_tokens, kv, clock, states, snapshots)
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}
         self.attached: deque[Request] = deque()       # resumed (decode attached), waiting for a seat
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._lease_deadline: dict[str, float] = {}
+        self.draft_policy = DraftPolicy(config.draft_tokens) if config.adaptive_draft else None
+
+    # hybrids: linear-attention state slots (held beside KV) and snapshots at block boundaries; the
+    # lane owns them (it admits), the scheduler frees a request's slot with its KV
+    @property
+    def states(self) -> StateSlotPool | None:
+        return self.lane.states
+
+    @states.setter
+    def states(self, pool: StateSlotPool | None) -> None:
+        self.lane.states = pool
+
+    @property
+    def snapshots(self) -> StateSnapshots | None:
+        return self.lane.snapshots
 
     # -- the door -------------------------------------------------------------------------------
 
@@ -186,25 +182,27 @@ class Scheduler:
                     break
             if req.status is RequestStatus.RUNNING:
                 decode.append(self._decode_work(req))
-        if self.prefilling is None:
-            self._admit()
-        prefill = self._prefill_work(self.prefilling) if self.prefilling is not None else None
+        if self.draft_policy is not None and decode:
+            k_round = self.draft_policy.choose(len(decode))
+            for work in decode:
+                work.draft_tokens = min(work.draft_tokens, k_round)
+        prefills = self.lane.plan(self.waiting, self._has_room)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(prefill=prefill, decode=decode, finished_request_ids=finished)
+        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=finished)
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestEvent]:
         now = self.clock()
         events: list[RequestEvent] = []
         spec = self.config.draft_tokens > 0
-        if out.prefill is not None:
-            req = self.requests[out.prefill.request_id]
-            end = out.prefill.start + len(out.prefill.token_ids)
+        for piece in out.prefills:
+            req = self.requests[piece.request_id]
+            end = piece.start + len(piece.token_ids)
             if req.num_preemptions == 0:
-                req.computed_prefill_tokens += len(out.prefill.token_ids)
+                req.computed_prefill_tokens += len(piece.token_ids)
             req.num_computed_tokens = end
             req.num_mtp_computed = min(end, req.num_prefill_tokens - 1) if spec else 0
-            if out.prefill.sample:
-                self.prefilling = None
+            if piece.sample:
+                self.lane.done(req)
                 if req.times.first_token is None:
                     req.times.first_token = now
                 if req.park_after_prefill and req.num_preemptions == 0:
@@ -218,9 +216,9 @@ class Scheduler:
                         req.times.decode_start = now
                 events.append(self._append(req, result.sampled[req.request_id], now))
             self._register(req, spec)
-            if out.prefill.snapshot_slot >= 0:
+            if piece.snapshot_slot >= 0:
                 keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
-                self.snapshots.bind(out.prefill.snapshot_slot, keys[i] if i < len(keys) else None)
+                self.snapshots.bind(piece.snapshot_slot, keys[i] if i < len(keys) else None)
         for work in out.decode:
             req = self.requests[work.request_id]
             tokens = result.sampled[work.request_id]
@@ -232,6 +230,8 @@ class Scheduler:
                 s.accepted += accepted
                 for i in range(accepted):
                     s.accepted_per_position[i] += 1
+                if self.draft_policy is not None:
+                    self.draft_policy.observe(work.draft_tokens, accepted)
                 req.num_mtp_computed = req.num_tokens - 1
             req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
             events.append(self._append(req, tokens, now))
@@ -271,7 +271,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self.attached)
+        return bool(self.waiting or self.lane or self.running or self.attached)
 
     @property
     def num_unfinished(self) -> int:
@@ -287,63 +287,15 @@ class Scheduler:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _admit(self) -> None:
-        """Move the queue's head into the prefill lane if its blocks are free (FIFO: no overtaking).
-        A request that will park needs room among the parked; one that will decode needs a seat."""
-        if not self.waiting:
-            return
-        req = self.waiting[0]
-        if req.park_after_prefill and req.num_preemptions == 0:
-            if len(self.parked) + len(self.attached) >= (self.config.max_parked or self.config.max_batch):
-                return
-        elif len(self.running) + len(self.attached) >= self.config.max_batch:
-            return
-        if self.states is not None and self.states.num_free == 0:     # hybrids: a state slot too
-            return
-        found: list[int] = []
-
-        def up_to_a_snapshot(keys: list[bytes]) -> int:
-            blocks, slot = self.snapshots.usable_prefix(keys)
-            found.append(slot)
-            return blocks
-        hit = self.kv.admit(req, req.all_token_ids[:req.num_prefill_tokens],
-                            req.num_prefill_tokens + self.config.draft_tokens, reuse=req.prefix_cache,
-                            trim=up_to_a_snapshot if self.snapshots is not None else None)
-        if hit is None:
-            return
-        if hit.num_tokens and self.snapshots is not None:
-            self._restore[req.request_id] = found[-1]
-        self.waiting.popleft()
-        if self.states is not None:
-            self.states.allocate(req)
-        req.num_computed_tokens = req.num_mtp_computed = hit.num_tokens
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = hit.num_tokens
-        if req.times.prefill_start is None:
-            req.times.prefill_start = self.clock()
-        req.status = RequestStatus.PREFILLING
-        self.prefilling = req
-
-    def _prefill_work(self, req: Request) -> PrefillWork:
-        start = req.num_computed_tokens
-        end = min(start + self.config.prefill_chunk, req.num_prefill_tokens)
-        snapshot_slot = -1
-        if self.snapshots is not None:
-            # end a chunk at the prompt's last block boundary (the longest prefix a repeat can reuse)
-            bs = self.kv.block_size
-            last = (req.num_prefill_tokens - 1) // bs * bs
-            if start < last < end:
-                end = last
-            if end % bs == 0 and end < req.num_prefill_tokens:
-                snapshot_slot = self.snapshots.reserve()
-        tokens = req.all_token_ids
-        sample = end == req.num_prefill_tokens
-        return PrefillWork(
-            request_id=req.request_id, token_ids=tokens[start:end], start=start,
-            next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
-            sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed,
-            state_slot=req.state_slot, restore_slot=self._restore.pop(req.request_id, -1),
-            snapshot_slot=snapshot_slot)
+    def _has_room(self, req: Request) -> bool:
+        """Room for the queue's head once prefilled: a request that will park needs room among the
+        parked; one that will decode needs a seat. The lane's requests count where they are headed."""
+        def parks(r: Request) -> bool:
+            return r.park_after_prefill and r.num_preemptions == 0
+        ahead = sum(1 for r in self.lane.requests if parks(r) == parks(req))
+        if parks(req):
+            return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
+        return len(self.running) + len(self.attached) + ahead < self.config.max_batch
 
     def _decode_work(self, req: Request) -> DecodeWork:
         return DecodeWork(
@@ -392,7 +344,7 @@ class Scheduler:
                 self.attached.remove(req)
             self._lease_deadline.pop(req.request_id, None)
         elif req.status is RequestStatus.PREFILLING:
-            self.prefilling = None
+            self.lane.done(req)
         self._free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

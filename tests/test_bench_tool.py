@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -114,8 +115,18 @@ def test_headline_has_every_figure_or_a_reason(cpu_run):
             assert d["reason"], name
     for name in ("decode_b1_roofline_fraction", "prefill_4k_vs_transformers", "prefill_4k_mfu",
                  "prefill_32k_over_4k", "extra_draft_cost_fraction", "agg_decode_2_streams",
-                 "int8_over_bf16_kv_decode_32k", "tp2_over_tp1_decode_b1", "context_192k_ok"):
+                 "int8_over_bf16_kv_decode_32k", "tp2_over_tp1_decode_b1", "context_192k_ok",
+                 "ttft_8x512_over_single"):
         assert r["headline"][name] is not None, (name, r["headline_detail"][name]["reason"])
+
+
+def test_compiled_peer_runs_its_code_path_on_the_cpu_and_gives_no_figure_there(cpu_run):
+    _, _, r = cpu_run
+    c = r["sections"]["peer"]["compiled_decode"]
+    assert not c["compiled"] and c["ms_per_token_best"] == min(c["ms_per_token"]) > 0
+    assert c["context"] == r["plan"]["reference"]["decode_context"]
+    assert r["headline"]["decode_b1_over_compiled_peer"] is None
+    assert "CPU dry run" in r["headline_detail"]["decode_b1_over_compiled_peer"]["reason"]
 
 
 def test_prefill_figures_follow_from_the_request_stats(cpu_run):
@@ -175,6 +186,12 @@ def test_concurrency_kv_and_tp_ratios(cpu_run):
         assert len(p["per_stream_tok_s"]) == p["streams"]
         assert close(p["aggregate_tok_s"], sum(p["per_stream_tok_s"]))
     assert close(r["headline"]["agg_decode_2_streams"], conc[2]["aggregate_tok_s"] / conc[1]["aggregate_tok_s"])
+    burst = r["sections"]["concurrency"]["ttft_burst"]
+    alone = sorted(x["ttft_s"] for x in burst["alone"])
+    pooled = sorted(x["ttft_s"] for b in burst["bursts"] for x in b)
+    assert len(pooled) == burst["streams"] * burst["repeats"] and all(len(b) == burst["streams"] for b in burst["bursts"])
+    assert all(x["completion_tokens"] == 1 and x["prompt_tokens"] == burst["prompt"] for b in burst["bursts"] for x in b)
+    assert close(r["headline"]["ttft_8x512_over_single"], statistics.median(pooled) / statistics.median(alone))
     inter = r["sections"]["concurrency"]["prefill_interference"]
     assert {"max_gap_ms", "chunk_ms", "ok", "chunks", "chunk_gaps"} <= set(inter)
     assert inter["ok"] == (inter["stream_outlived_prefill"] and inter["chunk_gaps"] >= inter["chunks"])

@@ -57,7 +57,7 @@ def test_chunk_count_is_what_the_lane_promises(shared_model, prompts):
         core.step()
         steps += 1
         if not req.finished:
-            assert req.num_computed_tokens == min(17 * steps, PROMPT_LEN) and sched.prefilling is req
+            assert req.num_computed_tokens == min(17 * steps, PROMPT_LEN) and sched.lane.requests == [req]
     assert steps == -(-PROMPT_LEN // 17)
     assert req.computed_prefill_tokens == PROMPT_LEN
 

@@ -46,6 +46,20 @@ def test_greedy_speculative_equals_k0_fp32(fp32_k0, k):
     assert _generate(dtype="float32", draft_tokens=k) == fp32_k0
 
 
+def test_packed_prefill_equals_prompts_prefilled_alone_fp32(fp32_k0):
+    # fp32_k0 prefilled its four prompts packed in one chunk (engine.prefill_pack); here one at a time
+    llm = LLM(str(MODEL), device="cuda", dtype="float32", kv_capacity=8192, max_batch=8)
+    alone = [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS]
+    llm.engine.executor.shutdown()
+    assert alone == fp32_k0
+
+
+def test_adaptive_draft_length_with_graphs_equals_k0_fp32(fp32_k0):
+    # one graph per round length (0 .. 3 drafts) replayed as the policy picks (engine.draft_policy)
+    assert _generate(dtype="float32", draft_tokens=3, adaptive_draft=True) == fp32_k0
+    assert _generate(dtype="float32", draft_tokens=3, adaptive_draft=True, enforce_eager=True) == fp32_k0
+
+
 def test_cuda_graphs_equal_eager_fp32(fp32_k0):
     assert _generate(dtype="float32", draft_tokens=0, enforce_eager=True) == fp32_k0
 

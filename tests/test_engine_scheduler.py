@@ -20,8 +20,9 @@ from engine.scheduler import ModelOutput
 def model_step(sched, out) -> list:
     """Play the model: the prefill's sampled token and one token per decode round (k = 0)."""
     result = ModelOutput()
-    if out.prefill is not None and out.prefill.sample:
-        result.sampled[out.prefill.request_id] = [7]
+    for piece in out.prefills:
+        if piece.sample:
+            result.sampled[piece.request_id] = [7]
     for w in out.decode:
         result.sampled[w.request_id] = [7]
     return sched.update(out, result)
@@ -46,9 +47,11 @@ def test_requests_enter_the_lane_in_arrival_order():
     lane_order = []
     while sched.has_work:
         out = sched.schedule()
-        if out.prefill is not None and (not lane_order or lane_order[-1] != out.prefill.request_id):
-            lane_order.append(out.prefill.request_id)
-        assert out.prefill is None or out.prefill.token_ids and len(out.prefill.token_ids) <= 16
+        for piece in out.prefills:
+            if not lane_order or lane_order[-1] != piece.request_id:
+                lane_order.append(piece.request_id)
+            assert piece.token_ids
+        assert sum(len(p.token_ids) for p in out.prefills) <= 16
         model_step(sched, out)
     assert lane_order == [r.request_id for r in reqs]
     assert all(r.finish_reason is FinishReason.LENGTH and len(r.output_token_ids) == 3 for r in reqs)
@@ -72,14 +75,15 @@ def test_head_of_queue_is_not_overtaken_while_it_waits_for_blocks():
     while sched.has_work:
         clock.advance(1.0)
         step(sched)
-    assert head.times.prefill_start < small.times.prefill_start
+    # once big's blocks free, head and small share one packed chunk (head first): never small alone
+    assert head.times.prefill_start <= small.times.prefill_start
     assert kv_idle(sched)
 
 
 # -- the queue's limit and timeout -------------------------------------------------------------------
 
 def test_queue_full_is_refused_at_once():
-    sched = make_scheduler(max_pending=2)
+    sched = make_scheduler(max_pending=2, prefill_chunk=8)    # a's 8 tokens fill a chunk: b stays queued
     a, b = make_request(), make_request()
     sched.add_request(a)
     sched.add_request(b)
@@ -164,9 +168,9 @@ def test_abort_mid_prefill(core):
     a = core.add_request(list(range(1, 100)), SamplingParams(max_tokens=5))
     core.step()
     core.step()
-    assert core.scheduler.prefilling is a and a.num_computed_tokens == 32 and a.block_ids
+    assert core.scheduler.lane.requests == [a] and a.num_computed_tokens == 32 and a.block_ids
     core.abort(a.request_id)
-    assert core.scheduler.prefilling is None
+    assert not core.scheduler.lane
     assert_kv_idle(core)
     b = core.add_request(list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
     run_to_idle(core)
@@ -233,7 +237,7 @@ def test_pending_timeout_on_a_real_engine_with_a_busy_lane():
     long = core.add_request(ids(600, stride=3), SamplingParams(max_tokens=2, ignore_eos=True))
     queued = core.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     outs = core.step()
-    assert core.scheduler.prefilling is long and outs == []
+    assert core.scheduler.lane.requests == [long] and outs == []
     clock.advance(0.05)
     assert core.step() == [] and queued.status is RequestStatus.WAITING
     clock.advance(0.06)                                   # 0.11 s in the queue > 100 ms

@@ -3,6 +3,8 @@
 - Greedy with k = 1..8 drafts equals k = 0 token for token over a mixed batch: a verify round runs
   k+1 tokens through the linear layers and commits the state of the accepted prefix only (a
   rejected draft leaking into a state would change the continuation).
+- An adaptive draft length (rounds of 0 .. k drafts, a narrower verify) equals k = 0 too: the commit
+  keeps the accepted prefix of whatever window the round verified.
 - Sampling with drafts keeps the target distribution end to end: the third token of many seeded
   requests (often emitted by the round after a rejection, from the committed state) follows the
   target's conditional distribution by a chi-square test, computed from the engine's own k = 0
@@ -11,6 +13,8 @@
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -47,6 +51,21 @@ def test_greedy_with_k_drafts_equals_k0(hybrid, greedy_k0, k):
     spec = [o.stats.speculative for o in outs]
     accepted = sum(s.accepted for s in spec)
     assert accepted > 0 and sum(s.drafted for s in spec) > accepted       # accepts and rejects both ran
+
+
+def test_adaptive_draft_length_equals_k0(hybrid, greedy_k0):
+    """Round lengths forced through 0, 1, .., 4 drafts (every verify width), then the policy's own."""
+    prompts, want = greedy_k0
+    forced = make_llm(hybrid, draft_tokens=4, adaptive_draft=True)
+    lengths = itertools.cycle(range(5))
+    forced.engine.scheduler.draft_policy.choose = lambda batch: next(lengths)
+    outs = forced.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+    assert [o.token_ids for o in outs] == want
+    spec = [o.stats.speculative for o in outs]
+    assert 0 < sum(s.drafted for s in spec) < 4 * sum(s.rounds for s in spec)   # short rounds ran
+    auto = make_llm(hybrid, draft_tokens=4, adaptive_draft=True)
+    assert [o.token_ids for o in auto.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))] == want
+    assert auto.engine.scheduler.draft_policy.rounds > 0
 
 
 N_SAMPLED = 800

@@ -1,7 +1,8 @@
 """Linear-attention state beside the paged KV (hybrid models).
 
 - The slot pool (pure Python) hands out and takes back slots exactly once; the scheduler holds one
-  per request from admission to finish or preemption, and a request waits for a slot like for KV.
+  per request from admission to finish or preemption, and a request waits for a slot like for KV;
+  the prefill lane takes hybrid prompts one at a time (three prompts that fit one chunk never pack).
 - The memory plan counts the slots; a refusal names KV and state slots both.
 - Chunked prefill carries the state across chunks: any chunk >= 16 gives the one-pass tokens.
 - Preemption recomputes the state: preempted requests finish with their solo tokens.
@@ -62,11 +63,10 @@ def test_scheduler_holds_a_slot_per_request_and_frees_it_once():
             seen_waiting_for_slot = True                # KV was free: the slot held it back
         held = [r for r in reqs if r.state_slot >= 0]
         assert len({r.state_slot for r in held}) == len(held) <= 2
-        for w in out.decode + ([out.prefill] if out.prefill else []):
+        assert len(out.prefills) <= 1                   # hybrids: the lane takes one prompt at a time
+        for w in out.decode + out.prefills:
             assert w.state_slot == sched.requests[w.request_id].state_slot >= 0
-        result = ModelOutput({w.request_id: [7] for w in out.decode})
-        if out.prefill is not None and out.prefill.sample:
-            result.sampled[out.prefill.request_id] = [7]
+        result = ModelOutput({w.request_id: [7] for w in out.decode + [p for p in out.prefills if p.sample]})
         sched.update(out, result)
     assert seen_waiting_for_slot
     assert all(r.state_slot == -1 and r.finished for r in reqs)
@@ -88,9 +88,7 @@ def test_preemption_frees_the_slot():
             preempted = True
             victim = b if b.num_preemptions else a
             assert victim.state_slot == -1 or victim.status.value != "waiting"
-        result = ModelOutput({w.request_id: [5] for w in out.decode})
-        if out.prefill is not None and out.prefill.sample:
-            result.sampled[out.prefill.request_id] = [5]
+        result = ModelOutput({w.request_id: [5] for w in out.decode + [p for p in out.prefills if p.sample]})
         sched.update(out, result)
     assert preempted and not sched.has_work
     assert sched.states.taken == sched.states.dropped and sched.states.num_free == 4

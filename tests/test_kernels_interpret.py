@@ -74,6 +74,8 @@ ATTENTION = {
     "verify_q4": ([4] * 3, [4, 50, 200], 8, 2, 32, 16, BF16),
     "verify_q6_g8_int8": ([6] * 2, [6, 130], 16, 2, 32, 8, I8),
     "non_uniform_batch": ([1, 5, 30, 2], [10, 5, 90, 70], 8, 2, 32, 4, BF16),
+    # a packed prefill chunk (engine.prefill_pack): a prompt's tail, a whole prompt, a prompt's head
+    "packed_prefill": ([45, 70, 29], [110, 70, 29], 8, 2, 32, 16, BF16),
     "head_dim_128": ([3, 1], [40, 77], 8, 2, 128, 16, BF16),
     # queries and keys on tile edges: the unmasked/masked split must be exact there
     "tile_edges_prefill": ([40], [134], 8, 2, 32, 16, BF16),

@@ -63,7 +63,7 @@ def main() -> None:
     rng = random.Random(0)
     prompt = [rng.randrange(1000, 100000) for _ in range(args.context)]
     core.add_request(prompt, SamplingParams(max_tokens=args.steps * (args.draft_tokens + 1) + 64, ignore_eos=True))
-    while core.scheduler.prefilling is not None or core.scheduler.waiting:
+    while core.scheduler.lane or core.scheduler.waiting:
         core.step()
     for _ in range(5):
         core.step()

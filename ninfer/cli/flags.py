@@ -49,9 +49,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV capacity in tokens (default: what --gpu-memory-utilization leaves after the weights)")
     g.add_argument("--gpu-memory-utilization", "--memory-utilization", dest="memory_utilization", type=float,
                    default=d["memory_utilization"].default, help="share of device memory the engine may take")
-    g.add_argument("--num-speculative-tokens", "--draft-tokens", dest="draft_tokens", type=int,
-                   default=d["draft_tokens"].default,
-                   help="MTP draft tokens per round, k (0 = no speculation; needs a checkpoint with mtp.* weights)")
+    g.add_argument("--num-speculative-tokens", "--draft-tokens", dest="draft_tokens", type=draft_tokens_flag,
+                   default=d["draft_tokens"].default, metavar="K|auto|auto:K",
+                   help="MTP draft tokens per round, k (0 = no speculation; needs a checkpoint with mtp.* weights); "
+                        f"auto = the engine picks each round's k in [0, {AUTO_MAX_DRAFT_TOKENS}] from the running "
+                        "acceptance and the batch (auto:K: in [0, K])")
+    g.add_argument("--adaptive-draft", action="store_true",
+                   help="pick each round's k in [0, --num-speculative-tokens] (the same as auto:K)")
     g.add_argument("--draft-vocab", type=int, default=d["draft_vocab"].default,
                    help="draft over the first N token ids only (0 = the whole vocabulary)")
     g.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=d["max_batch"].default,
@@ -75,11 +79,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how long a prefilled handle keeps its KV without a decode attaching")
 
 
+AUTO_MAX_DRAFT_TOKENS = 4
+
+
+class AutoDraftTokens(int):
+    """`--num-speculative-tokens auto[:K]`: the maximum k of an adaptive draft length."""
+
+
+def draft_tokens_flag(text: str) -> int:
+    if text == "auto" or text.startswith("auto:"):
+        k = text[5:] or str(AUTO_MAX_DRAFT_TOKENS)
+        if not k.isdigit() or int(k) < 1:
+            raise argparse.ArgumentTypeError(f"auto:K needs an integer K >= 1, got {text!r}")
+        return AutoDraftTokens(int(k))
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer, auto or auto:K, got {text!r}") from None
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
         block_size=args.block_size, prefill_chunk=args.prefill_chunk, kv_capacity=args.kv_capacity,
-        memory_utilization=args.memory_utilization, draft_tokens=args.draft_tokens,
+        memory_utilization=args.memory_utilization, draft_tokens=int(args.draft_tokens),
+        adaptive_draft=args.adaptive_draft or isinstance(args.draft_tokens, AutoDraftTokens),
         draft_vocab=args.draft_vocab, max_batch=args.max_batch, max_pending=args.max_pending,
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,

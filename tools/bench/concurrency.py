@@ -1,7 +1,8 @@
-"""Concurrency: N streams decoding together (k=0), and a long prefill arriving while a stream decodes.
+"""Concurrency: N streams decoding together (k=0), the TTFT of N prompts arriving together
+(`tools.bench.burst`), and a long prefill arriving while a stream decodes.
 
-N streams: each request is submitted with `park_after_prefill` (the one prefill lane runs them one
-after another while nothing decodes), then all N are resumed in one command on the engine thread,
+N streams: each request is submitted with `park_after_prefill` (the one prefill lane packs them
+while nothing decodes), then all N are resumed in one command on the engine thread,
 so they decode together from the same step and, with equal `max_tokens`, finish together: the
 overlap the seed needed 6000-token outputs to get. Per stream: its own `decode_tok_s`; aggregate =
 the sum over streams (the seed's 合计), with a client wall-clock cross-check
@@ -23,6 +24,7 @@ import threading
 import time
 
 from engine.sampling_params import SamplingParams
+from tools.bench.burst import ttft_burst
 from tools.bench.decode import speed_from_warmup, tokens_for
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import compact, random_prompt
@@ -53,6 +55,17 @@ def run(bench, sec: dict) -> None:
         say("concurrency", f"N={n}: {fmt_rate(p['per_stream_tok_s_mean'])} per stream, "
                            f"{fmt_rate(p['aggregate_tok_s'])} aggregate (wall {fmt_rate(p['wall_aggregate_tok_s'])})")
         bench.save()
+
+    est = (plan.burst_streams + 1) * plan.burst_repeats * bench.estimate_prefill_s(plan.burst_prompt) * 2 + 1.0
+    if bench.budget.allows(est):
+        sec["ttft_burst"] = b = ttft_burst(session, plan.burst_streams, plan.burst_prompt, plan.burst_repeats,
+                                           timeout=max(120.0, 10 * est))
+        say("concurrency", f"TTFT of {b['streams']} x {b['prompt']}-token prompts together: median "
+                           f"{b['burst_ttft_s_median'] * 1e3:.1f} ms, alone {b['single_ttft_s_median'] * 1e3:.1f} ms "
+                           f"-> {b['over_single']:.2f}x (chunk {b['prefill_chunk']})")
+        bench.save()
+    else:
+        sec["ttft_burst"] = {"skipped": bench.budget.skip_reason(est)}
 
     est = bench.estimate_prefill_s(plan.interference_prompt) * 2 + 2.0
     if bench.budget.allows(est):

@@ -7,7 +7,9 @@ norms = 1, like the engine's random weights): seconds, not the minutes of a CPU 
 - prefill: one forward over a P-token prompt, sdpa attention, no KV cache kept, logits of the last
   position only (`logits_to_keep=1`, which is what `generate()` computes for a prompt too);
 - decode: `generate()` batch 1, greedy, eager, dynamic cache; tok/s = n / (t(1 + n new) - t(1 new)),
-  so the prompt's forward cancels out.
+  so the prompt's forward cancels out;
+- compiled decode: the strong peer of `tools.bench.compiled_peer` (static cache, torch.compile, the
+  step in one CUDA graph), batch 1 at the same context: headline `decode_b1_over_compiled_peer`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.runner import default_dtype
+from tools.bench import compiled_peer
 from tools.bench.plan import PeerPlan
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import random_prompt
@@ -126,6 +129,15 @@ def run(bench, sec: dict) -> None:
             say("peer", f"decode generate() b1: {fmt_rate(rate)} ({1e3 / rate:.1f} ms/token{frac})")
         else:
             sec["decode"] = {"skipped": bench.budget.skip_reason(est)}
+        model = None
+        gc.collect()
+        try:
+            sec["compiled_decode"] = c = compiled_peer.measure(cfg, dev, dtype, plan.decode_prompt, max(n, 64))
+            say("peer", f"compiled static-cache step b1 ({'torch.compile + one CUDA graph' if c['compiled'] else 'eager'}): "
+                        f"{c['ms_per_token_best']:.2f} ms/token (setup {c['setup_s']:.1f} s)")
+        except Exception as e:  # noqa: BLE001 - the transformers figures above stand; the reason is kept
+            sec["compiled_decode"] = {"error": f"{type(e).__name__}: {e}"[:600]}
+            say("peer", f"compiled static-cache step: ERROR {sec['compiled_decode']['error'][:200]}")
         sec["status"] = "ok"
     finally:
         model = None  # noqa: F841 - the last reference: its memory goes back before the engine runs

@@ -57,6 +57,9 @@ class ConcurrencyPlan:
     min_tokens: int
     max_tokens: int
     interference_prompt: int        # a long prompt arriving while a stream decodes
+    burst_streams: int = 8          # TTFT of this many prompts sent together ...
+    burst_prompt: int = 512         # ... of this many tokens each, against one alone (tools.bench.burst)
+    burst_repeats: int = 3
 
 
 @dataclass
@@ -212,7 +215,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
                           repeats={64: 2, 256: 1}, draft_vocab=128, draft_vocab_ks=[3],
                           target_decode_s=0.2, min_tokens=8, max_tokens=16),
         concurrency=ConcurrencyPlan(streams=[1, 2, 4], context=64, target_decode_s=0.3, min_tokens=8,
-                                    max_tokens=64, interference_prompt=512),
+                                    max_tokens=64, interference_prompt=512, burst_prompt=96, burst_repeats=1),
         kv=KVPlan(contexts=[256], repeats=1),
         tp=TPPlan(context=64, repeats=1, long_context=1024, long_decode_tokens=16, big_shape="tiny",
                   prefill_prompts=[128, 512]),

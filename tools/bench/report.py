@@ -160,6 +160,13 @@ def _peer(r: dict) -> list[str]:
                  f"new tokens: **{d['tok_s']:.1f} tok/s** ({d['ms_per_token']:.1f} ms/token)")
     elif d:
         L.append(f"- decode: {d.get('skipped') or d.get('error')}")
+    c = sec.get("compiled_decode") or {}
+    if "ms_per_token_best" in c:
+        how = "torch.compile + the step in one CUDA graph" if c["compiled"] else c.get("note")
+        L.append(f"- decode, our static-cache step written gpt-fast style ({how}), batch 1 at context "
+                 f"{c['context']}: **{c['ms_per_token_best']:.2f} ms/token** (best of {len(c['ms_per_token'])})")
+    elif c:
+        L.append(f"- decode, our compiled static-cache step: {c.get('error')}")
     L += _skips(sec.get("prefill"), lambda p: f"prefill P={p['P']}")
     return L + [""]
 
@@ -277,6 +284,13 @@ def _concurrency(r: dict) -> list[str]:
              fmt(p.get("aggregate_over_single")), fmt(p.get("wall_aggregate_tok_s"))]
             for p in _measured(sec.get("points"))]
     L += _tab(["N", "per stream tok/s", "aggregate tok/s", "× one stream", "wall-clock aggregate"], rows)
+    b = sec.get("ttft_burst") or {}
+    if b.get("over_single") is not None:
+        L.append(f"- TTFT of {b['streams']} prompts of {b['prompt']} tokens sent together (chunk {b['prefill_chunk']}): "
+                 f"median **{b['burst_ttft_s_median'] * 1e3:.1f} ms** (longest {b['burst_ttft_s_max'] * 1e3:.1f} ms) "
+                 f"against {b['single_ttft_s_median'] * 1e3:.1f} ms alone → **{b['over_single']:.2f}×**")
+    elif b:
+        L.append(f"- TTFT burst: {b.get('skipped') or b.get('error')}")
     i = sec.get("prefill_interference") or {}
     if "max_gap_ms" in i:
         waits = (f"the stream waited {i['chunk_gaps']} times for {i['chunks']} chunks → "
