@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.scheduler import ModelOutput
+
 # The test models are tiny: one intra-op thread is as fast as two on an idle 2-core CI machine, and
 # tens of times faster when another process holds a core (OpenMP threads spin at every barrier).
 if "OMP_NUM_THREADS" not in os.environ:
@@ -115,6 +117,28 @@ def make_request(prompt: int | list[int] = 8, max_tokens: int = 4, request_id: s
     return Request(request_id=request_id or f"req-{n}", prompt_token_ids=ids, sampling=params, seed=n,
                    times=PhaseTimes(arrival=arrival), draft_tokens=draft_tokens,
                    spec=SpecStats(draft_tokens=draft_tokens, accepted_per_position=[0] * draft_tokens))
+
+
+class KVReq:
+    """The minimal KVRequest: an id, a token list and the blocks it holds."""
+
+    def __init__(self, rid: str, tokens: list[int]):
+        self.request_id, self.tokens, self.block_ids = rid, list(tokens), []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.tokens
+
+
+def model_step(sched, out) -> list:
+    """Play the model: the prefill's sampled token and one token per decode round (k = 0)."""
+    result = ModelOutput()
+    for piece in out.prefills:
+        if piece.sample:
+            result.sampled[piece.request_id] = [7]
+    for w in out.decode:
+        result.sampled[w.request_id] = [7]
+    return sched.update(out, result)
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, clock=None, prefix_reuse: bool = True, **cfg):

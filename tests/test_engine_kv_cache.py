@@ -6,18 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import KVReq as Req
 from engine.kv_cache import KVCacheManager
-
-
-class Req:
-    """The minimal KVRequest: an id, a token list and the blocks it holds."""
-
-    def __init__(self, rid: str, tokens: list[int]):
-        self.request_id, self.tokens, self.block_ids = rid, list(tokens), []
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.tokens
 
 
 def idle(kv: KVCacheManager) -> bool:

@@ -10,20 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FakeClock, assert_kv_idle, make_llm, make_request, make_scheduler, run_to_idle
+from conftest import FakeClock, assert_kv_idle, make_llm, make_request, make_scheduler, model_step, run_to_idle
 from engine import SamplingParams
 from engine.request import RequestStatus
-from engine.scheduler import ModelOutput
-
-
-def play(sched, out) -> list:
-    result = ModelOutput()
-    for piece in out.prefills:
-        if piece.sample:
-            result.sampled[piece.request_id] = [7]
-    for w in out.decode:
-        result.sampled[w.request_id] = [7]
-    return sched.update(out, result)
 
 
 def steps_to_first_tokens(chunk: int, prompts: int = 8, length: int = 512) -> tuple[int, list[str]]:
@@ -37,7 +26,7 @@ def steps_to_first_tokens(chunk: int, prompts: int = 8, length: int = 512) -> tu
         steps += 1
         out = sched.schedule()
         assert sum(len(p.token_ids) for p in out.prefills) <= chunk
-        order += [ev.request.request_id for ev in play(sched, out) if len(ev.request.output_token_ids) == 1]
+        order += [ev.request.request_id for ev in model_step(sched, out) if len(ev.request.output_token_ids) == 1]
     return steps, order, reqs
 
 
@@ -58,7 +47,7 @@ def test_a_prompt_spanning_chunks_continues_before_those_behind_it():
     while sched.has_work and len(pieces) < 3:
         out = sched.schedule()
         pieces.append([(p.request_id, p.start, len(p.token_ids)) for p in out.prefills])
-        play(sched, out)
+        model_step(sched, out)
     assert pieces[0] == [(a.request_id, 0, 32)]
     assert pieces[1] == [(a.request_id, 32, 18), (b.request_id, 0, 14)]
     assert pieces[2] == [(b.request_id, 14, 6), (c.request_id, 0, 5)]
@@ -71,7 +60,7 @@ def test_packing_respects_batch_seats():
         sched.add_request(r)
     out = sched.schedule()
     assert [p.request_id for p in out.prefills] == [r.request_id for r in reqs[:3]]
-    play(sched, out)
+    model_step(sched, out)
     assert len(sched.running) == 3 and list(sched.waiting) == reqs[3:]
 
 

@@ -10,22 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FakeClock, assert_kv_idle, make_request, make_scheduler, run_to_idle, runner_of
+from conftest import FakeClock, assert_kv_idle, make_request, make_scheduler, model_step, run_to_idle, runner_of
 from engine import EngineConfig, InvalidArgumentError, QueueFullError, SamplingParams
 from engine.core import EngineCore
 from engine.request import FinishReason, RequestStatus
-from engine.scheduler import ModelOutput
-
-
-def model_step(sched, out) -> list:
-    """Play the model: the prefill's sampled token and one token per decode round (k = 0)."""
-    result = ModelOutput()
-    for piece in out.prefills:
-        if piece.sample:
-            result.sampled[piece.request_id] = [7]
-    for w in out.decode:
-        result.sampled[w.request_id] = [7]
-    return sched.update(out, result)
 
 
 def step(sched) -> list:

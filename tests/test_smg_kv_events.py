@@ -6,17 +6,9 @@ from __future__ import annotations
 
 import threading
 
+from conftest import KVReq as Req
 from engine.kv_cache import KVCacheManager
 from services.smg.kv_events import KvEventPublisher, block_hash
-
-
-class Req:
-    def __init__(self, rid: str, tokens: list[int]):
-        self.request_id, self.tokens, self.block_ids = rid, list(tokens), []
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.tokens
 
 
 class Recorder:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from engine.kernels import quant_gemm as Q   # noqa: E402
 from engine.quant import formats              # noqa: E402
+from tools.bench.timing import time_fn         # noqa: E402
 
 DEV = torch.device("cuda")
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -46,18 +47,9 @@ SHAPES = {"qwen3-8b": (36, layer_shapes(4096, 4096, 1024, 12288)),
 
 
 def events_ms(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median milliseconds of `reps` calls (CUDA events), after one untimed call."""
+    times = time_fn(fn, "cuda", warmup=1, repeats=reps)
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def copy_bandwidth() -> float:

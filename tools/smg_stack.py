@@ -66,17 +66,24 @@ class SmgRouter:
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
-    def get_json(self, path: str, timeout: float = 5.0) -> Any:
+    def _json_call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> Any:
+        """One HTTP request; its JSON answer, or RuntimeError with the status and the start of the body."""
         conn = self._connection(timeout)
         try:
-            conn.request("GET", path)
+            if body is None:
+                conn.request(method, path)
+            else:
+                conn.request(method, path, json.dumps(body), {"Content-Type": "application/json"})
             response = conn.getresponse()
-            body = response.read()
+            data = response.read()
             if response.status != 200:
-                raise RuntimeError(f"GET {path}: {response.status} {body[:300]!r}")
-            return json.loads(body)
+                raise RuntimeError(f"{method} {path}: {response.status} {data[:500]!r}")
+            return json.loads(data)
         finally:
             conn.close()
+
+    def get_json(self, path: str, timeout: float = 5.0) -> Any:
+        return self._json_call("GET", path, None, timeout)
 
     def metric(self, name: str, worker: str) -> float:
         """One sample of smg's Prometheus endpoint for a worker URL (0 when absent)."""
@@ -121,16 +128,7 @@ class SmgRouter:
             time.sleep(0.1)
 
     def completion(self, body: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
-        conn = self._connection(timeout)
-        try:
-            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            data = response.read()
-            if response.status != 200:
-                raise RuntimeError(f"/v1/completions: {response.status} {data[:500]!r}")
-            return json.loads(data)
-        finally:
-            conn.close()
+        return self._json_call("POST", "/v1/completions", body, timeout)
 
     def stream_completion(self, body: dict[str, Any], timeout: float = 60.0) -> Iterator[dict[str, Any]]:
         """The SSE events of a streamed completion as they arrive; closing the generator drops the

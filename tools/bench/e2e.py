@@ -41,6 +41,15 @@ class StreamTiming:
     gateway_ttft_s: float | None = None             # the gateway's own (e2e only)
     error: str | None = None
 
+    def tokens_arrived(self, n: int, now: float, start: float) -> None:
+        """`n` tokens reached the client at `now` (perf_counter seconds; the call began at `start`)."""
+        if not n:
+            return
+        if self.first_at is None:
+            self.first_at, self.ttft_s = now, now - start
+        self.last_at = now
+        self.tokens += n
+
     @property
     def decode_tok_s(self) -> float | None:
         if self.tokens < 2 or self.last_at is None or self.last_at <= self.first_at:
@@ -59,12 +68,7 @@ class PathResult:
 def inproc_stream(loop, ids: list[int], params: SamplingParams, timing: StreamTiming) -> None:
     start = time.perf_counter()
     for out in loop.submit(ids, params):
-        now = time.perf_counter()
-        if out.new_token_ids:
-            timing.first_at = timing.first_at or now
-            timing.ttft_s = timing.ttft_s if timing.ttft_s is not None else now - start
-            timing.last_at = now
-            timing.tokens += len(out.new_token_ids)
+        timing.tokens_arrived(len(out.new_token_ids), time.perf_counter(), start)
         if out.finished:
             timing.stats = out.stats
 
@@ -75,12 +79,7 @@ def gateway_stream(client, ids: list[int], params: SamplingParams, timing: Strea
     wire = WireSampling(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
     start = time.perf_counter()
     for msg in client.generate(prompt_token_ids=ids, sampling=wire, include_token_ids=True):
-        now = time.perf_counter()
-        if msg.token_ids:
-            timing.first_at = timing.first_at or now
-            timing.ttft_s = timing.ttft_s if timing.ttft_s is not None else now - start
-            timing.last_at = now
-            timing.tokens += len(msg.token_ids)
+        timing.tokens_arrived(len(msg.token_ids), time.perf_counter(), start)
         if msg.HasField("result"):
             timing.stats = stats_from_proto(msg.result.stats)
             timing.gateway_ttft_s = msg.result.gateway_timings.ttft_seconds
