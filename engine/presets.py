@@ -30,6 +30,16 @@ PRESETS: dict[str, ModelConfig] = {
         partial_rotary_factor=0.25, attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48),
     "tiny": DEFAULT_CONFIG,
+    # a hybrid at the default model's size (its tokenizer's vocabulary): the CPU dry run of the
+    # benchmark's hybrid section
+    "tiny-hybrid": ModelConfig(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=10_000_000.0,
+        max_position_embeddings=4096, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        eos_token_ids=DEFAULT_CONFIG.eos_token_ids, model_type="qwen3_5_text",
+        layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
+        partial_rotary_factor=0.25, attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4),
 }
 
 PREFIX = "preset:"

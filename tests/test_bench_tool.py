@@ -241,3 +241,29 @@ def test_files_are_small_and_the_table_is_printed_last(cpu_run, tmp_path):
                             "--out", str(tmp_path), "--no-plots"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
     assert (tmp_path / "summary.md").read_text() == summary
+
+
+def test_hybrid_section_counts_state_and_full_attention_kv(cpu_run):
+    _, _, r = cpu_run
+    hyb = r["sections"]["hybrid"]
+    assert hyb["status"] == "ok", hyb.get("error")
+    cfg = shapes.model_config(hyb["shape"])
+    assert cfg.is_hybrid and hyb["tensor_parallel_size"] == 2
+    bw, _ = derive.roofline_of(r, hyb["run_id"])
+    points = derive._measured(hyb["points"])
+    assert [p["context"] for p in points] == r["plan"]["hybrid"]["decode_contexts"]
+    for p in points:
+        dtype, kv = p["engine"]["dtype"], p["engine"]["kv_dtype"]
+        context = p["context"] + p["max_tokens"] / 2
+        want = shapes.decode_floor_ms(cfg, context, bw, dtype, kv, 2)
+        assert close(p["floor_ms"], want) and close(p["roofline_fraction"], want / p["ms_per_round_best"])
+        # only the full-attention layers keep KV; the linear layers' state is read and written once
+        kv_layers = len(cfg.full_attention_layers)
+        assert kv_layers < cfg.num_hidden_layers
+        assert shapes.kv_bytes_per_token(cfg, "bfloat16") == kv_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+        assert shapes.state_bytes_per_step(cfg, 2) == 2 * hyb["state_bytes_per_request_per_rank"] > 0
+    first = min(points, key=lambda p: p["context"])
+    assert close(r["headline"]["hybrid_27b_tp2_decode_roofline_fraction"], first["roofline_fraction"])
+    lc = hyb["long_context"]
+    assert r["headline"]["hybrid_192k_ok"] is True
+    assert lc["context"] == r["plan"]["hybrid"]["long_context"] and lc["finish_reason"] == "length"

@@ -40,6 +40,11 @@ ATTENTION = {
     "non_uniform_batch": ([1, 7, 300, 2], [1000, 7, 800, 66], 32, 8, 128, 16, BF16),
     "tile_edges": ([1] * 5, [63, 64, 65, 128, 129], 32, 8, 128, 16, BF16),
     "tile_edges_verify": ([3] * 3, [64, 65, 66], 32, 8, 128, 16, I8),
+    # head_dim 256: Qwen3.5-27B's gated attention (24 heads over 4 KV heads; 12 / 2 per TP=2 rank)
+    "prefill_d256_g6": ([1500], [1500], 24, 4, 256, 16, BF16),
+    "chunk_after_context_d256_int8_tp2": ([700], [5000], 12, 2, 256, 16, I8),
+    "decode_d256_g6": ([1] * 3, [1, 900, 20000], 24, 4, 256, 16, BF16),
+    "verify_q4_d256_int8": ([4] * 2, [4, 3000], 12, 2, 256, 16, I8),
 }
 
 

@@ -77,6 +77,8 @@ ATTENTION = {
     # a packed prefill chunk (engine.prefill_pack): a prompt's tail, a whole prompt, a prompt's head
     "packed_prefill": ([45, 70, 29], [110, 70, 29], 8, 2, 32, 16, BF16),
     "head_dim_128": ([3, 1], [40, 77], 8, 2, 128, 16, BF16),
+    # head_dim 256 (Qwen3.5's gated attention) takes its own prefill tiles; group 6 as in the 27B
+    "head_dim_256_prefill_g6": ([70], [90], 6, 1, 256, 16, BF16),
     # queries and keys on tile edges: the unmasked/masked split must be exact there
     "tile_edges_prefill": ([40], [134], 8, 2, 32, 16, BF16),
     "tile_edges_decode": ([1] * 5, [63, 64, 65, 128, 129], 8, 2, 32, 16, BF16),

@@ -368,6 +368,8 @@ class AttnConfig:
 # prefill bn128/s3 was fastest at context 0 and after 28k; decode s2 at 32k.
 PREFILL = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=2)
+# head_dim 256: half the tile sizes in both directions, two stages (see `plan`)
+PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # Decode over int8 pages with bf16 q: K/V converted in registers (int8_upcast), no cp.async stage
 # (num_stages 1). Not yet measured: chosen from ptxas for sm_90 (Triton 3.6), where it is the one
 # int8 shape in 128 registers (4 programs per SM, so the 512 programs of a batch-1 step run in one
@@ -395,7 +397,7 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
     runs take the same plan. Prefill shapes (never captured) also read ctx.max_seq_len to decide
     whether splitting the keys pays (few query tiles over a long context).
     """
-    T, H, _ = q.shape
+    T, H, d = q.shape
     kvh = kv.k.shape[2]
     group = H // kvh
     q_len = ctx.uniform_query_len if ctx.uniform_query_len is not None else ctx.max_query_len
@@ -418,9 +420,13 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
     while splits * 2 <= MAX_SPLITS and ctas * splits < 2 * sms and ctx.max_seq_len >= splits * 2 * min_keys:
         splits *= 2
     cfg = dict(PREFILL, block_m=block_m)
+    if d >= 256:
+        # head_dim 256 (Qwen3.5's gated attention): 128 x 128 tiles in 3 stages ask ~320 KB of shared
+        # memory (the H200 has 227 KB per block) and a 128 x 256 float32 accumulator spills
+        cfg.update(PREFILL_HD256, block_m=max(PREFILL_HD256["block_m"], triton.next_power_of_2(group)))
     if q.element_size() > 2:
         # float32 tiles are twice as large: the bf16 tiles and stages would not fit shared memory
-        cfg.update(block_n=32, num_stages=2)
+        cfg.update(block_n=32 if d < 256 else 16, num_stages=2)
     return AttnConfig(num_splits=splits, min_tiles=min_keys // cfg["block_n"], **cfg)
 
 

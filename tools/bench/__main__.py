@@ -26,8 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
-ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant"]
-NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant"}
+ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid"]
+NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report_only(args)
 
     import torch
-    from tools.bench import (acceptance, concurrency, decode, e2e, kv, peer, prefill, quant, report, roofline,
-                             runinfo, tp)
+    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, peer, prefill, quant, report,
+                             roofline, runinfo, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
     from tools.bench.progress import Budget, say
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

@@ -84,9 +84,9 @@ class Bench:
         _, mm = self.roofline()
         return "-" if mm is None else f"{shapes.mfu(self.cfg, P, tok_s, mm):.2f}"
 
-    def note_prefill_rate(self, who: str, P: int, tok_s: float) -> None:
+    def note_prefill_rate(self, who: str, P: int, tok_s: float, cfg=None) -> None:
         if tok_s > 0:
-            self._flops_rate[who] = shapes.prefill_flops_per_token(self.cfg, P) * tok_s
+            self._flops_rate[who] = shapes.prefill_flops_per_token(cfg or self.cfg, P) * tok_s
 
     def estimate_prefill_s(self, P: int, who: str = "engine", cfg=None) -> float:
         """Predicted seconds of one prefill of P tokens; 0 when nothing is known yet (CPU dry runs)."""

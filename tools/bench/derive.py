@@ -34,6 +34,10 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
     "nvfp4_over_bf16_decode_b1": (">=", 2.4, "NVFP4 over bf16 weights, decode batch 1, qwen3-8b (issue 14)"),
     "fp8_over_bf16_decode_b1": (">=", 1.6, "FP8 block over bf16 weights, decode batch 1, qwen3-8b (issue 14)"),
     "fp8_over_bf16_prefill_4k": (">=", 1.3, "FP8 block over bf16 weights, prefill P=4096 in one chunk, qwen3-8b (issue 14)"),
+    "hybrid_27b_tp2_decode_roofline_fraction": (">=", 0.75, "Qwen3.5-27B shape, TP2, int8 KV, decode batch 1 at the "
+                                                            "reference context against its roofline (issue 16)"),
+    "hybrid_192k_ok": ("==", True, "Qwen3.5-27B shape, TP2, int8 KV: a 192k-token context, prefill + 512 decoded "
+                                   "tokens (issue 16)"),
     "fp8_decode_b1_roofline_fraction": (None, None, "FP8 decode batch 1: its bytes per step over the copy bandwidth"),
     "nvfp4_decode_b1_roofline_fraction": (None, None, "NVFP4 decode batch 1: its bytes per step over the copy bandwidth"),
 }
@@ -94,7 +98,7 @@ def annotate(results: dict) -> None:
         base = [q for q in prefill if q["chunk"] == p["chunk"] and q["P"] == ref.get("prefill_P")]
         p["relative_to_ref_P"] = p["prefill_tok_s_peak"] / base[0]["prefill_tok_s_peak"] if base else None
 
-    for name in ("decode", "kv", "tp"):
+    for name in ("decode", "kv", "tp", "hybrid"):
         for p in _measured(secs.get(name, {}).get("points", [])):
             if p.get("draft_tokens", 0) == 0 and p.get("ms_per_round_best"):
                 floor = decode_floor(results, p, p.get("shape"), secs[name].get("run_id"))
@@ -224,6 +228,23 @@ def headline(results: dict) -> tuple[dict, dict]:
             inputs[name] = tp.get(name + "_inputs", {})
         else:
             why[name] = missing("tp") or tp.get(name + "_reason") or "not measured"
+
+    hyb = secs.get("hybrid", {})
+    name = "hybrid_27b_tp2_decode_roofline_fraction"
+    hp = sorted(_measured(hyb.get("points", [])), key=lambda p: p["context"])     # the shortest context first
+    if hyb.get("tensor_parallel_size") != 2:
+        why[name] = missing("hybrid") or hyb.get("note") or "not measured at TP=2"
+    elif hp and hp[0].get("roofline_fraction") is not None:
+        values[name] = hp[0]["roofline_fraction"]
+        inputs[name] = {"shape": hyb.get("shape"), "context": hp[0]["context"], "kv_dtype": hyb.get("kv_dtype"),
+                        "floor_ms": hp[0]["floor_ms"], "ms_per_token": hp[0]["ms_per_round_best"]}
+    else:
+        why[name] = missing("hybrid") or "no decode point with a roofline"
+    if hyb.get("hybrid_192k_ok") is not None:
+        values["hybrid_192k_ok"] = hyb["hybrid_192k_ok"]
+        inputs["hybrid_192k_ok"] = hyb.get("hybrid_192k_ok_inputs", {})
+    else:
+        why["hybrid_192k_ok"] = missing("hybrid") or hyb.get("hybrid_192k_ok_reason") or "not measured"
 
     conc = {p["streams"]: p for p in _measured(secs.get("concurrency", {}).get("points", []))}
     for name, n in (("agg_decode_2_streams", ref.get("streams_small", 2)), ("agg_decode_8_streams", ref.get("streams_large", 8))):

@@ -113,6 +113,20 @@ class QuantPlan:
 
 
 @dataclass
+class HybridPlan:
+    """tools/bench/hybrid.py: the Qwen3.5-class shape on one engine (the seed's deployment)."""
+    shape: str = "qwen3.5-27b"
+    tensor_parallel_size: int = 2
+    kv_dtype: str = "int8"
+    decode_contexts: list[int] = field(default_factory=lambda: [512, 8 * K, 128 * K])
+    decode_tokens: int = 128
+    prefill_prompts: list[int] = field(default_factory=lambda: [4 * K, 32 * K])
+    long_context: int = 192 * K                  # prompt + decoded tokens
+    long_decode_tokens: int = 512
+    chunk: int = 4096
+
+
+@dataclass
 class Plan:
     mode: str
     shape: str
@@ -135,6 +149,7 @@ class Plan:
         prefill_P=4096, prefill_long_P=32768, prefill_chunk=4096, decode_context=512, kv_context=32768,
         streams_small=2, streams_large=8))
     quant: QuantPlan = field(default_factory=QuantPlan)
+    hybrid: HybridPlan = field(default_factory=HybridPlan)
 
 
 def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, time_scale: float = 1.0) -> Plan:
@@ -155,7 +170,8 @@ def _gpu_full(shape: str) -> Plan:
     return Plan(
         mode="full", shape=shape, chunk=4096, kv_capacity=131 * K + 512,
         budgets={"roofline": 20, "peer": 60, "prefill": 150, "concurrency": 60, "decode": 170, "kv": 40,
-                 "tp": 300, "acceptance": 45, "e2e": 600, "quant": 240},
+                 "tp": 300, "acceptance": 45, "e2e": 600, "quant": 240,
+                 "hybrid": 360},
         global_s=1320,
         roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
                               gemv_rows=151936, gemv_cols=4096),
@@ -182,7 +198,8 @@ def _gpu_quick(shape: str) -> Plan:
     plan.mode = "quick"
     plan.kv_capacity = 32 * K + 1024
     plan.budgets = {"roofline": 12, "peer": 35, "prefill": 35, "concurrency": 30, "decode": 60, "kv": 25,
-                    "tp": 200, "acceptance": 25, "e2e": 480, "quant": 200}
+                    "tp": 200, "acceptance": 25, "e2e": 480, "quant": 200,
+                    "hybrid": 300}
     plan.global_s = 890
     plan.e2e = E2EPlan(prompt=512, decode_tokens=128, streams=[1, 8, 32], ttft_repeats=8, tps=[1, 2], ks=[0, 3],
                        draft_vocab=32768, kv_capacity=24 * K)
@@ -205,7 +222,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
         mode="cpu-quick" if quick else "cpu", shape=shape, chunk=128, kv_capacity=1024,
         # generous: the CPU run checks code paths (the test), it must not skip points on a slow machine
         budgets={name: 120.0 for name in ("roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp",
-                                          "acceptance", "e2e", "quant")},
+                                          "acceptance", "e2e", "quant", "hybrid")},
         global_s=900,
         roofline=RooflinePlan(copy_bytes=64 << 20, matmul_n=512, matmul_dtype="float32", gemv_rows=4096,
                               gemv_cols=1024, repeats=5),
@@ -228,6 +245,8 @@ def _cpu(shape: str, quick: bool) -> Plan:
     )
     plan.quant = QuantPlan(shapes=["tiny"], context=64, streams=4, batch_tokens=8, prefill_P=128, prefill_repeats=1,
                            kv_capacity=1024)
+    plan.hybrid = HybridPlan(shape="tiny-hybrid", decode_contexts=[64, 256], decode_tokens=8, prefill_prompts=[128, 512],
+                             long_context=1024, long_decode_tokens=16, chunk=128)
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 1, 512: 2})
         plan.decode.ks = [0, 3]

@@ -100,7 +100,7 @@ def markdown(r: dict) -> str:
     L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "BENCH.md"], rows)
 
     L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
-    L += _quant(r)
+    L += _quant(r) + _hybrid(r)
 
     L += ["## Sections", ""]
     rows = [[name, s.get("status", "?"), fmt(s.get("elapsed_s")), s.get("run_id", ""),
@@ -347,6 +347,30 @@ def _tp(r: dict) -> list[str]:
     return L + [""]
 
 
+def _hybrid(r: dict) -> list[str]:
+    sec = r["sections"].get("hybrid")
+    if not sec or sec.get("status") == "skipped":
+        return ["## Hybrid (Qwen3.5 class)", "", f"- skipped: {sec.get('reason')}", ""] if sec else []
+    st = sec.get("state_bytes_per_request_per_rank")
+    L = [f"## Hybrid (Qwen3.5 class) — {sec.get('shape')}, TP={sec.get('tensor_parallel_size')}, "
+         f"{sec.get('kv_dtype')} KV, k = 0", ""]
+    if st:
+        L.append(f"- linear-attention state per request per rank: {st / 1e6:.1f} MB (float32)")
+    rows = [[str(p["context"]), fmt(p["decode_tok_s_peak"]), f"{p['ms_per_round_best']:.2f}", fmt(p.get("floor_ms")),
+             fmt(p.get("roofline_fraction"))] for p in _measured(sec.get("points"))]
+    L += [""] + _tab(["context", "decode tok/s", "ms/token", "floor ms", "roofline fraction"], rows)
+    pre = [p for p in sec.get("prefill", []) if "prefill_tok_s" in p]
+    if pre:
+        L += [""] + _tab(["prefill P", "chunk", "tok/s", "MFU per GPU"],
+                         [[str(p["P"]), str(p["chunk"]), fmt(p["prefill_tok_s"]), fmt(p.get("mfu_per_gpu"))] for p in pre])
+    lc = sec.get("long_context")
+    if lc:
+        L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
+                 f"{'ok' if sec.get('hybrid_192k_ok') else 'FAILED'} {lc.get('error', '')}"
+                 f"(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    return L + [""]
+
+
 def _e2e(r: dict) -> list[str]:
     sec = r["sections"].get("e2e")
     if not sec or sec.get("status") == "skipped":
@@ -457,6 +481,10 @@ def final_table(r: dict, out: Path | None = None) -> str:
                  f"{i['max_gap_ms']:.1f} ms, mean chunk {i['chunk_ms']:.1f} ms -> {'ok' if i['ok'] else 'STALLED'}")
     for row in _quant_rows(secs.get("quant", {})):
         L.append(f"quant {row[0]} {row[1]:<6} decode b1 {row[2]} ({row[3]} of roofline), b8 {row[4]}, prefill {row[5]}")
+    for p in _measured(secs.get("hybrid", {}).get("points")):
+        L.append(f"hybrid {secs['hybrid'].get('shape')} TP={secs['hybrid'].get('tensor_parallel_size')} ctx "
+                 f"{_ctx(p['context'])}: {fmt(p['decode_tok_s_peak'])} tok/s, {p['ms_per_round_best']:.2f} ms "
+                 f"({fmt(p.get('roofline_fraction'))} of roofline)")
     L.append("sections: " + " | ".join(
         f"{n} {s.get('status', '?')} {fmt(s.get('elapsed_s'), 2)}s" for n, s in secs.items()))
     for n, s in secs.items():

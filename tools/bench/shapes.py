@@ -4,7 +4,9 @@ Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no devic
 
     prefill FLOPs per token = 2 x params + 4 x layers x heads x head_dim x mean causal context
     decode bytes per step   = weight bytes read (every matrix but the embedding table, which is
-                              only gathered; lm_head included) + KV bytes at the context
+                              only gathered; lm_head included) + KV bytes at the context (the
+                              full-attention layers') + on a hybrid, the linear-attention state read
+                              and written once (float32 conv windows and recurrent matrices)
     decode floor            = bytes per step / measured copy bandwidth
 """
 
@@ -38,7 +40,7 @@ def weight_bytes_per_step(cfg: ModelConfig, dtype: str = "bfloat16", tp: int = 1
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16", tp: int = 1, mtp: bool = False) -> int:
     """KV bytes one rank holds per token (int8 pages carry a float32 scale per token and KV head)."""
-    layers = cfg.num_hidden_layers + (cfg.mtp_num_hidden_layers if mtp else 0)
+    layers = len(cfg.full_attention_layers) + (cfg.mtp_num_hidden_layers if mtp else 0)
     heads = max(1, cfg.num_key_value_heads // tp)
     per = layers * 2 * heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
     if kv_dtype == "int8":
@@ -46,10 +48,20 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bfloat16", tp: int = 1
     return per
 
 
+def state_bytes_per_step(cfg: ModelConfig, tp: int = 1) -> int:
+    """Linear-attention state bytes one rank moves per decode step of one sequence: read and written
+    once (0 for a model with no linear-attention layers)."""
+    if not cfg.is_hybrid:
+        return 0
+    from engine.hybrid_config import linear_state_bytes
+    return 2 * linear_state_bytes(cfg, tp)
+
+
 def decode_bytes_per_step(cfg: ModelConfig, context: float, dtype: str = "bfloat16", kv_dtype: str = "bfloat16",
                           tp: int = 1) -> float:
     """Bytes one rank reads for one k=0 decode step of one sequence at `context` tokens."""
-    return weight_bytes_per_step(cfg, dtype, tp) + context * kv_bytes_per_token(cfg, kv_dtype, tp)
+    return (weight_bytes_per_step(cfg, dtype, tp) + context * kv_bytes_per_token(cfg, kv_dtype, tp)
+            + state_bytes_per_step(cfg, tp))
 
 
 def decode_floor_ms(cfg: ModelConfig, context: float, bandwidth_Bps: float, dtype: str = "bfloat16",
@@ -64,7 +76,7 @@ def mean_causal_context(prompt_tokens: int) -> float:
 
 
 def prefill_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
-    attention = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * mean_causal_context(prompt_tokens)
+    attention = 4 * len(cfg.full_attention_layers) * cfg.num_attention_heads * cfg.head_dim * mean_causal_context(prompt_tokens)
     return 2 * params(cfg) + attention
 
 
@@ -87,4 +99,5 @@ def describe(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
         "params_with_mtp": cfg.num_params(include_mtp=True),
         "weight_bytes_per_decode_step": weight_bytes_per_step(cfg, dtype),
         "kv_bytes_per_token": {kv: kv_bytes_per_token(cfg, kv) for kv in (dtype, "int8")},
+        "full_attention_layers": len(cfg.full_attention_layers), "state_bytes_per_step": state_bytes_per_step(cfg),
     }

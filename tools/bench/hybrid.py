@@ -1,0 +1,105 @@
+"""Qwen3.5-class hybrids (issue 16): `preset:qwen3.5-27b` with random weights, served the way the
+seed serves it -- TP=2, int8 KV for the 16 full-attention layers -- on one engine:
+
+  decode    batch 1, k = 0, at a short, an 8k and a 128k context. The 48 Gated DeltaNet layers read
+            and write the same float32 state at every context; only the full-attention layers' KV
+            grows, so ms per token should rise by that KV's bytes alone.
+  prefill   fresh prompts of 4k and 32k tokens at the plan's chunk (hybrids prefill one prompt at a
+            time, carrying the state across chunks).
+  long      one 192k-token context: the prompt, then 512 decoded tokens.
+
+A decode point's floor is the bytes one rank moves per step -- its weight shard (embedding gather
+excluded, lm_head included), the int8 KV of the full-attention layers at the point's mean context,
+and the linear-attention state read and written once -- over the copy bandwidth measured in the same
+run (tools/bench/shapes.py); `derive` turns it into the point's roofline fraction. With one GPU the
+section runs at TP=1 (the 27B fits an H200 in bf16) and says so; the headline key is TP=2's only.
+On the CPU it is a dry run of the same code at the `tiny-hybrid` shape.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from tools.bench import shapes
+from tools.bench.decode import decode_point
+from tools.bench.progress import fmt_rate, say
+from tools.bench.session import compact, random_prompt
+
+
+def _engine(bench, plan, tp: int):
+    cap = plan.long_context + 64
+    spec = bench.engine_spec(model=f"preset:{plan.shape}", draft_tokens=0, tensor_parallel_size=tp,
+                             kv_dtype=plan.kv_dtype, kv_capacity=cap, max_model_len=cap, prefill_chunk=plan.chunk,
+                             max_batch=4, extra=(("prefix_reuse", False),))
+    return bench.pool.get(spec, warm_prompt=plan.decode_contexts[0], warm_decode=16)
+
+
+def run(bench, sec: dict) -> None:
+    plan = bench.plan.hybrid
+    cfg = shapes.model_config(plan.shape)
+    tp = plan.tensor_parallel_size
+    if bench.kind == "cuda" and bench.gpu_count() < tp:
+        sec["note"] = f"{bench.gpu_count()} GPU(s): run at TP=1; the TP=2 headline is not measured"
+        tp = 1
+    if bench.kind == "cpu":
+        sec["note"] = "CPU dry run at the tiny-hybrid shape: not GPU figures"
+    sec.update(shape=plan.shape, tensor_parallel_size=tp, kv_dtype=plan.kv_dtype,
+               describe=shapes.describe(cfg, "bfloat16"))
+    guess = bench.build_guess_s() * 3                   # 27B of random weights, graphs of 64 layers
+    if not bench.budget.allows(guess):
+        sec["status"] = "skipped"
+        sec["reason"] = bench.budget.skip_reason(guess)
+        return
+    session, _ = _engine(bench, plan, tp)
+    say("hybrid", f"engine {plan.shape} TP={tp} {plan.kv_dtype} KV: {session.setup_text}")
+    sec["engine"] = session.describe
+    sec["state_bytes_per_request_per_rank"] = shapes.state_bytes_per_step(cfg, tp) // 2
+
+    points = sec.setdefault("points", [])
+    for ctx in plan.decode_contexts:
+        est = bench.estimate_prefill_s(ctx, cfg=cfg) / tp + plan.decode_tokens * 0.05
+        if not bench.budget.allows(est):
+            points.append({"context": ctx, "skipped": bench.budget.skip_reason(est)})
+            continue
+        p = decode_point(bench, session, ctx, 1, plan.decode_tokens, "hybrid")
+        points.append({**p, "label": "decode", "shape": plan.shape})
+        bench.save()
+
+    rows = sec.setdefault("prefill", [])
+    for P in plan.prefill_prompts:
+        est = bench.estimate_prefill_s(P, cfg=cfg) / tp
+        if not bench.budget.allows(est):
+            rows.append({"P": P, "skipped": bench.budget.skip_reason(est)})
+            continue
+        r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1),
+                                     timeout=max(120.0, 5 * est)))
+        _, mm = bench.roofline()
+        rows.append({"P": P, "chunk": plan.chunk, "prefill_tok_s": r["prefill_tok_s"],
+                     "computed_prefill_tokens": r["computed_prefill_tokens"],
+                     "mfu_per_gpu": shapes.mfu(cfg, P, r["prefill_tok_s"], mm) / tp if mm else None})
+        bench.note_prefill_rate("hybrid", P, r["prefill_tok_s"], cfg=cfg)
+        say("hybrid", f"prefill P={P}: {fmt_rate(r['prefill_tok_s'])}")
+        bench.save()
+
+    n_dec = plan.long_decode_tokens
+    P = plan.long_context - n_dec
+    est = bench.estimate_prefill_s(P, who="hybrid", cfg=cfg) / tp + n_dec * 0.05
+    if not bench.budget.allows(est):
+        sec["hybrid_192k_ok_reason"] = bench.budget.skip_reason(est)
+        say("hybrid", f"long context skipped ({sec['hybrid_192k_ok_reason']})")
+        return
+    try:
+        r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=n_dec, ignore_eos=True),
+                                     timeout=max(600.0, 3 * est)))
+    except Exception as e:  # noqa: BLE001 - the figure is whether it works
+        sec["long_context"] = {"prompt_tokens": P, "error": repr(e)[:400]}
+        sec["hybrid_192k_ok"] = False
+        return
+    ok = r["computed_prefill_tokens"] == P and r["completion_tokens"] == n_dec and r["finish_reason"] == "length"
+    sec["long_context"] = {**r, "context": P + n_dec}
+    sec["hybrid_192k_ok"] = ok
+    sec["hybrid_192k_ok_inputs"] = {"shape": plan.shape, "tensor_parallel_size": tp, "kv_dtype": plan.kv_dtype,
+                                    "prompt_tokens": P, "decoded": r["completion_tokens"],
+                                    "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]}
+    say("hybrid", f"{P + n_dec}-token context, TP={tp} {plan.kv_dtype}: {'ok' if ok else 'FAILED'} "
+                  f"(prefill {fmt_rate(r['prefill_tok_s'])}, decode {fmt_rate(r['decode_tok_s'])})")
+    sec["status"] = "ok"
