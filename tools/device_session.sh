@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, kernels-d256, hybrid-tests, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,7 +38,8 @@ step() {
     perf15-bench) python3 -m tools.bench --quick --sections peer,concurrency,decode --budget-s 195 --out "$OUT/bench-perf15" ;;   # issue 15: compiled peer, TTFT burst, decode b1
     bench-tp-kv) python3 -m tools.bench --sections roofline,kv,tp --out "$OUT/bench-tp" ;;
     kernels-d256) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "d256" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 20 ;;
-    hybrid-tests) python3 -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py -s -rA 2>&1 | grep -E "PASS|FAIL|Error|error|passed|failed|rel" | tail -n 40 ;;
+    hybrid-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_gated_delta_step.py tests/test_hybrid_gpu.py -rA --durations=12 2>&1 | grep -vE "^(2026|\[)" | tail -n 60 ;;
+    profile-hybrid) python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 2>&1 | grep -v "^20..-..-.. " ;;
     bench-hybrid) python3 -m tools.bench --sections roofline,hybrid --quick --budget-s "${HYBRID_BUDGET_S:-220}" --out "$OUT/bench-hybrid" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -15,6 +15,10 @@ A request's state lives in a slot of `self.state` (engine.state_cache), picked b
   the state exactly unchanged), so rejected drafts never reach the state. Keeping inputs instead of
   k+1 states costs a few KB per row instead of (k+1) recurrent matrices.
 
+On CUDA, runs of at most RECURRENT_MAX_TOKENS tokens (decode, verify, commit) take two fused
+kernels (engine.kernels.gated_delta_step) that update the slot in place; prefill chunks take the
+general path below with fla-core's kernels.
+
 Tensor parallelism: key and value heads (and the conv channels of each of q, k, v) split over the
 ranks; out_proj is row-parallel (its all-reduce is the layer's only communication).
 """
@@ -86,8 +90,14 @@ class GatedDeltaNet(nn.Module):
         ctx = get_forward_context()
         mixed = self.in_proj_qkv(x)                                            # [T, C]
         z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()                                     # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)                             # [T, Hv] each
+        n = ctx.uniform_query_len
+        if n is not None and x.is_cuda and n <= RECURRENT_MAX_TOKENS and self._fused_step_fits():
+            o = self._step(mixed.view(-1, n, mixed.shape[-1]), a.view(-1, n, a.shape[-1]), b.view(-1, n, b.shape[-1]),
+                           ctx.state_slots, ctx.defer_state_commit)
+            return self.out_proj(self.norm(o.flatten(0, 1), z).flatten(1))
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if ctx.uniform_query_len is not None:
             n = ctx.uniform_query_len
             o = self._run(mixed.view(-1, n, mixed.shape[-1]), beta.view(-1, n, beta.shape[-1]),
@@ -122,13 +132,45 @@ class GatedDeltaNet(nn.Module):
         kernels = _kernels(mixed.device)
         if defer:
             o, _ = kernels.recurrent(q, k, v, g, beta, s0)
-            self._pending = (slots, extended, q, k, v, g, beta)
+            self._pending = ("general", slots, extended, q, k, v, g, beta)
             return o
         step = kernels.recurrent if n <= RECURRENT_MAX_TOKENS else kernels.chunked
         o, s = step(q, k, v, g, beta, s0)
         self.state.ssm[slots] = s
         self.state.conv[slots] = extended[..., n:]
         return o
+
+    def _fused_step_fits(self) -> bool:
+        from engine.kernels import gated_delta_step
+        return self.kernel == gated_delta_step.CONV_WIDTH
+
+    def _step(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+              defer: bool) -> torch.Tensor:
+        # CUDA, runs of n <= RECURRENT_MAX_TOKENS: mixed [B, n, C]; a, b [B, n, Hv] -> o [B, n, Hv, dv] float32,
+        # the slot's window and state updated in place (a verify pass: neither, until `commit`)
+        from engine.kernels import gated_delta_step
+        q, k, v = gated_delta_step.conv_qkv(mixed, self.state.conv, self.conv_weight, slots, self.num_k_heads,
+                                            self.head_k_dim, self.head_v_dim, write_window=not defer)
+        o = gated_delta_step.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, self.state.ssm, slots,
+                                       write_state=not defer)
+        if defer:
+            self._pending = ("step", slots, mixed, q, k, v, a, b)
+        return o
+
+    def _commit_step(self, num_kept: torch.Tensor) -> None:
+        from engine.kernels import gated_delta_step
+        _, slots, mixed, q, k, v, a, b = self._pending
+        self._pending = None
+        # the window first: it still holds the state before the verified tokens
+        extended = torch.cat([self.state.conv[slots], mixed.transpose(1, 2).to(self.state.conv.dtype)], dim=-1)
+        gated_delta_step.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, self.state.ssm, slots,
+                                   num_kept=num_kept, store_output=False)
+        self._commit_window(slots, extended, num_kept)
+
+    def _commit_window(self, slots: torch.Tensor, extended: torch.Tensor, num_kept: torch.Tensor) -> None:
+        # the window after m tokens: inputs m .. m+kernel-2 of [old window, the n new inputs]
+        idx = num_kept.view(-1, 1, 1) + torch.arange(self.kernel - 1, device=num_kept.device)
+        self.state.conv[slots] = extended.gather(2, idx.expand(-1, extended.shape[1], -1))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         # [B, n, Hk * dk] -> L2-normalised [B, n, Hk, dk] float32 (each serves Hv / Hk value heads)
@@ -137,15 +179,15 @@ class GatedDeltaNet(nn.Module):
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """After a verify pass: the state after each row's first num_kept [B] tokens (>= 1) becomes its slot's."""
-        slots, extended, q, k, v, g, beta = self._pending
+        if self._pending[0] == "step":
+            return self._commit_step(num_kept)
+        _, slots, extended, q, k, v, g, beta = self._pending
         self._pending = None
         n = q.shape[1]
         keep = (torch.arange(n, device=num_kept.device).unsqueeze(0) < num_kept.unsqueeze(1)).unsqueeze(-1)
         _, s = _kernels(q.device).recurrent(q, k, v, g * keep, beta * keep, self.state.ssm[slots])
         self.state.ssm[slots] = s
-        # the window after m tokens: inputs m .. m+kernel-2 of [old window, the n new inputs]
-        idx = num_kept.view(-1, 1, 1) + torch.arange(self.kernel - 1, device=num_kept.device)
-        self.state.conv[slots] = extended.gather(2, idx.expand(-1, extended.shape[1], -1))
+        self._commit_window(slots, extended, num_kept)
 
 
 def _kernels(device: torch.device):
