@@ -19,8 +19,9 @@ On CUDA, runs of at most RECURRENT_MAX_TOKENS tokens (decode, verify, commit) ta
 kernels (engine.kernels.gated_delta_step) that update the slot in place; prefill chunks take the
 general path below with fla-core's kernels.
 
-Tensor parallelism: key and value heads (and the conv channels of each of q, k, v) split over the
-ranks; out_proj is row-parallel (its all-reduce is the layer's only communication).
+The four input projections run as one matmul (`GatedDeltaInProj`). Tensor parallelism: key and value
+heads (and the conv channels of each of q, k, v) split over the ranks; out_proj is row-parallel (its
+all-reduce is the layer's only communication).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.kernels import gated_delta_ref
 from engine.layers.hybrid_norm import GatedRMSNorm
-from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.parallel import SINGLE_RANK, TPGroup
 
 # Runs of at most this many new tokens use the recurrent form (decode, verify, short chunks).
@@ -50,6 +51,23 @@ def load_sections(param: nn.Parameter, loaded: torch.Tensor, sizes: list[int], t
         dst, src = dst + local, src + size
 
 
+class GatedDeltaInProj(MergedColumnParallelLinear):
+    """The checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one matmul, each part split
+    over the ranks. Parts: q, k, v (in_proj_qkv's three sections, shard "qkv"), z, b, a."""
+
+    def __init__(self, hidden: int, key_dim: int, value_dim: int, num_v_heads: int, tp: TPGroup):
+        self.qkv_sections = [key_dim, key_dim, value_dim]
+        super().__init__(hidden, [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads], tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id != "qkv":
+            return super().weight_loader(param, loaded, {"z": 3, "b": 4, "a": 5}[shard_id])
+        start = 0
+        for part, size in enumerate(self.qkv_sections):
+            super().weight_loader(param, loaded.narrow(0, start, size), part)
+            start += size
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK):
         super().__init__()
@@ -62,11 +80,8 @@ class GatedDeltaNet(nn.Module):
         self.sections = [key_dim, key_dim, value_dim]                       # global q, k, v channels
         self.conv_channels = sum(self.sections) // tp.size
         h = cfg.hidden_size
-        self.in_proj_qkv = ColumnParallelLinear(h, sum(self.sections), tp)
-        self.in_proj_qkv.weight.weight_loader = self._load_qkv
-        self.in_proj_z = ColumnParallelLinear(h, value_dim, tp)
-        self.in_proj_b = ColumnParallelLinear(h, cfg.linear_num_value_heads, tp)
-        self.in_proj_a = ColumnParallelLinear(h, cfg.linear_num_value_heads, tp)
+        self.in_proj = GatedDeltaInProj(h, key_dim, value_dim, cfg.linear_num_value_heads, tp)
+        self.in_proj_split = [self.conv_channels, value_dim // tp.size, self.num_v_heads, self.num_v_heads]
         self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, self.kernel), requires_grad=False)
         self.conv_weight.weight_loader = self._load_qkv
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -88,9 +103,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         ctx = get_forward_context()
-        mixed = self.in_proj_qkv(x)                                            # [T, C]
-        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)                             # [T, Hv] each
+        mixed, z, b, a = self.in_proj(x).split(self.in_proj_split, dim=-1)    # [T, C], [T, Hv dv], [T, Hv] x 2
+        z = z.view(-1, self.num_v_heads, self.head_v_dim)
         n = ctx.uniform_query_len
         if n is not None and x.is_cuda and n <= RECURRENT_MAX_TOKENS and self._fused_step_fits():
             o = self._step(mixed.view(-1, n, mixed.shape[-1]), a.view(-1, n, a.shape[-1]), b.view(-1, n, b.shape[-1]),

@@ -148,6 +148,7 @@ _FUSED = {
 
 
 class Qwen3ForCausalLM(nn.Module):
+    FUSED = _FUSED              # checkpoint name fragment -> (fused parameter fragment, shard id)
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
                  max_position: int | None = None):
         super().__init__()
@@ -217,7 +218,7 @@ class Qwen3ForCausalLM(nn.Module):
             if name.endswith(".input_scale"):         # NVFP4 activation scale: W4A16 does not use it
                 continue
             shard_id, checkpoint_name = None, name
-            for part, (fused, sid) in _FUSED.items():
+            for part, (fused, sid) in self.FUSED.items():
                 if part in name:
                     name, shard_id = name.replace(part, fused), sid
                     break

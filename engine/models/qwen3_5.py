@@ -92,6 +92,9 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     """Same interface as Qwen3ForCausalLM (forward, compute_logits, draft_hidden, attention_layers,
     checkpoint_shapes, load_weights), plus `linear_layers()` and `commit_linear_states`."""
 
+    FUSED = {**Qwen3ForCausalLM.FUSED,
+             **{f".linear_attn.in_proj_{p}.": (".linear_attn.in_proj.", p) for p in ("qkv", "z", "b", "a")}}
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
                  max_position: int | None = None):
         nn.Module.__init__(self)
