@@ -1,5 +1,7 @@
-"""The fused Gated DeltaNet step (engine.kernels.gated_delta_step) and the hybrid norms
-(engine.kernels.hybrid_norm) against the layer's general path and the norms' torch twins.
+"""The hybrid's CUDA kernels against their torch twins: the fused Gated DeltaNet step
+(engine.kernels.gated_delta_step) against the layer's general path, the hybrid norms
+(engine.kernels.hybrid_norm) and gated attention's norm + partial RoPE + gate
+(engine.kernels.gated_attention_prep) against the torch lines they replace.
 
 On a GPU these run as they are; without one, under Triton's interpreter when the interpreter tests
 are enabled (NINFER_TRITON_INTERPRET_TESTS=1, as tests/test_kernels_interpret.py). The general
@@ -156,3 +158,39 @@ def _twin(norm, x, z):
     from engine.layers.hybrid_norm import _rms
     normed = norm.weight * _rms(x, norm.eps).to(z.dtype)
     return (normed * F.silu(z.float())).to(z.dtype)
+
+
+@pytest.mark.parametrize("tokens, heads, kv_heads, head_dim", [(3, 6, 2, 64), (2, 12, 2, 256)])
+def test_gated_attention_prep_matches_the_twin(tokens, heads, kv_heads, head_dim):
+    """Zero-centred q/k norms + RoPE on the first quarter of each head, and o * sigmoid(gate), against
+    the torch lines of GatedAttention.forward (q and gate read out of the fused projection's rows)."""
+    from engine.kernels.gated_attention_prep import qk_norm_partial_rope, sigmoid_gate_mul
+    from engine.layers.hybrid_norm import ZeroCentredRMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+    gen = torch.Generator().manual_seed(head_dim)
+    d, r = head_dim, head_dim // 4
+    rotary = RotaryEmbedding(r, 4096, 1e7).to(DEV)
+    qn, kn = ZeroCentredRMSNorm(d), ZeroCentredRMSNorm(d)
+    for n in (qn, kn):
+        n.weight.data = (torch.randn(d, generator=gen) * 0.2).to(torch.bfloat16)
+        n.to(DEV)
+    qkv = torch.randn(tokens, (2 * heads + 2 * kv_heads) * d, generator=gen).to(torch.bfloat16).to(DEV)
+    qg, k, _ = qkv.split([2 * heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, gate = qg.view(-1, heads, 2 * d).split([d, d], dim=-1)
+    positions = torch.tensor([5, 1000, 3][:tokens], device=DEV)
+    got_q, got_k = qk_norm_partial_rope(q, k.view(-1, kv_heads, d), qn.weight, kn.weight, qn.eps, rotary.cos_sin,
+                                        positions)
+    tq, tk = _zc(qn, q), _zc(kn, k.view(-1, kv_heads, d))
+    rq, rk = rotary(positions, tq[..., :r], tk[..., :r])
+    want_q, want_k = torch.cat([rq, tq[..., r:]], -1), torch.cat([rk, tk[..., r:]], -1)
+    for got, want in ((got_q, want_q), (got_k, want_k)):
+        assert got.shape == want.shape
+        assert (got.float() - want.float()).abs().max().item() <= 2 ** -6 * want.float().abs().max().item()
+    o = torch.randn(tokens, heads, d, generator=gen).to(torch.bfloat16).to(DEV)
+    want = o.flatten(1) * torch.sigmoid(gate.flatten(1))
+    assert torch.equal(sigmoid_gate_mul(o, gate), want)
+
+
+def _zc(norm, x):
+    from engine.layers.hybrid_norm import _rms
+    return (_rms(x, norm.eps) * (1.0 + norm.weight.float())).to(x.dtype)

@@ -3,7 +3,8 @@
 Differences from Qwen3's attention: `q_proj` emits, per head, the query (head_dim) followed by an
 output gate (head_dim), and the attention output is multiplied by sigmoid(gate) before `o_proj`;
 q/k norms are zero-centred; RoPE (rotate-half) turns only the first `partial_rotary_factor` of each
-head's dims, the rest pass through.
+head's dims, the rest pass through. On CUDA the norms, the partial RoPE and the gate take two
+Triton launches (engine.kernels.gated_attention_prep); the torch code below is their twin.
 """
 
 from __future__ import annotations
@@ -61,11 +62,21 @@ class GatedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, d
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
+    def _fused_prep_fits(self) -> bool:
+        from engine.kernels import gated_attention_prep
+        return gated_attention_prep.supported(self.head_dim, self.rotary_dim)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, hidden] -> [T, hidden]
         d, h, kvh = self.head_dim, self.num_heads, self.num_kv_heads
         qg, k, v = self.qkv_proj(x).split([2 * h * d, kvh * d, kvh * d], dim=-1)
         q, gate = qg.view(-1, h, 2 * d).split([d, d], dim=-1)                 # [T, h, d] each
+        if x.is_cuda and self._fused_prep_fits():
+            from engine.kernels import gated_attention_prep as prep
+            q, k = prep.qk_norm_partial_rope(q, k.view(-1, kvh, d), self.q_norm.weight, self.k_norm.weight,
+                                             self.q_norm.eps, self.rotary.cos_sin, positions)
+            o = self.attn(q, k, v.reshape(-1, kvh, d))
+            return self.o_proj(prep.sigmoid_gate_mul(o, gate))
         q, k = self.q_norm(q), self.k_norm(k.view(-1, kvh, d))
         r = self.rotary_dim
         q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
