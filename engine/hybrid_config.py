@@ -57,9 +57,6 @@ def hybrid_config_from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...
     if missing:
         raise ModelLoadError(f"config.json lacks {', '.join(missing)} (model_type {hf.get('model_type')!r})")
     base = cls.from_hf({**text, "model_type": "qwen3"}, eos_token_ids)
-    if getattr(base, "quant", None) is not None or "quantization_config" in hf:
-        raise ModelLoadError(f"quantized {hf['model_type']} checkpoints are not supported yet (the linear-attention "
-                             "layers take unquantized weights); serve the bf16 checkpoint")
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     factor = float(text.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     rotary_dim = int(base.head_dim * factor)

@@ -65,8 +65,8 @@ def _quantized(cfg: ModelConfig, fmt: str) -> ModelConfig:
 
     import torch
 
-    from engine.models.qwen3 import Qwen3ForCausalLM
+    from engine.models.registry import model_class
     from engine.quant.scheme import QuantScheme
     with torch.device("meta"):
-        shapes = Qwen3ForCausalLM(cfg, with_mtp=True).checkpoint_shapes()
+        shapes = model_class(cfg)(cfg, with_mtp=True).checkpoint_shapes()
     return replace(cfg, quant=QuantScheme(fmt).over_linears(shapes))

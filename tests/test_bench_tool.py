@@ -267,3 +267,8 @@ def test_hybrid_section_counts_state_and_full_attention_kv(cpu_run):
     lc = hyb["long_context"]
     assert r["headline"]["hybrid_192k_ok"] is True
     assert lc["context"] == r["plan"]["hybrid"]["long_context"] and lc["finish_reason"] == "length"
+    one = hyb["one_gpu"]
+    assert one["model"] == f"preset:{hyb['shape']}-nvfp4" and one["point"]["engine"]["tensor_parallel_size"] == 1
+    assert close(one["point"]["roofline_fraction"], one["point"]["floor_ms"] / one["point"]["ms_per_round_best"])
+    assert r["headline"]["hybrid_one_gpu_192k_ok"] is True
+    assert one["long_context"]["completion_tokens"] == r["plan"]["hybrid"]["long_decode_tokens"]

@@ -25,7 +25,7 @@ class GatedQKVParallelLinear(_Linear):
     replicated when fewer than ranks. Checkpoint shards: "q" [2 heads d, H], "k"/"v" [kv_heads d, H]."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp: TPGroup = SINGLE_RANK):
+                 tp: TPGroup = SINGLE_RANK, quant: str | None = None):
         self.head_dim = head_dim
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
         if num_kv_heads >= tp.size:
@@ -35,26 +35,26 @@ class GatedQKVParallelLinear(_Linear):
         else:
             self.num_kv_heads = 1
         self._kv_replicas = max(1, tp.size // num_kv_heads)
-        super().__init__(hidden_size, (2 * self.num_heads + 2 * self.num_kv_heads) * head_dim, tp)
+        q_rows, kv_rows = 2 * self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, q_rows + 2 * kv_rows, tp, quant, [q_rows, kv_rows, kv_rows])
 
-    def weight_loader(self, param, loaded, shard_id: str) -> None:
+    def _row_range(self, shard_id: str):
         q_rows, kv_rows = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            dst, src = param.data.narrow(0, 0, q_rows), loaded.narrow(0, self.tp.rank * q_rows, q_rows)
-        else:
-            kv_rank = self.tp.rank // self._kv_replicas
-            start = q_rows + (0 if shard_id == "k" else kv_rows)
-            dst, src = param.data.narrow(0, start, kv_rows), loaded.narrow(0, kv_rank * kv_rows, kv_rows)
-        dst.copy_(src)
+            return 0, self.tp.rank * q_rows, q_rows
+        kv_rank = self.tp.rank // self._kv_replicas
+        return q_rows + (0 if shard_id == "k" else kv_rows), kv_rank * kv_rows, kv_rows
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup = SINGLE_RANK):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup = SINGLE_RANK, quant=None):
+        # quant: checkpoint projection names -> the quantized format of their fused layer (or None)
         super().__init__()
+        quant = quant or (lambda parts: None)
         d = cfg.head_dim
         self.qkv_proj = GatedQKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
-                                               cfg.num_key_value_heads, tp)
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp)
+                                               cfg.num_key_value_heads, tp, quant(["q_proj", "k_proj", "v_proj"]))
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, quant(["o_proj"]))
         self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.rotary = rotary                                   # built for the rotary dims only

@@ -19,7 +19,8 @@ On CUDA, runs of at most RECURRENT_MAX_TOKENS tokens (decode, verify, commit) ta
 kernels (engine.kernels.gated_delta_step) that update the slot in place; prefill chunks take the
 general path below with fla-core's kernels.
 
-The four input projections run as one matmul (`GatedDeltaInProj`). Tensor parallelism: key and value
+The input projections run as two matmuls (`GatedDeltaInProj`: q k v z, and b a; two, because
+a quantized checkpoint may leave the small b and a unquantized). Tensor parallelism: key and value
 heads (and the conv channels of each of q, k, v) split over the ranks; out_proj is row-parallel (its
 all-reduce is the layer's only communication).
 """
@@ -34,7 +35,7 @@ from engine.config import ModelConfig
 from engine.forward_context import get_forward_context
 from engine.kernels import gated_delta_ref
 from engine.layers.hybrid_norm import GatedRMSNorm
-from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, expand_loaded
 from engine.parallel import SINGLE_RANK, TPGroup
 
 # Runs of at most this many new tokens use the recurrent form (decode, verify, short chunks).
@@ -52,25 +53,32 @@ def load_sections(param: nn.Parameter, loaded: torch.Tensor, sizes: list[int], t
 
 
 class GatedDeltaInProj(MergedColumnParallelLinear):
-    """The checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one matmul, each part split
-    over the ranks. Parts: q, k, v (in_proj_qkv's three sections, shard "qkv"), z, b, a."""
+    """Input projections of the checkpoint fused into one matmul, each split over the ranks. `parts`
+    maps a checkpoint projection (the shard id) to its sections: in_proj_qkv is three (q, k, v)."""
 
-    def __init__(self, hidden: int, key_dim: int, value_dim: int, num_v_heads: int, tp: TPGroup):
-        self.qkv_sections = [key_dim, key_dim, value_dim]
-        super().__init__(hidden, [key_dim, key_dim, value_dim, value_dim, num_v_heads, num_v_heads], tp)
+    def __init__(self, hidden: int, parts: dict[str, list[int]], tp: TPGroup, quant: str | None = None):
+        self.first_section, sizes = {}, []
+        for name, sections in parts.items():
+            self.first_section[name] = (len(sizes), sections)
+            sizes += sections
+        super().__init__(hidden, sizes, tp, quant)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id != "qkv":
-            return super().weight_loader(param, loaded, {"z": 3, "b": 4, "a": 5}[shard_id])
-        start = 0
-        for part, size in enumerate(self.qkv_sections):
-            super().weight_loader(param, loaded.narrow(0, start, size), part)
+        first, sections = self.first_section[shard_id]
+        loaded = expand_loaded(param, loaded)                 # rows in units of param.row_div
+        rdiv, start = getattr(param, "row_div", 1), 0
+        per_tensor = param.dim() == 1 and loaded.numel() == 1
+        for i, size in enumerate(sections):
+            part = loaded if len(sections) == 1 or per_tensor else loaded.narrow(0, start // rdiv, size // rdiv)
+            self.load_rows(param, part, first + i)
             start += size
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, quant=None):
+        # quant: checkpoint projection names -> the quantized format of their fused layer (or None)
         super().__init__()
+        quant = quant or (lambda parts: None)
         self.tp = tp
         self.num_k_heads = tp.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
         self.num_v_heads = tp.shard(cfg.linear_num_value_heads, "linear_num_value_heads")
@@ -80,8 +88,10 @@ class GatedDeltaNet(nn.Module):
         self.sections = [key_dim, key_dim, value_dim]                       # global q, k, v channels
         self.conv_channels = sum(self.sections) // tp.size
         h = cfg.hidden_size
-        self.in_proj = GatedDeltaInProj(h, key_dim, value_dim, cfg.linear_num_value_heads, tp)
-        self.in_proj_split = [self.conv_channels, value_dim // tp.size, self.num_v_heads, self.num_v_heads]
+        hv = cfg.linear_num_value_heads
+        self.in_proj_qkvz = GatedDeltaInProj(h, {"qkv": self.sections, "z": [value_dim]}, tp,
+                                             quant(["in_proj_qkv", "in_proj_z"]))
+        self.in_proj_ba = GatedDeltaInProj(h, {"b": [hv], "a": [hv]}, tp, quant(["in_proj_b", "in_proj_a"]))
         self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, self.kernel), requires_grad=False)
         self.conv_weight.weight_loader = self._load_qkv
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -89,7 +99,7 @@ class GatedDeltaNet(nn.Module):
         for p in (self.A_log, self.dt_bias):
             p.weight_loader = self._load_heads
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = RowParallelLinear(value_dim, h, tp)
+        self.out_proj = RowParallelLinear(value_dim, h, tp, quant(["out_proj"]))
         self.state = None                    # engine.state_cache.LayerState, bound by the runner
         self._pending = None                 # a verify pass's inputs, until `commit`
 
@@ -103,8 +113,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         ctx = get_forward_context()
-        mixed, z, b, a = self.in_proj(x).split(self.in_proj_split, dim=-1)    # [T, C], [T, Hv dv], [T, Hv] x 2
-        z = z.view(-1, self.num_v_heads, self.head_v_dim)
+        mixed, z = self.in_proj_qkvz(x).split([self.conv_channels, self.num_v_heads * self.head_v_dim], dim=-1)
+        z = z.view(-1, self.num_v_heads, self.head_v_dim)                    # mixed: [T, C]
+        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)   # [T, Hv] each
         n = ctx.uniform_query_len
         if n is not None and x.is_cuda and n <= RECURRENT_MAX_TOKENS and self._fused_step_fits():
             o = self._step(mixed.view(-1, n, mixed.shape[-1]), a.view(-1, n, a.shape[-1]), b.view(-1, n, b.shape[-1]),

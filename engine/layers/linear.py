@@ -47,9 +47,11 @@ class _Linear(nn.Module):
         return 0, self.in_features
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        expand = getattr(param, "expand_loaded", None)
-        if expand is not None:
-            loaded = expand(loaded)
+        self.load_rows(param, expand_loaded(param, loaded), shard_id)
+
+    def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's rows of part `shard_id` from `loaded` (already expanded to the param's
+        row granule: see `expand_loaded`)."""
         if param.dim() == 1 and loaded.numel() == 1:            # a per-tensor scale kept per row
             dst0, _, rows = self._row_range(shard_id)
             param.data.narrow(0, dst0, rows).fill_(loaded.reshape(()).item())
@@ -68,6 +70,14 @@ class _Linear(nn.Module):
             from engine.quant.linear import apply
             return apply(self, x)
         return F.linear(x, self.weight)
+
+
+def expand_loaded(param: nn.Parameter, loaded: torch.Tensor) -> torch.Tensor:
+    """A checkpoint tensor at the granule of `param` (FP8 block scales repeated down to the rank's
+    row and column granule); other tensors unchanged. Rows of the result are in units of
+    `param.row_div` rows of the layer."""
+    expand = getattr(param, "expand_loaded", None)
+    return loaded if expand is None else expand(loaded)
 
 
 class ReplicatedLinear(_Linear):

@@ -31,8 +31,8 @@ class Qwen3Attention(nn.Module):
         super().__init__()
         d = cfg.head_dim
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, tp,
-                                          _quant(cfg, prefix, ["q_proj", "k_proj", "v_proj"]))
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, _quant(cfg, prefix, ["o_proj"]))
+                                          quant_format(cfg, prefix, ["q_proj", "k_proj", "v_proj"]))
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, quant_format(cfg, prefix, ["o_proj"]))
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -63,8 +63,8 @@ class Qwen3MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, prefix: str = ""):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
-                                                       _quant(cfg, prefix, ["gate_proj", "up_proj"]))
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, _quant(cfg, prefix, ["down_proj"]))
+                                                       quant_format(cfg, prefix, ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, quant_format(cfg, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +121,7 @@ class MTPModule(nn.Module):
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
-        self.fc = ReplicatedLinear(2 * h, h, tp, _quant(cfg, "mtp", ["fc"]))
+        self.fc = ReplicatedLinear(2 * h, h, tp, quant_format(cfg, "mtp", ["fc"]))
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"mtp.layers.{i}")
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
@@ -135,7 +135,7 @@ class MTPModule(nn.Module):
         return self.norm(x, residual)[0]
 
 
-def _quant(cfg: ModelConfig, prefix: str, parts: list[str]) -> str | None:
+def quant_format(cfg: ModelConfig, prefix: str, parts: list[str]) -> str | None:
     """The quantized format of the linear layer made of checkpoint modules prefix.part, or None."""
     return None if cfg.quant is None else cfg.quant.layer_format(prefix, parts)
 

@@ -22,23 +22,23 @@ from engine.layers.gated_delta import GatedDeltaNet
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
+from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP, quant_format
 from engine.parallel import SINGLE_RANK, TPGroup
 
 LINEAR = "linear_attention"
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, rotary: RotaryEmbedding, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, layer_type: str, rotary: RotaryEmbedding, tp: TPGroup, prefix: str):
         super().__init__()
         self.is_linear = layer_type == LINEAR
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, tp)
+            self.linear_attn = GatedDeltaNet(cfg, tp, lambda parts: quant_format(cfg, f"{prefix}.linear_attn", parts))
         else:
-            self.self_attn = GatedAttention(cfg, rotary, tp)
+            self.self_attn = GatedAttention(cfg, rotary, tp, lambda parts: quant_format(cfg, f"{prefix}.self_attn", parts))
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg, tp)
+        self.mlp = Qwen3MLP(cfg, tp, f"{prefix}.mlp")
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
@@ -55,7 +55,8 @@ class HybridModel(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary, tp) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary, tp, f"model.layers.{i}")
+                                    for i, t in enumerate(cfg.layer_types))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -74,9 +75,9 @@ class HybridMTPModule(nn.Module):
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
-        self.fc = ReplicatedLinear(2 * h, h, tp)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, "full_attention", rotary, tp)
-                                    for _ in range(cfg.mtp_num_hidden_layers))
+        self.fc = ReplicatedLinear(2 * h, h, tp, quant_format(cfg, "mtp", ["fc"]))
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, "full_attention", rotary, tp, f"mtp.layers.{i}")
+                                    for i in range(cfg.mtp_num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -93,7 +94,8 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     checkpoint_shapes, load_weights), plus `linear_layers()` and `commit_linear_states`."""
 
     FUSED = {**Qwen3ForCausalLM.FUSED,
-             **{f".linear_attn.in_proj_{p}.": (".linear_attn.in_proj.", p) for p in ("qkv", "z", "b", "a")}}
+             **{f".linear_attn.in_proj_{p}.": (f".linear_attn.in_proj_{fused}.", p)
+                for p, fused in (("qkv", "qkvz"), ("z", "qkvz"), ("b", "ba"), ("a", "ba"))}}
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
                  max_position: int | None = None):
@@ -157,6 +159,9 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
                            "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)})
             for i in range(cfg.mtp_num_hidden_layers):
                 shapes.update(layer(f"mtp.layers.{i}", "full_attention"))
+        if cfg.quant is not None:
+            from engine.quant.scheme import quantized_shapes
+            shapes = quantized_shapes(shapes, cfg.quant)
         return shapes
 
     def load_weights(self, weights) -> None:

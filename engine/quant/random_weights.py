@@ -36,9 +36,10 @@ class RandomQuantWeights(RandomWeights):
 
     @classmethod
     def for_model(cls, model_config, device: str, seed: int = 0) -> "RandomQuantWeights":
-        from engine.models.qwen3 import Qwen3ForCausalLM
+        from engine.models.registry import model_class
         with torch.device("meta"):
-            shapes = Qwen3ForCausalLM(replace(model_config, quant=None), with_mtp=True).checkpoint_shapes()
+            bf16 = replace(model_config, quant=None)
+            shapes = model_class(bf16)(bf16, with_mtp=True).checkpoint_shapes()
         return cls(shapes, model_config.quant, device, seed)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:

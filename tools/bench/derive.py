@@ -38,6 +38,8 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
                                                             "reference context against its roofline (issue 16)"),
     "hybrid_192k_ok": ("==", True, "Qwen3.5-27B shape, TP2, int8 KV: a 192k-token context, prefill + 512 decoded "
                                    "tokens (issue 16)"),
+    "hybrid_one_gpu_192k_ok": ("==", True, "Qwen3.5-27B shape in NVFP4, int8 KV, one GPU: a 192k-token context, "
+                                           "prefill + 512 decoded tokens (issues 14 and 16)"),
     "fp8_decode_b1_roofline_fraction": (None, None, "FP8 decode batch 1: its bytes per step over the copy bandwidth"),
     "nvfp4_decode_b1_roofline_fraction": (None, None, "NVFP4 decode batch 1: its bytes per step over the copy bandwidth"),
 }
@@ -245,6 +247,14 @@ def headline(results: dict) -> tuple[dict, dict]:
         inputs["hybrid_192k_ok"] = hyb.get("hybrid_192k_ok_inputs", {})
     else:
         why["hybrid_192k_ok"] = missing("hybrid") or hyb.get("hybrid_192k_ok_reason") or "not measured"
+
+    one = hyb.get("one_gpu") or {}
+    if one.get("hybrid_one_gpu_192k_ok") is not None:
+        values["hybrid_one_gpu_192k_ok"] = one["hybrid_one_gpu_192k_ok"]
+        inputs["hybrid_one_gpu_192k_ok"] = one.get("hybrid_one_gpu_192k_ok_inputs", {})
+    else:
+        why["hybrid_one_gpu_192k_ok"] = (missing("hybrid") or one.get("hybrid_one_gpu_192k_ok_reason")
+                                         or one.get("reason") or "not measured")
 
     conc = {p["streams"]: p for p in _measured(secs.get("concurrency", {}).get("points", []))}
     for name, n in (("agg_decode_2_streams", ref.get("streams_small", 2)), ("agg_decode_8_streams", ref.get("streams_large", 8))):

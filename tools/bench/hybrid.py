@@ -7,6 +7,8 @@ seed serves it -- TP=2, int8 KV for the 16 full-attention layers -- on one engin
   prefill   fresh prompts of 4k and 32k tokens at the plan's chunk (hybrids prefill one prompt at a
             time, carrying the state across chunks).
   long      one 192k-token context: the prompt, then 512 decoded tokens.
+  one GPU   the seed's other deployment: the same shape quantized (NVFP4 by default), int8 KV, one
+            GPU -- decode at the short context against its own floor, and the 192k context.
 
 A decode point's floor is the bytes one rank moves per step -- its weight shard (embedding gather
 excluded, lm_head included), the int8 KV of the full-attention layers at the point's mean context,
@@ -80,26 +82,73 @@ def run(bench, sec: dict) -> None:
         say("hybrid", f"prefill P={P}: {fmt_rate(r['prefill_tok_s'])}")
         bench.save()
 
+    ok, sec["long_context"], inputs = _long_context(bench, session, plan, cfg, tp)
+    if ok is None:
+        sec["hybrid_192k_ok_reason"] = inputs
+    else:
+        sec["hybrid_192k_ok"], sec["hybrid_192k_ok_inputs"] = ok, inputs
+    bench.save()
+    bench.pool.close()
+    if plan.one_gpu_format:
+        _one_gpu(bench, sec.setdefault("one_gpu", {}), plan, cfg)
+    sec["status"] = "ok"
+
+
+def _long_context(bench, session, plan, cfg, tp: int):
+    """(ok, the request's figures, inputs) of one long context on `session`; ok None when skipped
+    (inputs is then the reason)."""
     n_dec = plan.long_decode_tokens
     P = plan.long_context - n_dec
     est = bench.estimate_prefill_s(P, who="hybrid", cfg=cfg) / tp + n_dec * 0.05
     if not bench.budget.allows(est):
-        sec["hybrid_192k_ok_reason"] = bench.budget.skip_reason(est)
-        say("hybrid", f"long context skipped ({sec['hybrid_192k_ok_reason']})")
-        return
+        say("hybrid", f"long context skipped ({bench.budget.skip_reason(est)})")
+        return None, None, bench.budget.skip_reason(est)
     try:
         r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=n_dec, ignore_eos=True),
                                      timeout=max(600.0, 3 * est)))
     except Exception as e:  # noqa: BLE001 - the figure is whether it works
-        sec["long_context"] = {"prompt_tokens": P, "error": repr(e)[:400]}
-        sec["hybrid_192k_ok"] = False
-        return
+        return False, {"prompt_tokens": P, "error": repr(e)[:400]}, {"prompt_tokens": P}
     ok = r["computed_prefill_tokens"] == P and r["completion_tokens"] == n_dec and r["finish_reason"] == "length"
-    sec["long_context"] = {**r, "context": P + n_dec}
-    sec["hybrid_192k_ok"] = ok
-    sec["hybrid_192k_ok_inputs"] = {"shape": plan.shape, "tensor_parallel_size": tp, "kv_dtype": plan.kv_dtype,
-                                    "prompt_tokens": P, "decoded": r["completion_tokens"],
-                                    "prefill_tok_s": r["prefill_tok_s"], "decode_tok_s": r["decode_tok_s"]}
-    say("hybrid", f"{P + n_dec}-token context, TP={tp} {plan.kv_dtype}: {'ok' if ok else 'FAILED'} "
+    inputs = {"shape": session.spec.model, "tensor_parallel_size": tp, "kv_dtype": plan.kv_dtype,
+              "prompt_tokens": P, "decoded": r["completion_tokens"], "prefill_tok_s": r["prefill_tok_s"],
+              "decode_tok_s": r["decode_tok_s"]}
+    say("hybrid", f"{P + n_dec}-token context, {session.spec.model} TP={tp} {plan.kv_dtype}: {'ok' if ok else 'FAILED'} "
                   f"(prefill {fmt_rate(r['prefill_tok_s'])}, decode {fmt_rate(r['decode_tok_s'])})")
-    sec["status"] = "ok"
+    return ok, {**r, "context": P + n_dec}, inputs
+
+
+def _one_gpu(bench, sec: dict, plan, cfg) -> None:
+    """The seed's one-GPU deployment: the shape's quantized checkpoint (random weights, quantized on
+    the device), int8 KV, TP=1 -- decode at the shortest context against its own floor (packed
+    weights and scales, bf16 lm_head, KV, state) and the long context."""
+    from engine.capacity import shard_bytes
+    from engine.presets import preset
+    model = f"preset:{plan.shape}-{plan.one_gpu_format}"
+    guess = bench.build_guess_s() * 3
+    if not bench.budget.allows(guess):
+        sec["reason"] = bench.budget.skip_reason(guess)
+        return
+    cap = plan.long_context + 64
+    spec = bench.engine_spec(model=model, draft_tokens=0, tensor_parallel_size=1, kv_dtype=plan.kv_dtype,
+                             kv_capacity=cap, max_model_len=cap, prefill_chunk=plan.chunk, max_batch=4,
+                             extra=(("prefix_reuse", False),))
+    session, _ = bench.pool.get(spec, warm_prompt=plan.decode_contexts[0], warm_decode=16)
+    say("hybrid", f"engine {model} TP=1 {plan.kv_dtype} KV: {session.setup_text}")
+    ctx = plan.decode_contexts[0]
+    p = decode_point(bench, session, ctx, 1, plan.decode_tokens, "hybrid")
+    weights = shard_bytes(preset(model), 1, False, 1, 2) - (0 if cfg.tie_word_embeddings
+                                                             else cfg.vocab_size * cfg.hidden_size * 2)
+    read = (weights + (ctx + plan.decode_tokens / 2) * shapes.kv_bytes_per_token(cfg, plan.kv_dtype)
+            + shapes.state_bytes_per_step(cfg))
+    bw, _ = bench.roofline()
+    if bw:
+        p["floor_ms"] = read / bw * 1e3
+        p["roofline_fraction"] = p["floor_ms"] / p["ms_per_round_best"]
+    sec.update(model=model, bytes_per_step=read, point=p)
+    ok, sec["long_context"], inputs = _long_context(bench, session, plan, cfg, 1)
+    if ok is None:
+        sec["hybrid_one_gpu_192k_ok_reason"] = inputs
+    else:
+        sec["hybrid_one_gpu_192k_ok"], sec["hybrid_one_gpu_192k_ok_inputs"] = ok, inputs
+    bench.save()
+    bench.pool.close()

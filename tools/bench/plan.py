@@ -124,6 +124,7 @@ class HybridPlan:
     long_context: int = 192 * K                  # prompt + decoded tokens
     long_decode_tokens: int = 512
     chunk: int = 4096
+    one_gpu_format: str = "nvfp4"                # the quantized one-GPU deployment ("" = not run)
 
 
 @dataclass

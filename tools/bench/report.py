@@ -368,6 +368,17 @@ def _hybrid(r: dict) -> list[str]:
         L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
                  f"{'ok' if sec.get('hybrid_192k_ok') else 'FAILED'} {lc.get('error', '')}"
                  f"(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    one = sec.get("one_gpu") or {}
+    p = one.get("point")
+    if p:
+        L.append(f"- one GPU, {one.get('model')}: decode ctx {p['context']} {fmt(p['decode_tok_s_peak'])} tok/s, "
+                 f"{p['ms_per_round_best']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
+                 f"{fmt(p.get('roofline_fraction'))} of roofline, {one['bytes_per_step'] / 1e9:.2f} GB per step)")
+    lc = one.get("long_context")
+    if lc:
+        L.append(f"- one GPU long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
+                 f"{'ok' if one.get('hybrid_one_gpu_192k_ok') else 'FAILED'} {lc.get('error', '')}"
+                 f"(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
     return L + [""]
 
 
