@@ -104,6 +104,9 @@ def test_paged_attention_forced_splits(interpreted_kernels):
     _attention(interpreted_kernels, [50, 7], [130, 60], 8, 2, 32, 8, I8, 22, config=prefill)
     decode = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, num_splits=8, min_tiles=1)
     _attention(interpreted_kernels, [2] * 3, [2, 33, 150], 8, 2, 32, 4, BF16, 23, config=decode)
+    # 64 splits of head_dim 256: the merge sums its partials 16 splits at a time
+    many = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, num_splits=64, min_tiles=1)
+    _attention(interpreted_kernels, [1, 1], [1000, 90], 6, 1, 256, 16, I8, 24, config=many)
 
 
 @pytest.mark.parametrize("case", ["prefill_aligned", "prefill_unaligned", "chunk_after_context",

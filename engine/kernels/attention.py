@@ -41,7 +41,10 @@ from engine.kv_pages import LayerKV
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan
-MAX_SPLITS = 64
+MAX_SPLITS = 64             # prefill-shaped calls
+# decode/verify: enough splits that one sequence over few KV heads (Qwen3.5-27B: 2 per TP=2 rank)
+# still fills the GPU at long contexts
+MAX_DECODE_SPLITS = 256
 DECODE_MIN_SPLIT_KEYS = 256
 
 
@@ -334,19 +337,30 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, num_heads, num_splits, stride_ot, stride_oh,
-                  SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits."""
+                  SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits, the
+    partial accumulators summed SPLIT_BLOCK splits at a time (256 splits x head_dim 256 would not fit
+    in registers at once)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    r = (t * num_heads + h) * num_splits + offs_s
+    base = (t * num_heads + h) * num_splits
     ok = offs_s < num_splits
-    m = tl.load(pm_ptr + r, mask=ok, other=-1.0e30)
-    l = tl.load(pl_ptr + r, mask=ok, other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))
-    acc = tl.load(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], mask=(ok & (l > 0))[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(w * l, 0)
+    m = tl.load(pm_ptr + base + offs_s, mask=ok, other=-1.0e30)
+    l = tl.load(pl_ptr + base + offs_s, mask=ok, other=0.0)
+    top = tl.max(m, 0)
+    denom = tl.sum(tl.exp2(m - top) * l, 0)
+    out = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        sb = s0 + tl.arange(0, SPLIT_BLOCK)
+        okb = sb < num_splits
+        mb = tl.load(pm_ptr + base + sb, mask=okb, other=-1.0e30)
+        lb = tl.load(pl_ptr + base + sb, mask=okb, other=0.0)
+        acc = tl.load(pacc_ptr + (base + sb)[:, None] * HEAD_DIM + offs_d[None, :], mask=(okb & (lb > 0))[:, None],
+                      other=0.0)
+        out += tl.sum(acc * tl.exp2(mb - top)[:, None], 0)
+    out = out / denom
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
@@ -409,7 +423,7 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
         # a split below DECODE_MIN_SPLIT_KEYS keys would only add launch and merge work
         useful = max(1, -(-ctx.max_seq_len // DECODE_MIN_SPLIT_KEYS))
         splits = 1
-        while splits * 2 <= min(MAX_SPLITS, triton.next_power_of_2(useful)) and ctas * splits * 2 <= 4 * sms:
+        while splits * 2 <= min(MAX_DECODE_SPLITS, triton.next_power_of_2(useful)) and ctas * splits * 2 <= 4 * sms:
             splits *= 2
         # 128 rows in 4 warps spill registers (seen in ptxas for sm_90): 8 warps there
         base = DECODE_INT8 if kv.quantized and q.dtype == torch.bfloat16 else DECODE
@@ -480,7 +494,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         _merge_kernel[(T, H)](pacc, pm, pl, out, H, cfg.num_splits, out.stride(0), out.stride(1),
-                              SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)), HEAD_DIM=d,
+                              SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)),
+                              SPLIT_BLOCK=max(2, min(triton.next_power_of_2(cfg.num_splits), 4096 // d)), HEAD_DIM=d,
                               num_warps=4 if cfg.num_splits * d >= 4096 else 2)
     return out
 
