@@ -48,6 +48,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--merge", action="append", default=[], help="an earlier results.json whose other sections to keep")
     ap.add_argument("--report-only", default=None, help="rebuild summary, plots and table from this results.json")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--hybrid-deployments", default=None,
+                    help="the hybrid section's deployments: tp (the shape at TP=2), one_gpu (quantized, one GPU); "
+                         "default both")
     return ap.parse_args(argv)
 
 
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(device, shape, args.quick, args.repeats, args.time_scale)
     if args.budget_s:
         plan.global_s = args.budget_s
+    if args.hybrid_deployments:
+        plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
     info = runinfo.collect(device)
     run_id = f"{info['date'][:10]}-{(info['git']['commit'] or 'nogit')[:8]}-{secrets.token_hex(2)}"
     info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=selected,

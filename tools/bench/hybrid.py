@@ -44,11 +44,21 @@ def run(bench, sec: dict) -> None:
         tp = 1
     if bench.kind == "cpu":
         sec["note"] = "CPU dry run at the tiny-hybrid shape: not GPU figures"
-    sec.update(shape=plan.shape, tensor_parallel_size=tp, kv_dtype=plan.kv_dtype,
+    sec.update(shape=plan.shape, tensor_parallel_size=tp, kv_dtype=plan.kv_dtype, deployments=list(plan.deployments),
                describe=shapes.describe(cfg, "bfloat16"))
+    if "tp" in plan.deployments:
+        _tp_deployment(bench, sec, plan, cfg, tp)
+    if "one_gpu" in plan.deployments and plan.one_gpu_format:
+        _one_gpu(bench, sec.setdefault("one_gpu", {}), plan, cfg)
+    measured = sec.get("points") or (sec.get("one_gpu") or {}).get("point")
+    sec["status"] = "ok" if measured else "skipped"
+    if not measured:
+        sec.setdefault("reason", (sec.get("one_gpu") or {}).get("reason") or "no deployment measured")
+
+
+def _tp_deployment(bench, sec: dict, plan, cfg, tp: int) -> None:
     guess = bench.build_guess_s() * 3                   # 27B of random weights, graphs of 64 layers
     if not bench.budget.allows(guess):
-        sec["status"] = "skipped"
         sec["reason"] = bench.budget.skip_reason(guess)
         return
     session, _ = _engine(bench, plan, tp)
@@ -89,9 +99,6 @@ def run(bench, sec: dict) -> None:
         sec["hybrid_192k_ok"], sec["hybrid_192k_ok_inputs"] = ok, inputs
     bench.save()
     bench.pool.close()
-    if plan.one_gpu_format:
-        _one_gpu(bench, sec.setdefault("one_gpu", {}), plan, cfg)
-    sec["status"] = "ok"
 
 
 def _long_context(bench, session, plan, cfg, tp: int):

@@ -125,6 +125,7 @@ class HybridPlan:
     long_decode_tokens: int = 512
     chunk: int = 4096
     one_gpu_format: str = "nvfp4"                # the quantized one-GPU deployment ("" = not run)
+    deployments: tuple[str, ...] = ("tp", "one_gpu")
 
 
 @dataclass
