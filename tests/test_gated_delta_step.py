@@ -1,6 +1,6 @@
 """The hybrid's CUDA kernels against their torch twins: the fused Gated DeltaNet step
 (engine.kernels.gated_delta_step) against the layer's general path, the hybrid norms
-(engine.kernels.hybrid_norm) and gated attention's norm + partial RoPE + gate
+(engine.kernels.fused.rms_norm zero-centred, engine.kernels.hybrid_norm) and gated attention's norm + partial RoPE + gate
 (engine.kernels.gated_attention_prep) against the torch lines they replace.
 
 On a GPU these run as they are; without one, under Triton's interpreter when the interpreter tests
@@ -123,13 +123,13 @@ def test_verify_then_commit_keeps_the_accepted_prefix(dtype):
 
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_zero_centred_rms_norm_matches_its_twin(with_residual):
-    from engine.kernels.hybrid_norm import zero_centred_rms_norm
+    from engine.kernels.fused import rms_norm
     from engine.layers.hybrid_norm import _rms
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(5, 384, generator=gen).to(torch.bfloat16).to(DEV)
     r = torch.randn(5, 384, generator=gen).to(torch.bfloat16).to(DEV)
     w = (torch.randn(384, generator=gen) * 0.1).to(torch.bfloat16).to(DEV)
-    got = zero_centred_rms_norm(x, w, 1e-6, r if with_residual else None)
+    got = rms_norm(x, w, 1e-6, r if with_residual else None, zero_centred=True)
     s = (x + r) if with_residual else x
     want = (_rms(s, 1e-6) * (1.0 + w.float())).to(torch.bfloat16)
     if with_residual:

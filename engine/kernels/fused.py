@@ -2,7 +2,8 @@
 
 Each does in one launch what its torch twin does in several (and rounds where the twin rounds, so
 the two agree to the last bf16 bit or two):
-  rms_norm      RMSNorm with the residual add (`engine.layers.norm.RMSNorm.forward`)
+  rms_norm      RMSNorm with the residual add (`engine.layers.norm.RMSNorm.forward`; and the hybrids'
+                `ZeroCentredRMSNorm.forward`, weight as an offset from one)
   qk_norm_rope  q_norm/k_norm per head, then rotate-half RoPE (`Qwen3Attention.forward` lines
                 q_norm, k_norm, rotary), optionally also writing K/V into the pages (write_kv)
   silu_and_mul  SwiGLU (`engine.layers.activation.SiluAndMul`)
@@ -23,7 +24,7 @@ from engine.kv_pages import LayerKV
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -36,16 +37,20 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
         x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x * r).to(dt).to(tl.float32) * w                # weight * x_normed.to(dtype), as the twin
+    if ZERO_CENTRED:
+        y = x * r * (1.0 + w)                            # the hybrids' twin: one rounding, at the end
+    else:
+        y = (x * r).to(dt).to(tl.float32) * w            # weight * x_normed.to(dtype), as the twin
     tl.store(o_ptr + row * stride_o + offs, y.to(dt), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, *,
-             out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+             out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, zero_centred: bool = False):
     """x, residual: [..., hidden]; weight: [hidden].
 
     Without residual: returns norm(x). With it: returns (norm(x + residual), x + residual), the
     contract of RMSNorm.forward. out / residual_out: optional destinations (same shape as x).
+    zero_centred: the weight is an offset from one (ZeroCentredRMSNorm of the hybrids).
     """
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -61,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
-                                  n, eps, BLOCK=block, HAS_RESIDUAL=residual is not None,
+                                  n, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
                                   num_warps=min(16, max(1, block // 512)))
     return out if residual is None else (out, residual_out)
 

@@ -5,7 +5,8 @@
   MTP norms). Kept as an offset here too: folding 1 + w into a bf16 weight would round it.
 - `GatedRMSNorm`: the Gated DeltaNet output norm, per value head, with a plain weight, multiplied
   by SiLU of the output gate z.
-On CUDA each is one Triton launch (engine.kernels.hybrid_norm); the torch code here is their twin.
+On CUDA each is one Triton launch (engine.kernels.fused.rms_norm, engine.kernels.hybrid_norm); the
+torch code here is their twin.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ class ZeroCentredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [..., hidden]. With `residual`, returns (norm(x + residual), x + residual), as RMSNorm.
         if x.is_cuda:
-            from engine.kernels.hybrid_norm import zero_centred_rms_norm
-            return zero_centred_rms_norm(x, self.weight, self.eps, residual)
+            from engine.kernels.fused import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual, zero_centred=True)
         if residual is not None:
             x = x + residual
         out = (_rms(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)

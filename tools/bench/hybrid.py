@@ -92,36 +92,34 @@ def _tp_deployment(bench, sec: dict, plan, cfg, tp: int) -> None:
         say("hybrid", f"prefill P={P}: {fmt_rate(r['prefill_tok_s'])}")
         bench.save()
 
-    ok, sec["long_context"], inputs = _long_context(bench, session, plan, cfg, tp)
-    if ok is None:
-        sec["hybrid_192k_ok_reason"] = inputs
-    else:
-        sec["hybrid_192k_ok"], sec["hybrid_192k_ok_inputs"] = ok, inputs
+    _long_context(bench, session, plan, cfg, tp, sec, "hybrid_192k_ok")
     bench.save()
     bench.pool.close()
 
 
-def _long_context(bench, session, plan, cfg, tp: int):
-    """(ok, the request's figures, inputs) of one long context on `session`; ok None when skipped
-    (inputs is then the reason)."""
+def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str) -> None:
+    """One long context on `session`: sec["long_context"] (the request's figures), sec[key] (whether
+    it ran whole) and sec[key + "_inputs"], or sec[key + "_reason"] when the budget skips it."""
     n_dec = plan.long_decode_tokens
     P = plan.long_context - n_dec
     est = bench.estimate_prefill_s(P, who="hybrid", cfg=cfg) / tp + n_dec * 0.05
     if not bench.budget.allows(est):
-        say("hybrid", f"long context skipped ({bench.budget.skip_reason(est)})")
-        return None, None, bench.budget.skip_reason(est)
+        sec[key + "_reason"] = bench.budget.skip_reason(est)
+        say("hybrid", f"long context skipped ({sec[key + '_reason']})")
+        return
     try:
         r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=n_dec, ignore_eos=True),
                                      timeout=max(600.0, 3 * est)))
     except Exception as e:  # noqa: BLE001 - the figure is whether it works
-        return False, {"prompt_tokens": P, "error": repr(e)[:400]}, {"prompt_tokens": P}
+        sec["long_context"], sec[key], sec[key + "_inputs"] = {"prompt_tokens": P, "error": repr(e)[:400]}, False, {}
+        return
     ok = r["computed_prefill_tokens"] == P and r["completion_tokens"] == n_dec and r["finish_reason"] == "length"
-    inputs = {"shape": session.spec.model, "tensor_parallel_size": tp, "kv_dtype": plan.kv_dtype,
-              "prompt_tokens": P, "decoded": r["completion_tokens"], "prefill_tok_s": r["prefill_tok_s"],
-              "decode_tok_s": r["decode_tok_s"]}
+    sec["long_context"], sec[key] = {**r, "context": P + n_dec}, ok
+    sec[key + "_inputs"] = {"shape": session.spec.model, "tensor_parallel_size": tp, "kv_dtype": plan.kv_dtype,
+                            "prompt_tokens": P, "decoded": r["completion_tokens"], "prefill_tok_s": r["prefill_tok_s"],
+                            "decode_tok_s": r["decode_tok_s"]}
     say("hybrid", f"{P + n_dec}-token context, {session.spec.model} TP={tp} {plan.kv_dtype}: {'ok' if ok else 'FAILED'} "
                   f"(prefill {fmt_rate(r['prefill_tok_s'])}, decode {fmt_rate(r['decode_tok_s'])})")
-    return ok, {**r, "context": P + n_dec}, inputs
 
 
 def _one_gpu(bench, sec: dict, plan, cfg) -> None:
@@ -152,10 +150,6 @@ def _one_gpu(bench, sec: dict, plan, cfg) -> None:
         p["floor_ms"] = read / bw * 1e3
         p["roofline_fraction"] = p["floor_ms"] / p["ms_per_round_best"]
     sec.update(model=model, bytes_per_step=read, point=p)
-    ok, sec["long_context"], inputs = _long_context(bench, session, plan, cfg, 1)
-    if ok is None:
-        sec["hybrid_one_gpu_192k_ok_reason"] = inputs
-    else:
-        sec["hybrid_one_gpu_192k_ok"], sec["hybrid_one_gpu_192k_ok_inputs"] = ok, inputs
+    _long_context(bench, session, plan, cfg, 1, sec, "hybrid_one_gpu_192k_ok")
     bench.save()
     bench.pool.close()

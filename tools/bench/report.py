@@ -339,12 +339,15 @@ def _tp(r: dict) -> list[str]:
                   [[str(P), fmt(next((p["prefill_tok_s_peak"] for p in pre if p["label"] == "tp1" and p["P"] == P), None)),
                     fmt(next((p["prefill_tok_s_peak"] for p in pre if p["label"] == "tp2" and p["P"] == P), None)),
                     fmt(ratio.get(str(P)))] for P in sorted({p["P"] for p in pre})])
-    lc = sec.get("long_context")
-    if lc:
-        L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
-                 f"{'ok' if sec.get('context_192k_ok') else 'FAILED'} "
-                 f"{lc.get('error', '')}(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    L += _long_context_line("long context", sec.get("long_context"), sec.get("context_192k_ok"))
     return L + [""]
+
+
+def _long_context_line(label: str, lc: dict | None, ok: bool | None) -> list[str]:
+    if not lc:
+        return []
+    return [f"- {label}: {lc.get('context', lc.get('prompt_tokens'))} tokens → {'ok' if ok else 'FAILED'} "
+            f"{lc.get('error', '')}(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)"]
 
 
 def _hybrid(r: dict) -> list[str]:
@@ -363,22 +366,14 @@ def _hybrid(r: dict) -> list[str]:
     if pre:
         L += [""] + _tab(["prefill P", "chunk", "tok/s", "MFU per GPU"],
                          [[str(p["P"]), str(p["chunk"]), fmt(p["prefill_tok_s"]), fmt(p.get("mfu_per_gpu"))] for p in pre])
-    lc = sec.get("long_context")
-    if lc:
-        L.append(f"- long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
-                 f"{'ok' if sec.get('hybrid_192k_ok') else 'FAILED'} {lc.get('error', '')}"
-                 f"(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    L += _long_context_line("long context", sec.get("long_context"), sec.get("hybrid_192k_ok"))
     one = sec.get("one_gpu") or {}
     p = one.get("point")
     if p:
         L.append(f"- one GPU, {one.get('model')}: decode ctx {p['context']} {fmt(p['decode_tok_s_peak'])} tok/s, "
                  f"{p['ms_per_round_best']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
                  f"{fmt(p.get('roofline_fraction'))} of roofline, {one['bytes_per_step'] / 1e9:.2f} GB per step)")
-    lc = one.get("long_context")
-    if lc:
-        L.append(f"- one GPU long context: {lc.get('context', lc.get('prompt_tokens'))} tokens → "
-                 f"{'ok' if one.get('hybrid_one_gpu_192k_ok') else 'FAILED'} {lc.get('error', '')}"
-                 f"(prefill {fmt(lc.get('prefill_tok_s'))} tok/s, decode {fmt(lc.get('decode_tok_s'))} tok/s)")
+    L += _long_context_line("one GPU long context", one.get("long_context"), one.get("hybrid_one_gpu_192k_ok"))
     return L + [""]
 
 
