@@ -41,7 +41,8 @@ def decode_point(bench, session, context: int, repeats: int, max_tokens: int, la
         stats = session.generate(random_prompt(context, session.vocab), sp,
                                  timeout=max(120.0, 10 * (bench.estimate_prefill_s(context) + max_tokens * 0.1)))
         reps.append(compact(stats))
-        bench.note_prefill_rate("engine-with-decode", context, reps[-1]["prefill_tok_s"])
+        if session.spec.model == bench.model:      # a rate of another shape would mispredict this one's
+            bench.note_prefill_rate("engine-with-decode", context, reps[-1]["prefill_tok_s"])
     rates = summary([r["decode_tok_s"] for r in reps])
     ms = [m for m in (ms_per_round(r) for r in reps) if m is not None]
     point = {"context": context, "max_tokens": max_tokens, "draft_tokens": reps[0]["draft_tokens"],
