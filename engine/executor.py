@@ -15,7 +15,6 @@ rank 0's tokens -- one host read per round, no thread hand-offs on the path the 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -39,8 +38,6 @@ log = structlog.get_logger(__name__)
 # twice the limit). Within the limit a decode graph holds no NCCL call.
 P2P_MIN_BYTES = 64 << 20
 P2P_MAX_BYTES_CAP = 256 << 20
-# Experiment (issue 16's TP=2 profile): launch the ranks' decode graphs from their threads at once.
-PARALLEL_LAUNCH = os.environ.get("NINFER_PARALLEL_GRAPH_LAUNCH") == "1"
 
 
 def p2p_limit(config: EngineConfig, model_config: ModelConfig, draft_tokens: int) -> int:
@@ -129,20 +126,8 @@ class Executor:
                 mine.upload(cap.host)
                 if mine is not cap and runner.device.type == "cuda":
                     self._uploads.append(torch.cuda.current_stream().record_event())
-        if PARALLEL_LAUNCH:
-            # every rank's graph launched from its own thread at once (replay releases the GIL): a
-            # graph of ~1,000 nodes takes long enough to launch that back-to-back launches start
-            # the last rank late, and the others wait for it in their first collective
-            for worker, runner, mine in zip(self._workers[1:], self.runners[1:], caps[1:]):
-                worker.submit(lambda r=runner, m=mine: r.graphs.launch(m, key))
-            tokens = self.runners[0].graphs.launch(caps[0], key)
-            for worker in self._workers[1:]:
-                ok, err = worker.outcome()
-                if not ok:
-                    raise err
-        else:
-            # the launches back to back: a rank launched early waits in its first collective for the rest
-            tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
+        # the launches back to back: a rank launched early waits in its first collective for the rest
+        tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
         read_tokens(works, tokens, result)
 
     def run_all(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:

@@ -42,8 +42,6 @@ step() {
     hybrid-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_gated_delta_step.py tests/test_hybrid_gpu.py -rA --durations=12 > "$OUT/hybrid-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-tests.full.log" | tail -n 60 ;;
     hybrid-engine-tests) python3 -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py -k "graphs or tp2 or (lossless and 3)" -rA --durations=8 > "$OUT/hybrid-engine-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-engine-tests.full.log" | tail -n 40 ;;
     profile-hybrid) python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 2>&1 | grep -v "^20..-..-.. " ;;
-    profile-hybrid-parallel) NINFER_PARALLEL_GRAPH_LAUNCH=1 python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 2>&1 | grep -v "^20..-..-.. " ;;
-    profile-tp2-parallel) for v in 0 1; do NINFER_PARALLEL_GRAPH_LAUNCH=$v python3 tools/profile_decode.py --context 512 --tensor-parallel-size 2 --steps 10 2>&1 | grep -E "ms per round" ; done ;;
     bench-hybrid) python3 -m tools.bench --sections roofline,hybrid --quick --budget-s "${HYBRID_BUDGET_S:-220}" \
                     --hybrid-deployments "${HYBRID_DEPLOYMENTS:-tp,one_gpu}" --out "$OUT/bench-hybrid" ;;
     *) echo "unknown step $1"; return 2 ;;
