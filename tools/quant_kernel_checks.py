@@ -44,6 +44,21 @@ def check_skinny(fmt: str, M: int, N: int, K: int, device, seed: int = 0, config
     return _report(y, x.float() @ wt["ref"].T)
 
 
+def check_gemv(fmt: str, M: int, N: int, K: int, device, seed: int = 0, config=None, dtype=torch.bfloat16,
+               block: tuple[int, int] = (128, 128)) -> dict:
+    """The decode GEMV (engine.kernels.gemv) against x @ dequantize(W)^T; fmt bf16 takes the weight as is."""
+    from engine.kernels.gemv import gemv
+    if fmt == "bf16":
+        gen = torch.Generator().manual_seed(seed)
+        w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device=device, dtype=dtype)
+        wt = {"weight": w, "scale": None, "row_scale": None, "ref": w.float(), "block": block}
+    else:
+        wt = make_weights(fmt, N, K, device, seed, block)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=dtype)
+    y = gemv(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"], config)
+    return _report(y, x.float() @ wt["ref"].T)
+
+
 def check_dequantize(fmt: str, N: int, K: int, device, seed: int = 0, block: tuple[int, int] = (128, 128)) -> dict:
     """The whole-weight dequantizer (prefill) against the reference: bf16 rounding of each value."""
     from engine.kernels.quant_gemm import dequantize

@@ -27,15 +27,15 @@ DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "rs_ptr", "o_ptr", "N", "K", "stride_xm"
              "stride_om", "stride_osplit", "k_per_split")
 
 
-def sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int = 4, stages: int = 4) -> tuple[dict, str]:
+def sass(fmt: str, block_m: int, block_n: int, block_k: int, warps: int = 4, stages: int = 4, asm: bool = False) -> tuple[dict, str]:
     nv = fmt == "nvfp4"
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8" if nv else "*fp8e4nv", "s_ptr": "*fp8e4nv" if nv else "*fp32",
            "rs_ptr": "*fp32", "o_ptr": "*bf16", **{a: "i32" for a in (
                "M", "N", "K", "stride_xm", "stride_wn", "stride_sn", "stride_om", "stride_osplit", "k_per_split",
-               "scale_br", "scale_bc")}, **{c: "constexpr" for c in ("FMT", "BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+               "scale_br", "scale_bc")}, **{c: "constexpr" for c in ("FMT", "BLOCK_M", "BLOCK_N", "BLOCK_K", "ASM")}}
     names = Q._skinny_kernel.arg_names
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in DIVISIBLE}
-    consts = {"FMT": Q.NVFP4_CODE if nv else Q.FP8_CODE, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+    consts = {"FMT": Q.NVFP4_CODE if nv else Q.FP8_CODE, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": asm}
     k = triton.compile(ASTSource(Q._skinny_kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": warps, "num_stages": stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.gemv import E2M1_ASM
+
 NVFP4_CODE, FP8_CODE = 1, 0
 
 
@@ -39,7 +41,8 @@ def _e2m1_times_2p14(c):
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
                    stride_om, stride_osplit, k_per_split, scale_br, scale_bc,
-                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ASM: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,15 +56,19 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, M, N, K, stride_xm, strid
         if FMT == 1:
             offs_p = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             p_ok = offs_p < k_end // 2
-            p = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0).to(tl.int32)
+            p = tl.load(w_rows + offs_p[None, :], mask=n_ok[:, None] & p_ok[None, :], other=0)
+            if ASM:     # engine.kernels.gemv's PTX decode: four bytes -> eight values per call
+                lo_v, hi_v = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [p],
+                                                       dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                lo_v = _e2m1_times_2p14(p.to(tl.int32) & 15)
+                hi_v = _e2m1_times_2p14(p.to(tl.int32) >> 4)
             offs_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
             s = tl.load(s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :],
                         mask=n_ok[:, None] & (offs_g[None, :] < k_end // 16), other=0.0).to(tl.float32)
             s = (s * 16384.0)[:, :, None]                                           # [BN, BK/16, 1]
-            lo = tl.reshape(tl.reshape(_e2m1_times_2p14(p & 15), (BLOCK_N, BLOCK_K // 16, 8)) * s,
-                            (BLOCK_N, BLOCK_K // 2)).to(dt)
-            hi = tl.reshape(tl.reshape(_e2m1_times_2p14(p >> 4), (BLOCK_N, BLOCK_K // 16, 8)) * s,
-                            (BLOCK_N, BLOCK_K // 2)).to(dt)
+            lo = tl.reshape(tl.reshape(lo_v, (BLOCK_N, BLOCK_K // 16, 8)) * s, (BLOCK_N, BLOCK_K // 2)).to(dt)
+            hi = tl.reshape(tl.reshape(hi_v, (BLOCK_N, BLOCK_K // 16, 8)) * s, (BLOCK_N, BLOCK_K // 2)).to(dt)
             x_even = x_ptr + offs_m[None, :] * stride_xm + 2 * offs_p[:, None]          # [BK/2, BM]
             xm = m_ok[None, :] & p_ok[:, None]
             acc += tl.dot(lo, tl.load(x_even, mask=xm, other=0.0))
@@ -88,6 +95,7 @@ class GemmConfig:
     num_stages: int = 4
     split_k: int = 0          # 0 = choose so that the grid fills the GPU
     programs_per_sm: int = 4  # what split_k=0 aims at
+    asm: bool = False         # NVFP4: decode by inline PTX (CUDA only)
 
 
 _SMS: dict[int, int] = {}
@@ -137,7 +145,7 @@ def skinny(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
     _skinny_kernel[(grid_n, split)](x, weight, scale, row_scale if row_scale is not None else scale, out, M, N, K,
                                     x.stride(0), weight.stride(0), scale.stride(0), N, stride_split, k_per_split,
                                     scale_block[0], scale_block[1], FMT=NVFP4_CODE if fmt == "nvfp4" else FP8_CODE,
-                                    BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk,
+                                    BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, ASM=cfg.asm and x.is_cuda,
                                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out if split == 1 else out.sum(0).to(x.dtype)
 
@@ -215,18 +223,22 @@ def _blockwise_available(device: torch.device) -> bool:
     return _BLOCKWISE_OK[idx]
 
 
-def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, fused: bool = True) -> torch.Tensor:
     # x: [M, K] bf16; weight: fp8 [N, K]; scale_inv: fp32 [N/128, K/128] -> [M, N]
     import torch.nn.functional as F
     M = x.shape[0]
-    pad = -M % 4
-    xp = F.pad(x, (0, 0, 0, pad)) if pad else x
-    a, sa = quantize_activations(xp)
+    if fused and x.is_cuda:
+        from engine.kernels.act_quant import quantize_activations_fused
+        a, sa = quantize_activations_fused(x)                  # rows padded to a multiple of 4
+    else:
+        pad = -M % 4
+        a, sa = quantize_activations(F.pad(x, (0, 0, 0, pad)) if pad else x)
+        sa = sa.t().contiguous().t()
     kb = scale_inv.shape[1]
     sw = F.pad(scale_inv, (0, -kb % 4)) if kb % 4 else scale_inv
-    out = F.scaled_mm(a, weight.t(), sa.t().contiguous().t(), F.ScalingType.BlockWise1x128, sw.t(),
+    out = F.scaled_mm(a, weight.t(), sa, F.ScalingType.BlockWise1x128, sw.t(),
                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
-    return out[:M] if pad else out
+    return out[:M] if out.shape[0] != M else out
 
 
 # -- the layer's entry -------------------------------------------------------------------------------

@@ -1,0 +1,273 @@
+"""One GPU run for the decode GEMV (engine/kernels/gemv.py): correctness against the reference
+dequantizer, then a timing table at the qwen3-8b/32b layer shapes and their TP=2 shards.
+
+    PYTHONUNBUFFERED=1 python3 -m tools.gemv_sweep [--budget-s 140] [--rows 1,4,8,2]
+
+Each point is a CUDA graph of 20 calls that cycle through enough copies of the layer's weight to
+exceed the 60 MB L2 several times over (so every call streams its weight from HBM), timed by CUDA
+events (median of 7 replays). The figure is GB/s of weight bytes (values and scales) and its fraction
+of a device-to-device copy measured in the same run. Compared per shape: our GEMV launch shapes,
+the tensor-core `skinny` kernel of quant_gemm.py (before) and cuBLAS (bf16). JSON to $OUT/gemv_sweep.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.kernels import gemv as G          # noqa: E402
+from engine.kernels import quant_gemm as Q    # noqa: E402
+from tools import quant_kernel_checks as QC    # noqa: E402
+from tools.bench.timing import time_fn         # noqa: E402
+
+DRY = os.environ.get("GEMV_SWEEP_CPU") == "1"        # a dry run of the script's logic on a CPU (interpreter)
+DEV = torch.device("cpu" if DRY else "cuda")
+OUT = Path(os.environ.get("OUT", "/tmp"))
+T0 = time.time()
+
+
+def layer_shapes(h, q, kv, f) -> dict[str, tuple[int, int]]:
+    return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * f, h), "down": (h, f)}
+
+
+def all_shapes() -> list[tuple[str, int, int]]:
+    out = []
+    for model, (h, q, kv, f) in (("8b", (4096, 4096, 1024, 12288)), ("32b", (5120, 8192, 1024, 25600))):
+        for name, (n, k) in layer_shapes(h, q, kv, f).items():
+            out.append((f"{model} {name}", n, k))
+        for name, (n, k) in layer_shapes(h, q, kv, f).items():
+            col = name in ("qkv", "gate_up")
+            out.append((f"{model} {name} tp2", n // 2 if col else n, k if col else k // 2))
+    return out
+
+
+VARIANTS = {
+    "fp8": {"g8x512": G.GemvConfig(8, 512, 4), "g16x512": G.GemvConfig(16, 512, 4), "g4x512": G.GemvConfig(4, 512, 4),
+            "g8x1024": G.GemvConfig(8, 1024, 4), "g16x256": G.GemvConfig(16, 256, 4),
+            "g8x512w8": G.GemvConfig(8, 512, 8), "g8x512s2": G.GemvConfig(8, 512, 4, 1, 2),
+            "g8x512x1d": G.GemvConfig(8, 512, 4, x2d=False), "g8x512pf": G.GemvConfig(8, 512, 4, prefetch=True),
+            "g16x512pf": G.GemvConfig(16, 512, 4, prefetch=True)},
+    "nvfp4": {"g8x1024": G.GemvConfig(8, 1024, 4), "g16x1024": G.GemvConfig(16, 1024, 4),
+              "g4x1024": G.GemvConfig(4, 1024, 4), "g8x512": G.GemvConfig(8, 512, 4), "g8x2048": G.GemvConfig(8, 2048, 4),
+              "g16x512": G.GemvConfig(16, 512, 4), "g8x1024noasm": G.GemvConfig(8, 1024, 4, asm=False),
+              "g8x1024s2": G.GemvConfig(8, 1024, 4, 1, 2), "g8x1024pf": G.GemvConfig(8, 1024, 4, prefetch=True),
+              "g4x1024pf": G.GemvConfig(4, 1024, 4, prefetch=True)},
+    "bf16": {"g8x256": G.GemvConfig(8, 256, 4), "g16x256": G.GemvConfig(16, 256, 4), "g4x512": G.GemvConfig(4, 512, 4),
+             "g8x512": G.GemvConfig(8, 512, 4), "g8x256x1d": G.GemvConfig(8, 256, 4, x2d=False),
+             "g8x256pf": G.GemvConfig(8, 256, 4, prefetch=True), "g16x256pf": G.GemvConfig(16, 256, 4, prefetch=True)},
+}
+# at M > 1 only these (compile time)
+MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
+             "bf16": ("g8x256", "g16x256", "g8x256pf")}
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), "cuda", warmup=2, repeats=10)
+    del src, dst
+    return 2 * (1 << 30) / sorted(t)[len(t) // 2]
+
+
+def random_layer(fmt: str, n: int, k: int) -> dict:
+    """Random bits in the layer's layout (speed does not depend on the values; no NaN codes)."""
+    if fmt == "bf16":
+        return {"w": torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * 0.02}
+    if fmt == "fp8":
+        w = (torch.randint(0, 256, (n, k), device=DEV, dtype=torch.uint8) & 0xBF).view(torch.float8_e4m3fn)
+        return {"w": w, "s": torch.rand(-(-n // 128), -(-k // 128), device=DEV) * 1e-3}
+    p = torch.randint(0, 256, (n, k // 2), device=DEV, dtype=torch.uint8)
+    s = (torch.randint(0, 256, (n, k // 16), device=DEV, dtype=torch.uint8) & 0x3F).view(torch.float8_e4m3fn)
+    return {"w": p, "s": s, "rs": torch.full((n,), 1e-3, device=DEV)}
+
+
+def layer_bytes(layer: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in layer.values())
+
+
+def call(fmt: str, variant: str, layer: dict, x: torch.Tensor, n: int):
+    if variant == "cublas":
+        return lambda: F.linear(x, layer["w"])
+    if variant == "skinny_asm":
+        return lambda: Q.skinny(x, "nvfp4", layer["w"], layer["s"], layer["rs"], n,
+                                config=Q.GemmConfig(64, 256, 4, 4, asm=True))
+    if variant == "skinny":
+        if fmt == "fp8":
+            return lambda: Q.skinny(x, "fp8", layer["w"], layer["s"], None, n)
+        return lambda: Q.skinny(x, "nvfp4", layer["w"], layer["s"], layer["rs"], n)
+    cfg = VARIANTS[fmt][variant]
+    return lambda: G.gemv(x, fmt, layer["w"], layer.get("s"), layer.get("rs"), n, (128, 128), cfg)
+
+
+def graph_seconds(fns: list) -> float:
+    """Seconds per call: one CUDA graph of every fn in turn, median of replays."""
+    if DRY:
+        fns[0]()
+        return 1e-3
+    for fn in fns[:2]:
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    t = time_fn(g.replay, "cuda", warmup=2, repeats=7)
+    return sorted(t)[len(t) // 2] / len(fns)
+
+
+def correctness(results: list) -> None:
+    cases = [("fp8", 1, 6144, 4096, "g8x512"), ("fp8", 4, 4096, 12288, "g16x256"), ("fp8", 8, 5120, 2560, "g4x512"),
+             ("fp8", 1, 4096, 4096, "g8x512s2"), ("nvfp4", 1, 6144, 4096, "g8x1024"),
+             ("nvfp4", 4, 4096, 12288, "g16x512"), ("nvfp4", 8, 5120, 2560, "g4x1024"),
+             ("nvfp4", 1, 4096, 4096, "g8x1024noasm"), ("nvfp4", 3, 4096, 4096, "g8x1024s2"), ("nvfp4", 1, 6144, 4096, "g8x1024pf"),
+             ("fp8", 8, 4096, 4096, "g8x512pf"), ("bf16", 1, 4096, 4096, "g8x256pf"),
+             ("bf16", 1, 6144, 4096, "g8x256"), ("bf16", 4, 4096, 12288, "g16x256"), ("bf16", 7, 3000, 1000, "g8x512")]
+    if DEV.type == "cpu":
+        cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
+    for fmt, m, n, k, v in cases:
+        try:
+            r = QC.check_gemv(fmt, m, n, k, DEV.type, seed=m + n, config=VARIANTS[fmt][v])
+        except Exception as e:  # noqa: BLE001 - a variant that fails to build is a result
+            r = {"error": str(e)[-400:]}
+        r.update(fmt=fmt, M=m, N=n, K=k, variant=v, ok=r.get("unwritten") == 0 and r.get("rel_err", 1) < 2 ** -8)
+        results.append(r)
+        print(f"check {fmt:5s} M={m} {n}x{k} {v:14s} {'OK ' if r['ok'] else 'BAD'} {r.get('rel_err', r.get('error'))}",
+              flush=True)
+    # the forced split's counters must stay armed across launches (graph replays reuse them)
+    for fmt in ("fp8", "nvfp4"):
+        v = "g8x512s2" if fmt == "fp8" else "g8x1024s2"
+        n, k = (2048, 4096) if DEV.type == "cuda" else (64, 1024)
+        r = QC.check_gemv(fmt, 4, n, k, DEV.type, seed=11, config=VARIANTS[fmt][v])
+        r2 = QC.check_gemv(fmt, 4, n, k, DEV.type, seed=11, config=VARIANTS[fmt][v])
+        ok = r2["rel_err"] == r["rel_err"] and r["rel_err"] < 2 ** -8
+        results.append({"fmt": fmt, "variant": v, "repeat_split": True, "ok": ok, **r2})
+        print(f"check {fmt} split repeated: {'OK' if ok else 'BAD'} {r['rel_err']} {r2['rel_err']}", flush=True)
+
+
+def prefill(result: dict, bw: float) -> None:
+    """Prefill at 4k tokens, qwen3-8b layer shapes: bf16 cuBLAS, FP8 block-scaled GEMM with the torch or
+    the fused activation quantization, FP8 and NVFP4 dequantized to bf16 then cuBLAS, and what NVFP4
+    converted to FP8 blocks at load time would cost in accuracy (its speed is the FP8 GEMM's)."""
+    from engine.kernels.act_quant import quantize_activations_fused
+    from engine.quant import formats
+    M = 4096
+    rows = result.setdefault("prefill", [])
+    for name, (n, k) in layer_shapes(4096, 4096, 1024, 12288).items():
+        x = torch.randn(M, k, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
+        q, s = formats.quantize_fp8_block(w)
+        p, s4, s2 = formats.quantize_nvfp4(w)
+        rs = torch.full((n,), float(s2), device=DEV)
+        a_t, sa_t = Q.quantize_activations(x)
+        a_f, sa_f = quantize_activations_fused(x)
+        same = bool(torch.equal(a_t.view(torch.uint8), a_f.view(torch.uint8)) and torch.equal(sa_t, sa_f))
+        nv = formats.dequantize_nvfp4(p, s4, 1.0) * rs[:, None]
+        q8, s8 = formats.quantize_fp8_block(nv)
+        conv_err = float((formats.dequantize_fp8_block(q8, s8) - nv).norm() / nv.norm())
+        quant_err = float((nv - w.float()).norm() / w.float().norm())
+        del nv
+        fns = {"bf16_cublas": lambda: F.linear(x, w),
+               "fp8_blockwise_torch_actquant": lambda: Q._scaled_mm_blockwise(x, q, s, fused=False),
+               "fp8_blockwise_fused_actquant": lambda: Q._scaled_mm_blockwise(x, q, s, fused=True),
+               "actquant_torch_only": lambda: Q.quantize_activations(x),
+               "actquant_fused_only": lambda: quantize_activations_fused(x),
+               "fp8_dequant_cublas": lambda: F.linear(x, Q.dequantize("fp8", q, s, None, n, k, torch.bfloat16)),
+               "nvfp4_dequant_cublas": lambda: F.linear(x, Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16))}
+        flops = 2 * M * n * k
+        for kind, fn in fns.items():
+            try:
+                t = time_fn(fn, "cuda", warmup=2, repeats=10)
+                ms = sorted(t)[len(t) // 2] * 1e3
+            except Exception as e:  # noqa: BLE001
+                rows.append({"layer": name, "kind": kind, "error": str(e)[-300:]})
+                print(f"prefill {name} {kind}: ERROR {str(e)[-200:]}", flush=True)
+                continue
+            rows.append({"layer": name, "kind": kind, "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"prefill {name:8s} {kind:30s} {ms:7.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        rows.append({"layer": name, "fused_actquant_equals_torch": same, "nvfp4_to_fp8_rel_err": conv_err,
+                     "nvfp4_rel_err_vs_bf16": quant_err})
+        print(f"prefill {name}: fused act-quant == torch: {same}; NVFP4->FP8 blocks rel err {conv_err:.4f} "
+              f"(NVFP4 itself vs bf16 {quant_err:.4f})", flush=True)
+        del x, w, q, s, p, s4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget-s", type=float, default=140)
+    ap.add_argument("--rows", default="1,0,8,4,2", help="rows per point; 0 = the prefill comparison at that turn")
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name() if not DRY else "cpu", "torch": torch.__version__, "checks": [], "points": []}
+    bw = copy_bandwidth() if not DRY else 1e12
+    result["copy_Bps"] = bw
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s ({time.time() - T0:.0f} s)", flush=True)
+    correctness(result["checks"])
+    print(f"checks done ({time.time() - T0:.0f} s)", flush=True)
+    shapes = all_shapes() if not DRY else [("tiny", 64, 512)]
+    for m in [int(r) for r in args.rows.split(",")]:
+        if m == 0:
+            if not DRY and time.time() - T0 < args.budget_s - 20:
+                try:
+                    prefill(result, bw)
+                except Exception as e:  # noqa: BLE001
+                    print("prefill ERROR", e, flush=True)
+            continue
+        for label, n, k in shapes:
+            for fmt in ("bf16", "fp8", "nvfp4"):
+                if time.time() - T0 > args.budget_s:
+                    break
+                one = random_layer(fmt, n, k)
+                nbytes = layer_bytes(one)
+                copies = [one] + [random_layer(fmt, n, k) for _ in range(max(1, -(-200_000_000 // nbytes)) - 1)]
+                x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+                names = ["cublas"] if fmt == "bf16" else ["skinny"]
+                names += list(VARIANTS[fmt]) if m == 1 else list(MULTI_ROW[fmt])
+                if fmt == "nvfp4" and m in (1, 8):
+                    names.append("skinny_asm")
+                if m == 2:
+                    names = names[:2]
+                for v in names:
+                    fns = [call(fmt, v, copies[i % len(copies)], x, n) for i in range(max(20, len(copies)))]
+                    try:
+                        s = graph_seconds(fns)
+                    except Exception as e:  # noqa: BLE001
+                        result["points"].append({"shape": label, "fmt": fmt, "M": m, "variant": v, "error": str(e)[-300:]})
+                        print(f"{label} {fmt} M={m} {v}: ERROR {str(e)[-200:]}", flush=True)
+                        continue
+                    result["points"].append({"shape": label, "N": n, "K": k, "fmt": fmt, "M": m, "variant": v,
+                                             "us": s * 1e6, "GBps": nbytes / s / 1e9, "of_copy": nbytes / s / bw})
+                del copies, one
+            (OUT / "gemv_sweep.json").write_text(json.dumps(result, indent=1))
+        torch.cuda.empty_cache()
+    (OUT / "gemv_sweep.json").write_text(json.dumps(result, indent=1))
+    print(f"\n== GB/s and fraction of copy ({bw / 1e12:.2f} TB/s); best GEMV variant vs before ==")
+    by = {}
+    for p in result["points"]:
+        if "us" in p:
+            by.setdefault((p["M"], p["shape"], p["fmt"]), []).append(p)
+    for (m, label, fmt), pts in by.items():
+        base = next((p for p in pts if p["variant"] in ("cublas", "skinny")), None)
+        ours = [p for p in pts if p["variant"] not in ("cublas", "skinny", "skinny_asm")]
+        best = max(ours, key=lambda p: p["GBps"]) if ours else None
+        line = f"M={m} {label:16s} {fmt:5s} "
+        if base:
+            line += f"{base['variant']:6s} {base['GBps']:6.0f} GB/s {base['of_copy']:.2f} | "
+        if best:
+            line += f"{best['variant']:13s} {best['GBps']:6.0f} GB/s {best['of_copy']:.2f} {best['us']:7.1f} us"
+            line += "  " + " ".join(f"{p['variant']}={p['of_copy']:.2f}" for p in pts if p is not base)
+        print(line)
+    print(f"total {time.time() - T0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
