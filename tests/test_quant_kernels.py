@@ -77,3 +77,51 @@ def test_blockwise_fp8_prefill_matches_the_reference_with_quantized_activations(
     r = qt.check_w8a8(*shape, DEV, seed=sum(shape))
     assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
     assert r["activation_rel_err"] < 0.05
+
+
+# -- the decode GEMV (engine/kernels/gemv.py) ----------------------------------------------------------
+
+GEMV_SHAPES = ([(1, 6144, 4096), (2, 4096, 12288), (4, 24576, 4096), (8, 5120, 2560), (3, 3000, 1000)] if CUDA else
+               [(1, 48, 256), (3, 40, 160), (8, 64, 512)])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GEMV_SHAPES])
+def test_gemv_matches_the_reference(qt, fmt, shape):
+    r = qt.check_gemv(fmt, *shape, DEV, seed=sum(shape))
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["split3", "prefetch", "split2_prefetch", "no_asm"])
+def test_gemv_launch_variants_and_small_scale_blocks(qt, variant):
+    """FP8 scale blocks of 64 x 32 (a TP rank's slice inside a 128 block), K split over programs with the
+    last one summing (run twice: its counters must be re-armed), the next tile loaded ahead, and NVFP4's
+    nibbles decoded by Triton ops instead of PTX."""
+    from engine.kernels.gemv import GemvConfig
+    cfg = {"split3": GemvConfig(8, 128, 4, split=3), "prefetch": GemvConfig(8, 128, 4, prefetch=True),
+           "split2_prefetch": GemvConfig(4, 128, 4, split=2, prefetch=True),
+           "no_asm": GemvConfig(8, 128, 4, asm=False)}[variant]
+    n, k = (512, 2048) if CUDA else (32, 512)
+    for fmt in ("fp8", "nvfp4", "bf16"):
+        for m in (1, 5):
+            for _ in range(2):
+                r = qt.check_gemv(fmt, m, n, k, DEV, seed=m, config=cfg, block=(64, 32))
+                assert r["unwritten"] == 0 and r["rel_err"] < TOL, (fmt, m, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the interpreter's float32 -> e4m3 cast does not round to nearest")
+@pytest.mark.parametrize("rows", [1, 7, 300, 4096])
+def test_fused_activation_quantization_is_the_torch_one(rows):
+    import torch.nn.functional as F
+
+    from engine.kernels.act_quant import quantize_activations_fused
+    from engine.kernels.quant_gemm import quantize_activations
+    x = torch.randn(rows, 4096, generator=torch.Generator().manual_seed(rows)).to(DEV, torch.bfloat16) * 3
+    x[0, :128] = 0                                               # an all-zero block takes the floor scale
+    q, s = quantize_activations_fused(x)
+    qt_, st = quantize_activations(F.pad(x, (0, 0, 0, -rows % 4)))
+    assert q.shape == qt_.shape and s.shape == st.shape and s.stride() == (1, q.shape[0])
+    assert torch.equal(q.view(torch.uint8), qt_.view(torch.uint8)) and torch.equal(s, st)

@@ -143,6 +143,12 @@ def correctness(results: list) -> None:
         results.append(r)
         print(f"check {fmt:5s} M={m} {n}x{k} {v:14s} {'OK ' if r['ok'] else 'BAD'} {r.get('rel_err', r.get('error'))}",
               flush=True)
+    for fmt in ("fp8", "nvfp4"):
+        n, k = (3072, 4096) if DEV.type == "cuda" else (48, 256)
+        r = QC.check_dequantize(fmt, n, k, DEV.type, seed=7)
+        ok = r["unwritten"] == 0 and r["exact_in_bf16"]
+        results.append({"fmt": fmt, "dequantize": True, "ok": ok, **r})
+        print(f"check dequantize {fmt}: {'OK' if ok else 'BAD'} {r}", flush=True)
     # the forced split's counters must stay armed across launches (graph replays reuse them)
     for fmt in ("fp8", "nvfp4"):
         v = "g8x512s2" if fmt == "fp8" else "g8x1024s2"
@@ -182,7 +188,8 @@ def prefill(result: dict, bw: float) -> None:
                "actquant_torch_only": lambda: Q.quantize_activations(x),
                "actquant_fused_only": lambda: quantize_activations_fused(x),
                "fp8_dequant_cublas": lambda: F.linear(x, Q.dequantize("fp8", q, s, None, n, k, torch.bfloat16)),
-               "nvfp4_dequant_cublas": lambda: F.linear(x, Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16))}
+               "nvfp4_dequant_cublas": lambda: F.linear(x, Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16)),
+               "nvfp4_dequant_only": lambda: Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16)}
         flops = 2 * M * n * k
         for kind, fn in fns.items():
             try:

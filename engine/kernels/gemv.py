@@ -256,7 +256,9 @@ class GemvConfig:
     prefetch: bool = False  # load the next tile before this one's arithmetic
 
 
+# launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern)
 _DEFAULTS = {"fp8": GemvConfig(8, 512, 4), "nvfp4": GemvConfig(8, 1024, 4), "bf16": GemvConfig(8, 256, 4)}
+GEMV_ROWS = {"fp8": 8, "nvfp4": 8, "bf16": 0}     # up to these rows the GEMV beats the tensor-core / cuBLAS path
 _WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 WORKSPACE_FLOATS = 1 << 20      # SPLIT * M * N fp32 partials at most (4 MiB)
 COUNTERS = 1 << 16              # output blocks at most
@@ -264,6 +266,10 @@ COUNTERS = 1 << 16              # output blocks at most
 
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
     return _DEFAULTS[fmt]
+
+
+def use_gemv(fmt: str, rows: int) -> bool:
+    return rows <= GEMV_ROWS.get(fmt, 0)
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +303,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    ws, cnt = _workspace(x.device)
+    ws, cnt = _workspace(x.device) if split > 1 else (out, out)
     s = scale if scale is not None else weight
     rs = row_scale if row_scale is not None else s
     asm = cfg.asm and x.is_cuda and code == NVFP4_CODE
@@ -307,3 +313,11 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
                                   EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x: [..., K] bf16; weight: bf16 [N, K] -> [..., N] (a dense layer's decode rows)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return gemv(x2, "bf16", weight).view(*x.shape[:-1], weight.shape[0])

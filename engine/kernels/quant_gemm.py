@@ -1,5 +1,7 @@
 """Matmuls of quantized linear layers on CUDA: y[M, N] = x[M, K] @ W[N, K]^T.
 
+  gemv      decode at 1..8 rows (engine/kernels/gemv.py): no tensor cores, the weight streamed once;
+            `quant_linear` takes it up to gemv.GEMV_ROWS rows, then `skinny`.
   skinny    decode (M <= 64 rows): the weight tile is the dot's first operand, so it goes from
             registers to the tensor cores as dequantized (no shared-memory round trip), and the few
             activation rows are the second (16, 32 or 64 columns). FP8 blocks: e4m3 -> bf16 is exact
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import gemv
 from engine.kernels.gemv import E2M1_ASM
 
 NVFP4_CODE, FP8_CODE = 1, 0
@@ -158,7 +161,7 @@ wxa16 = skinny
 
 @triton.jit
 def _dequantize_kernel(w_ptr, s_ptr, rs_ptr, o_ptr, N, K, stride_wn, stride_sn, stride_on, scale_br, scale_bc,
-                       FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     rows = offs_n[:, None].to(tl.int64)
@@ -166,12 +169,19 @@ def _dequantize_kernel(w_ptr, s_ptr, rs_ptr, o_ptr, N, K, stride_wn, stride_sn, 
     if FMT == 1:
         offs_p = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         ok = n_ok[:, None] & (offs_p[None, :] < K // 2)
-        p = tl.load(w_ptr + rows * stride_wn + offs_p[None, :], mask=ok, other=0).to(tl.int32)
+        p = tl.load(w_ptr + rows * stride_wn + offs_p[None, :], mask=ok, other=0)
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [p],
+                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+        else:
+            lo = _e2m1_times_2p14(p.to(tl.int32) & 15)
+            hi = _e2m1_times_2p14(p.to(tl.int32) >> 4)
         s = tl.load(s_ptr + rows * stride_sn + offs_p[None, :] // 8, mask=ok, other=0.0).to(tl.float32)
         s = s * 16384.0 * tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        out = o_ptr + rows * stride_on + 2 * offs_p[None, :]
-        tl.store(out, (_e2m1_times_2p14(p & 15) * s).to(dt), mask=ok)
-        tl.store(out + 1, (_e2m1_times_2p14(p >> 4) * s).to(dt), mask=ok)
+        # even and odd columns interleaved in registers, so each row is stored contiguously
+        vals = tl.reshape(tl.join(lo * s, hi * s), (BLOCK_N, BLOCK_K)).to(dt)
+        offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        tl.store(o_ptr + rows * stride_on + offs_k[None, :], vals, mask=n_ok[:, None] & (offs_k[None, :] < K))
     else:
         offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
         ok = n_ok[:, None] & (offs_k[None, :] < K)
@@ -188,7 +198,8 @@ def dequantize(fmt: str, weight: torch.Tensor, scale: torch.Tensor, row_scale: t
     grid = (triton.cdiv(N, 32), triton.cdiv(K, 128))
     _dequantize_kernel[grid](weight, scale, row_scale if row_scale is not None else scale, out, N, K,
                              weight.stride(0), scale.stride(0), out.stride(0), scale_block[0], scale_block[1],
-                             FMT=NVFP4_CODE if fmt == "nvfp4" else FP8_CODE, BLOCK_N=32, BLOCK_K=128, num_warps=4)
+                             FMT=NVFP4_CODE if fmt == "nvfp4" else FP8_CODE, BLOCK_N=32, BLOCK_K=128,
+                             ASM=weight.is_cuda, num_warps=4)
     return out
 
 
@@ -252,7 +263,13 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     n, k = layer.out_features, layer.in_features
     fp8 = layer.quant == "fp8"
-    if x2.shape[0] <= SKINNY_MAX_ROWS:
+    rows = x2.shape[0]
+    if gemv.use_gemv(layer.quant, rows):
+        if fp8:
+            y = gemv.gemv(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
+        else:
+            y = gemv.gemv(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
+    elif rows <= SKINNY_MAX_ROWS:
         if fp8:
             y = skinny(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
         else:

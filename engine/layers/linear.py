@@ -69,6 +69,10 @@ class _Linear(nn.Module):
         if self.quant is not None:
             from engine.quant.linear import apply
             return apply(self, x)
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            from engine.kernels import gemv
+            if gemv.use_gemv("bf16", x.numel() // x.shape[-1]):    # decode rows: the GEMV where it beat cuBLAS
+                return gemv.linear(x, self.weight)
         return F.linear(x, self.weight)
 
 
