@@ -67,8 +67,8 @@ VARIANTS = {
              "g8x256pf": G.GemvConfig(8, 256, 4, prefetch=True), "g16x256pf": G.GemvConfig(16, 256, 4, prefetch=True)},
 }
 # at M > 1 only these (compile time)
-MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
-             "bf16": ("g8x256", "g16x256", "g8x256pf")}
+MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
+             "bf16": ("g8x256", "g16x256", "g8x256pf", "g8x256x1d")}
 
 
 def copy_bandwidth() -> float:
