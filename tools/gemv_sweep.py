@@ -165,6 +165,7 @@ def prefill(result: dict, bw: float) -> None:
     the fused activation quantization, FP8 and NVFP4 dequantized to bf16 then cuBLAS, and what NVFP4
     converted to FP8 blocks at load time would cost in accuracy (its speed is the FP8 GEMM's)."""
     from engine.kernels.act_quant import quantize_activations_fused
+    from engine.kernels.fp8_gemm import Fp8GemmConfig, fp8_block_gemm
     from engine.quant import formats
     M = 4096
     rows = result.setdefault("prefill", [])
@@ -190,6 +191,21 @@ def prefill(result: dict, bw: float) -> None:
                "fp8_dequant_cublas": lambda: F.linear(x, Q.dequantize("fp8", q, s, None, n, k, torch.bfloat16)),
                "nvfp4_dequant_cublas": lambda: F.linear(x, Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16)),
                "nvfp4_dequant_only": lambda: Q.dequantize("nvfp4", p, s4, rs, n, k, torch.bfloat16)}
+        def triton_fp8(cfg):
+            a, sa = quantize_activations_fused(x, row_multiple=1)
+            return fp8_block_gemm(a, sa, q, s, torch.bfloat16, config=cfg)
+        for cname, cfg in (("128x128w8s3", Fp8GemmConfig(128, 128, 8, 3)), ("128x256w8s3", Fp8GemmConfig(128, 256, 8, 3)),
+                           ("128x128w4s4", Fp8GemmConfig(128, 128, 4, 4)), ("64x256w4s4", Fp8GemmConfig(64, 256, 4, 4))):
+            fns[f"fp8_triton_{cname}"] = lambda cfg=cfg: triton_fp8(cfg)
+        if name == "qkv":
+            a, sa = quantize_activations_fused(x, row_multiple=1)
+            ref = formats.dequantize_fp8_block(a, sa, (1, 128)) @ formats.dequantize_fp8_block(q, s).T
+            for cname, cfg in (("128x128w8s3", Fp8GemmConfig(128, 128, 8, 3)),):
+                y = fp8_block_gemm(a[:4000], sa[:4000], q, s, torch.bfloat16, config=cfg)
+                err = float((y.float() - ref[:4000]).abs().max() / ref.abs().max())
+                rows.append({"layer": name, "kind": f"check fp8_triton_{cname}", "rel_err": err})
+                print(f"check fp8 triton gemm {cname}: rel err {err:.5f} ({'OK' if err < 2 ** -8 else 'BAD'})", flush=True)
+            del ref
         flops = 2 * M * n * k
         for kind, fn in fns.items():
             try:
