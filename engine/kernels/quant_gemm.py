@@ -254,6 +254,11 @@ def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
 
 # -- the layer's entry -------------------------------------------------------------------------------
 
+# FP8 prefill (more than SKINNY_MAX_ROWS rows): "triton" (engine/kernels/fp8_gemm.py), "cublas" (torch's
+# block-scaled GEMM) or "dequantize" (bf16 weight, then cuBLAS); chosen by tools/gemv_sweep.py on the H200
+FP8_PREFILL = "cublas"
+
+
 def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in] bf16/fp16 -> [..., out] (other dtypes take the reference path in engine.quant.linear)
     import torch.nn.functional as F
@@ -274,7 +279,13 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
             y = skinny(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
         else:
             y = skinny(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
-    elif fp8 and layer.scale_block == (128, 128) and k % 128 == 0 and n % 128 == 0 and _blockwise_available(x2.device):
+    elif fp8 and FP8_PREFILL == "triton" and k % 128 == 0 and layer.scale_block[1] == 128:
+        from engine.kernels.act_quant import quantize_activations_fused
+        from engine.kernels.fp8_gemm import fp8_block_gemm
+        a, sa = quantize_activations_fused(x2, row_multiple=1)
+        y = fp8_block_gemm(a, sa, layer.weight, layer.weight_scale_inv, x2.dtype, scale_block=layer.scale_block)
+    elif (fp8 and FP8_PREFILL != "dequantize" and layer.scale_block == (128, 128) and k % 128 == 0 and n % 128 == 0
+          and _blockwise_available(x2.device)):
         y = _scaled_mm_blockwise(x2, layer.weight, layer.weight_scale_inv)
     elif fp8:
         y = F.linear(x2, dequantize("fp8", layer.weight, layer.weight_scale_inv, None, n, k, x2.dtype, layer.scale_block))
