@@ -10,8 +10,8 @@ output rows and a slice of K (all of K unless SPLIT > 1) and walks it BLOCK_K co
     16 columns (a reshape and a sum over the last axis), so the cross-thread reduction happens once,
     after the loop, not once per tile;
   - FP8 128x128 blocks: the program's rows share one row of block scales (BLOCK_N divides the scale
-    block), so the scale multiplies the activation columns (BLOCK_K values) instead of the weight
-    (BLOCK_N x BLOCK_K values);
+    block), loaded once per tile as BLOCK_K values and multiplied into the converted weight once,
+    whatever the number of rows;
   - NVFP4: a byte holds the even column in its low nibble and the odd one in the high nibble; each is
     turned into an fp16 number equal to 2^-14 times its E2M1 value (exponent 0 is fp16's subnormal,
     so 0 and 0.5 come out right) and multiplied by the even or odd activation column; the 16 values
@@ -59,8 +59,8 @@ def _e2m1_x2p14(c):
 
 
 @triton.jit
-def _row_part(w_lo, w_hi, s, x_ptr, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
+def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
     """One activation row's in-thread partial sums over a tile: [BLOCK_N, BLOCK_K // VEC] fp32."""
     offs_x = k0 + tl.arange(0, BLOCK_K)
     if FMT != 1 and X2D:
@@ -68,14 +68,14 @@ def _row_part(w_lo, w_hi, s, x_ptr, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.co
         # multiplies, from L1), so no layout conversion through shared memory is needed
         x_ptrs = x_ptr + offs_x[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
         if EVEN_K:
-            x2 = tl.load(x_ptrs).to(tl.float32)
+            x2 = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
         else:
-            x2 = tl.load(x_ptrs, mask=offs_x[None, :] < k_end, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptrs, mask=(offs_x[None, :] < k_end) & row_ok, other=0.0).to(tl.float32)
     else:
         if EVEN_K:
-            x = tl.load(x_ptr + offs_x).to(tl.float32)
+            x = tl.load(x_ptr + offs_x, mask=row_ok, other=0.0).to(tl.float32)
         else:
-            x = tl.load(x_ptr + offs_x, mask=offs_x < k_end, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_x, mask=(offs_x < k_end) & row_ok, other=0.0).to(tl.float32)
         x2 = x[None, :]
     if FMT == 1:
         # activation columns 2j meet the low nibbles, 2j+1 the high ones
@@ -83,8 +83,6 @@ def _row_part(w_lo, w_hi, s, x_ptr, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.co
         prod = w_lo * xe[None, :] + w_hi * xo[None, :]
         part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2) * s    # [BN, BK/16] group scales
     else:
-        if FMT == 0:
-            x2 = x2 * s[None, :]                                            # [BK] block scales of this row block
         part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
     return part
 
@@ -124,7 +122,7 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, N, K, stride_xm, stride_wn, stride_sn,
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, K, stride_xm, stride_wn, stride_sn,
                  stride_om, k_per_split, scale_br,
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -175,63 +173,63 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, N, K, stri
             s = s_raw.to(tl.float32)                                        # [BN, BK/16]
         else:
             w_lo = raw.to(tl.float32)
-            w_hi = w_lo
             if FMT == 0:
-                s = s_raw                                                   # [BK]
-            else:
-                s = 1.0
-        acc0 += _row_part(w_lo, w_hi, s, x_ptr, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+                w_lo = w_lo * s_raw[None, :]                                # [BK] block scales of this row block
+            w_hi = w_lo
+            s = 1.0
+        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 1:
-            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 2:
-            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 3:
-            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 4:
-            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 5:
-            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 6:
-            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 7:
-            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if PREFETCH:
             raw, s_raw = raw_next, s_next
     if FMT == 1:
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
         rs = tl.full((BLOCK_N,), 1.0, tl.float32)
-    _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+    _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 1:
-        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 2:
-        _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 3:
-        _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 4:
-        _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 5:
-        _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 6:
-        _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if M > 7:
-        _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M)
+        _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
     if SPLIT > 1:
-        _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M)
+        _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M, M_rows)
 
 
 @triton.jit
 def _finish(y, m, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT: tl.constexpr,
-            M: tl.constexpr):
+            M: tl.constexpr, M_rows):
     # y: [BN] fp32 of row m: the output (one split) or this split's partial in the workspace [SPLIT, M, N]
     if SPLIT == 1:
-        tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok & (m < M_rows))
     else:
         tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=n_ok)
 
 
 @triton.jit
-def _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT: tl.constexpr, M: tl.constexpr):
+def _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT: tl.constexpr, M: tl.constexpr,
+                   M_rows):
     """The last split of an output block to arrive sums every split's partial (in split order)."""
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -240,7 +238,7 @@ def _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SP
             y = tl.zeros_like(offs_n.to(tl.float32))
             for j in tl.static_range(SPLIT):
                 y += tl.load(ws_ptr + (j * M + m) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
-            tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok)
+            tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok & (m < M_rows))
         tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
@@ -298,7 +296,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     block_k = cfg.block_k
     grid_n = triton.cdiv(N, block_n)
     split = max(1, cfg.split)
-    if split > 1 and (split * M * N > WORKSPACE_FLOATS or grid_n > COUNTERS):
+    if split > 1 and (split * triton.next_power_of_2(M) * N > WORKSPACE_FLOATS or grid_n > COUNTERS):
         split = 1
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_per_split)
@@ -307,9 +305,10 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     s = scale if scale is not None else weight
     rs = row_scale if row_scale is not None else s
     asm = cfg.asm and x.is_cuda and code == NVFP4_CODE
-    _gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, N, K, x.stride(0), weight.stride(0),
+    rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
+    _gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
-                                  scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=M, BLOCK_N=block_n,
+                                  scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
                                   EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
