@@ -177,42 +177,58 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N,
                 w_lo = w_lo * s_raw[None, :]                                # [BK] block scales of this row block
             w_hi = w_lo
             s = 1.0
-        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
+                          FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 1:
-            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 2:
-            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 3:
-            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 4:
-            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 5:
-            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 6:
-            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 7:
-            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if PREFETCH:
             raw, s_raw = raw_next, s_next
     if FMT == 1:
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
         rs = tl.full((BLOCK_N,), 1.0, tl.float32)
-    _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+    _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+            pid_n, pid_k, SPLIT, M, M_rows)
     if M > 1:
-        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 2:
-        _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 3:
-        _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 4:
-        _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 5:
-        _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 6:
-        _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 7:
-        _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if SPLIT > 1:
         _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M, M_rows)
 
@@ -310,7 +326,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
-                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
