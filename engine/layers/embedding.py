@@ -57,8 +57,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         limit = self.vocab_size if num_rows is None else min(num_rows, self.vocab_size)
         mine = self.rows_below(limit)
         if self.tp.size == 1:
-            return F.linear(hidden, self.weight if mine == self.rows else self.weight[:mine])
+            return self._project(hidden, self.weight if mine == self.rows else self.weight[:mine])
         logits = hidden.new_zeros(hidden.shape[0], limit)
         if mine:
-            logits[:, self.start:self.start + mine] = F.linear(hidden, self.weight[:mine])
+            logits[:, self.start:self.start + mine] = self._project(hidden, self.weight[:mine])
         return self.tp.all_reduce(logits)
+
+    @staticmethod
+    def _project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, hidden]; weight: [V, hidden] -> [N, V]; decode rows take the GEMV where it beat cuBLAS
+        if hidden.is_cuda and hidden.dtype == torch.bfloat16:
+            from engine.kernels import gemv
+            if gemv.use_gemv("bf16", hidden.shape[0]):
+                return gemv.linear(hidden, weight)
+        return F.linear(hidden, weight)
