@@ -226,11 +226,42 @@ def prefill(result: dict, bw: float) -> None:
         del x, w, q, s, p, s4
 
 
+def report(result: dict) -> None:
+    """Per format and row count: each variant's time summed over the layers of one model (one layer of
+    each kind), as a fraction of copy bandwidth -- the figure a launch-shape default is chosen by."""
+    bw = result["copy_Bps"]
+    groups = {"8b": lambda l: l.startswith("8b ") and "tp2" not in l and "lm_head" not in l,
+              "8b tp2": lambda l: l.startswith("8b ") and l.endswith("tp2") and "lm_head" not in l,
+              "32b": lambda l: l.startswith("32b ") and "tp2" not in l,
+              "32b tp2": lambda l: l.startswith("32b ") and l.endswith("tp2")}
+    pts = [p for p in result["points"] if "us" in p]
+    print("\n== per model (sum over qkv, o, gate_up, down): fraction of copy bandwidth by variant ==")
+    for fmt in ("bf16", "fp8", "nvfp4"):
+        for m in sorted({p["M"] for p in pts}):
+            for g, pick in groups.items():
+                sel = [p for p in pts if p["fmt"] == fmt and p["M"] == m and pick(p["shape"])]
+                by_v: dict = {}
+                for p in sel:
+                    by_v.setdefault(p["variant"], []).append(p)
+                full = {v: ps for v, ps in by_v.items() if len(ps) == 4}
+                if not full:
+                    continue
+                frac = {v: sum(p["GBps"] * p["us"] for p in ps) * 1e3 / (sum(p["us"] for p in ps) * 1e-6) / bw
+                        for v, ps in full.items()}
+                best = max(frac, key=frac.get)
+                print(f"{fmt:5s} M={m} {g:8s} best {best:13s} {frac[best]:.3f} | "
+                      + " ".join(f"{v}={f:.3f}" for v, f in sorted(frac.items(), key=lambda kv: -kv[1])))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=140)
     ap.add_argument("--rows", default="1,0,8,4,2", help="rows per point; 0 = the prefill comparison at that turn")
+    ap.add_argument("--report", default=None, help="print the per-model table of an earlier gemv_sweep.json and stop")
     args = ap.parse_args()
+    if args.report:
+        report(json.loads(Path(args.report).read_text()))
+        return 0
     result = {"device": torch.cuda.get_device_name() if not DRY else "cpu", "torch": torch.__version__, "checks": [], "points": []}
     bw = copy_bandwidth() if not DRY else 1e12
     result["copy_Bps"] = bw
@@ -290,6 +321,8 @@ def main() -> int:
             line += f"{best['variant']:13s} {best['GBps']:6.0f} GB/s {best['of_copy']:.2f} {best['us']:7.1f} us"
             line += "  " + " ".join(f"{p['variant']}={p['of_copy']:.2f}" for p in pts if p is not base)
         print(line)
+    if not DRY:
+        report(result)
     print(f"total {time.time() - T0:.0f} s")
     return 0
 
