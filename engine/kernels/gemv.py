@@ -26,7 +26,7 @@ Grids depend on shapes only (CUDA-graph safe); the workspace and counters are ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -270,16 +270,30 @@ class GemvConfig:
     prefetch: bool = False  # load the next tile before this one's arithmetic
 
 
-# launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern)
-_DEFAULTS = {"fp8": GemvConfig(8, 512, 4), "nvfp4": GemvConfig(8, 1024, 4), "bf16": GemvConfig(8, 256, 4)}
-GEMV_ROWS = {"fp8": 8, "nvfp4": 8, "bf16": 0}     # up to these rows the GEMV beats the tensor-core / cuBLAS path
+# Launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern/
+# sync1): the fraction of copy bandwidth summed over one layer of each kind, qwen3-8b / -32b, TP1 / TP2 shards.
+#   M = 1: FP8 8x1024 tiles 0.74 / 0.88 / 0.61 / 0.73 (tensor-core skinny 0.43 / 0.50 / 0.32 / 0.41);
+#          NVFP4 8x2048 (narrow layers) and 16x1024 (N >= 10240) 0.42 / 0.44 / 0.35 / 0.39 (skinny 0.16-0.18);
+#          bf16 4x512 0.95 / 1.03 / 0.86 / 0.97 (cuBLAS 0.89 / 0.95 / 0.74 / 0.89; a read-only stream can pass a copy).
+#   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
+#   M = 4 and 8: the tensor-core skinny kernel (and cuBLAS for bf16) win, so the GEMV stops at 2 rows.
+GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": 1}
 _WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 WORKSPACE_FLOATS = 1 << 20      # SPLIT * M * N fp32 partials at most (4 MiB)
 COUNTERS = 1 << 16              # output blocks at most
 
 
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
-    return _DEFAULTS[fmt]
+    if fmt == "fp8":
+        cfg = GemvConfig(8, 1024 if M == 1 else 512)
+    elif fmt == "nvfp4":
+        cfg = GemvConfig(16, 1024) if M == 1 and N >= 10240 else GemvConfig(8, 2048 if M == 1 else 1024)
+    else:
+        cfg = GemvConfig(4, 512) if M == 1 else GemvConfig(8, 256)
+    block_k = cfg.block_k
+    while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
+        block_k //= 2
+    return replace(cfg, block_k=block_k)
 
 
 def use_gemv(fmt: str, rows: int) -> bool:
