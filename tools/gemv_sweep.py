@@ -161,7 +161,11 @@ def correctness(results: list) -> None:
         print(f"check {fmt} split repeated: {'OK' if ok else 'BAD'} {r['rel_err']} {r2['rel_err']}", flush=True)
 
 
-def prefill(result: dict, bw: float) -> None:
+PREFILL_CONFIGS = {"128x128w8s3": (128, 128, 8, 3), "128x256w8s3": (128, 256, 8, 3), "128x128w4s4": (128, 128, 4, 4),
+                   "64x256w4s4": (64, 256, 4, 4)}
+
+
+def prefill(result: dict, bw: float, layers: list[str] | None = None, configs: list[str] | None = None) -> None:
     """Prefill at 4k tokens, qwen3-8b layer shapes: bf16 cuBLAS, FP8 block-scaled GEMM with the torch or
     the fused activation quantization, FP8 and NVFP4 dequantized to bf16 then cuBLAS, and what NVFP4
     converted to FP8 blocks at load time would cost in accuracy (its speed is the FP8 GEMM's)."""
@@ -171,6 +175,8 @@ def prefill(result: dict, bw: float) -> None:
     M = 4096 if not DRY else 64
     rows = result.setdefault("prefill", [])
     shapes = layer_shapes(4096, 4096, 1024, 12288) if not DRY else {"qkv": (256, 512), "o": (128, 256)}
+    if layers:
+        shapes = {k: v for k, v in shapes.items() if k in layers}
     for name, (n, k) in shapes.items():
         x = torch.randn(M, k, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=DEV, dtype=torch.bfloat16) * k ** -0.5
@@ -196,16 +202,16 @@ def prefill(result: dict, bw: float) -> None:
         def triton_fp8(cfg):
             a, sa = quantize_activations_fused(x, row_multiple=1)
             return fp8_block_gemm(a, sa, q, s, torch.bfloat16, config=cfg)
-        for cname, cfg in (("128x128w8s3", Fp8GemmConfig(128, 128, 8, 3)), ("128x256w8s3", Fp8GemmConfig(128, 256, 8, 3)),
-                           ("128x128w4s4", Fp8GemmConfig(128, 128, 4, 4)), ("64x256w4s4", Fp8GemmConfig(64, 256, 4, 4))):
+        chosen = {c: Fp8GemmConfig(*PREFILL_CONFIGS[c]) for c in (configs or PREFILL_CONFIGS)}
+        for cname, cfg in chosen.items():
             fns[f"fp8_triton_{cname}"] = lambda cfg=cfg: triton_fp8(cfg)
-        if name == "qkv":
+        if name == next(iter(shapes)):
             a, sa = quantize_activations_fused(x, row_multiple=1)
             ref = formats.dequantize_fp8_block(a, sa, (1, 128)) @ formats.dequantize_fp8_block(q, s).T
-            for cname, cfg in (("128x128w8s3", Fp8GemmConfig(128, 128, 8, 3)),):
+            for cname, cfg in list(chosen.items())[:1]:
                 y = fp8_block_gemm(a, sa, q, s, torch.bfloat16, rows=M - 96 if not DRY else M - 5, config=cfg)
                 err = float((y.float() - ref[:y.shape[0]]).abs().max() / ref.abs().max())
-                rows.append({"layer": name, "kind": f"check fp8_triton_{cname}", "rel_err": err})
+                rows.append({"layer": name, "kind": f"check fp8_triton_{cname}", "rel_err": err, "ok": err < 2 ** -8})
                 print(f"check fp8 triton gemm {cname}: rel err {err:.5f} ({'OK' if err < 2 ** -8 else 'BAD'})", flush=True)
             del ref
         flops = 2 * M * n * k
@@ -253,11 +259,36 @@ def report(result: dict) -> None:
                       + " ".join(f"{v}={f:.3f}" for v, f in sorted(frac.items(), key=lambda kv: -kv[1])))
 
 
+def fp8_prefill_winner(result: dict) -> None:
+    """The FP8 prefill route with the least time summed over the measured layers (engine/kernels/quant_gemm.py
+    FP8_PREFILL: triton, cublas or dequantize)."""
+    total: dict = {}
+    for r in result.get("prefill", []):
+        if "ms" in r:
+            total.setdefault(r["kind"], []).append(r["ms"])
+    routes = {"cublas": "fp8_blockwise_fused_actquant", "dequantize": "fp8_dequant_cublas"}
+    bad = {r["kind"].removeprefix("check ") for r in result.get("prefill", []) if r.get("ok") is False}
+    routes.update({k.removeprefix("fp8_"): k for k in total if k.startswith("fp8_triton_") and k not in bad})
+    n = max((len(v) for v in total.values()), default=0)
+    sums = {route: sum(total[k]) for route, k in routes.items() if k in total and len(total[k]) == n}
+    if not sums:
+        return
+    best = min(sums, key=sums.get)
+    result["fp8_prefill_ms"] = sums
+    bf16 = sum(total.get("bf16_cublas", [])) or None
+    print("fp8 prefill routes (ms summed over layers): " + ", ".join(f"{k} {v:.3f}" for k, v in sums.items())
+          + (f"; bf16 {bf16:.3f}" if bf16 else ""))
+    print(f"FP8_PREFILL_WINNER={'triton' if best.startswith('triton') else best} {best}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=140)
     ap.add_argument("--rows", default="1,0,8,4,2", help="rows per point; 0 = the prefill comparison at that turn")
     ap.add_argument("--report", default=None, help="print the per-model table of an earlier gemv_sweep.json and stop")
+    ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--prefill-layers", default=None, help="comma-separated subset of qkv,o,gate_up,down")
+    ap.add_argument("--prefill-configs", default=None, help="comma-separated subset of " + ",".join(PREFILL_CONFIGS))
     args = ap.parse_args()
     if args.report:
         report(json.loads(Path(args.report).read_text()))
@@ -266,14 +297,17 @@ def main() -> int:
     bw = copy_bandwidth() if not DRY else 1e12
     result["copy_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s ({time.time() - T0:.0f} s)", flush=True)
-    correctness(result["checks"])
+    if not args.no_checks:
+        correctness(result["checks"])
     print(f"checks done ({time.time() - T0:.0f} s)", flush=True)
     shapes = all_shapes() if not DRY else [("tiny", 64, 512)]
     for m in [int(r) for r in args.rows.split(",")]:
         if m == 0:
             if time.time() - T0 < args.budget_s - 20:
                 try:
-                    prefill(result, bw)
+                    prefill(result, bw, args.prefill_layers and args.prefill_layers.split(","),
+                            args.prefill_configs and args.prefill_configs.split(","))
+                    fp8_prefill_winner(result)
                 except Exception as e:  # noqa: BLE001
                     print("prefill ERROR", e, flush=True)
             continue
