@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import gemv
-from engine.kernels.gemv import E2M1_ASM
+from engine.kernels.gemv_kernel import E2M1_ASM
 
 NVFP4_CODE, FP8_CODE = 1, 0
 

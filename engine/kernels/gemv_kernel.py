@@ -1,0 +1,234 @@
+"""The Triton code of the decode GEMV (launched by engine/kernels/gemv.py, whose docstring says how it works).
+
+One program: BLOCK_N output rows x one slice of K, walked BLOCK_K columns at a time; M (1, 2, 4 or 8,
+the rows past the caller's count masked) activation rows accumulated in separate registers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_CODE, NVFP4_CODE, BF16_CODE = 0, 1, 2
+
+# four packed bytes -> the eight values (x 2^-14) in fp32: low nibbles of bytes 0..3, then high nibbles
+E2M1_ASM = tl.constexpr("""
+{
+.reg .b32 a, b, c, d, t, u;
+.reg .b16 h<8>;
+shl.b32 t, $8, 9;  and.b32 t, t, 0x0E000E00; shl.b32 u, $8, 12; and.b32 u, u, 0x80008000; or.b32 a, t, u;
+shl.b32 t, $8, 1;  and.b32 t, t, 0x0E000E00; shl.b32 u, $8, 4;  and.b32 u, u, 0x80008000; or.b32 b, t, u;
+shl.b32 t, $8, 5;  and.b32 t, t, 0x0E000E00; shl.b32 u, $8, 8;  and.b32 u, u, 0x80008000; or.b32 c, t, u;
+shr.b32 t, $8, 3;  and.b32 t, t, 0x0E000E00; and.b32 u, $8, 0x80008000; or.b32 d, t, u;
+mov.b32 {h0, h1}, a; mov.b32 {h2, h3}, b; mov.b32 {h4, h5}, c; mov.b32 {h6, h7}, d;
+cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h2; cvt.f32.f16 $2, h1; cvt.f32.f16 $3, h3;
+cvt.f32.f16 $4, h4; cvt.f32.f16 $5, h6; cvt.f32.f16 $6, h5; cvt.f32.f16 $7, h7;
+}
+""")
+
+
+@triton.jit
+def _e2m1_x2p14(c):
+    # c: int32 codes 0..15 -> fp32 value * 2^-14 (fp16 bits: sign 15, exponent 10..11, mantissa 9)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
+    """One activation row's in-thread partial sums over a tile: [BLOCK_N, BLOCK_K // VEC] fp32."""
+    offs_x = k0 + tl.arange(0, BLOCK_K)
+    if FMT != 1 and X2D:
+        # the activation columns loaded in the weight tile's own shape (each thread loads the columns it
+        # multiplies, from L1), so no layout conversion through shared memory is needed
+        x_ptrs = x_ptr + offs_x[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+        if EVEN_K:
+            x2 = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            x2 = tl.load(x_ptrs, mask=(offs_x[None, :] < k_end) & row_ok, other=0.0).to(tl.float32)
+    else:
+        if EVEN_K:
+            x = tl.load(x_ptr + offs_x, mask=row_ok, other=0.0).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + offs_x, mask=(offs_x < k_end) & row_ok, other=0.0).to(tl.float32)
+        x2 = x[None, :]
+    if FMT == 1:
+        # activation columns 2j meet the low nibbles, 2j+1 the high ones
+        xe, xo = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
+        prod = w_lo * xe[None, :] + w_hi * xo[None, :]
+        part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2) * s    # [BN, BK/16] group scales
+    else:
+        part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+    return part
+
+
+@triton.jit
+def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN: tl.constexpr, SCALE_BC: tl.constexpr):
+    """The raw weight tile at columns k0.. (packed bytes, fp8 or bf16) and its scales (NVFP4: fp8 [BN, BK/16];
+    FP8: fp32 [BK] of the program's scale row; bf16: the tile again, unused)."""
+    if FMT == 1:
+        offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # bytes
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
+        offs_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        offs_g = tl.max_contiguous(tl.multiple_of(offs_g, BLOCK_K // 16), BLOCK_K // 16)
+        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_g[None, :]
+        if EVEN:
+            raw = tl.load(w_rows + offs[None, :])
+            s_raw = tl.load(s_ptrs)
+        else:
+            raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] < k_end // 2), other=0)
+            s_raw = tl.load(s_ptrs, mask=n_ok[:, None] & (offs_g[None, :] < k_end // 16), other=0.0)
+    else:
+        offs = k0 + tl.arange(0, BLOCK_K)
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K), BLOCK_K)
+        if EVEN:
+            raw = tl.load(w_rows + offs[None, :])
+        else:
+            raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] < k_end), other=0.0)
+        if FMT == 0:
+            if EVEN:
+                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs // SCALE_BC)
+            else:
+                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs // SCALE_BC, mask=offs < k_end, other=0.0)
+        else:
+            s_raw = raw
+    return raw, s_raw
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, K, stride_xm, stride_wn, stride_sn,
+                 stride_om, k_per_split, scale_br,
+                 FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    VEC: tl.constexpr = 16 if FMT == 0 else 8
+    COLS: tl.constexpr = BLOCK_K // 16 if FMT == 1 else BLOCK_K // VEC
+    acc0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    row_blk = (pid_n * BLOCK_N) // scale_br
+    if PREFETCH:
+        raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
+                                EVEN_K and EVEN_N, SCALE_BC)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k0 = tl.multiple_of(k0, BLOCK_K)            # k_per_split is a multiple of BLOCK_K
+        if PREFETCH:
+            # the next tile's loads go out before this tile's arithmetic: two tiles in flight per program
+            if EVEN_K and EVEN_N:
+                # unmasked (16-byte loads): the last iteration loads the last tile again, from L2
+                k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)
+                raw_next, s_next = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_next, k_end, FMT,
+                                              BLOCK_K, True, SCALE_BC)
+            else:
+                raw_next, s_next = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0 + BLOCK_K, k_end,
+                                              FMT, BLOCK_K, False, SCALE_BC)
+        else:
+            raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT, BLOCK_K,
+                                    EVEN_K and EVEN_N, SCALE_BC)
+        if FMT == 1:
+            if ASM:
+                w_lo, w_hi = tl.inline_asm_elementwise(E2M1_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [raw],
+                                                       dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+            else:
+                pi = raw.to(tl.int32)
+                w_lo = _e2m1_x2p14(pi & 15)
+                w_hi = _e2m1_x2p14(pi >> 4)
+            s = s_raw.to(tl.float32)                                        # [BN, BK/16]
+        else:
+            w_lo = raw.to(tl.float32)
+            if FMT == 0:
+                w_lo = w_lo * s_raw[None, :]                                # [BK] block scales of this row block
+            w_hi = w_lo
+            s = 1.0
+        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
+                          FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 1:
+            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 2:
+            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 3:
+            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 4:
+            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 5:
+            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 6:
+            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if M > 7:
+            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if PREFETCH:
+            raw, s_raw = raw_next, s_next
+    if FMT == 1:
+        rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
+    else:
+        rs = tl.full((BLOCK_N,), 1.0, tl.float32)
+    _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+            pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 1:
+        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 2:
+        _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 3:
+        _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 4:
+        _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 5:
+        _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 6:
+        _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if M > 7:
+        _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
+    if SPLIT > 1:
+        _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M, M_rows)
+
+
+@triton.jit
+def _finish(y, m, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT: tl.constexpr,
+            M: tl.constexpr, M_rows):
+    # y: [BN] fp32 of row m: the output (one split) or this split's partial in the workspace [SPLIT, M, N]
+    if SPLIT == 1:
+        tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok & (m < M_rows))
+    else:
+        tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=n_ok)
+
+
+@triton.jit
+def _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT: tl.constexpr, M: tl.constexpr,
+                   M_rows):
+    """The last split of an output block to arrive sums every split's partial (in split order)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == SPLIT - 1:
+        for m in tl.static_range(M):
+            y = tl.zeros_like(offs_n.to(tl.float32))
+            for j in tl.static_range(SPLIT):
+                y += tl.load(ws_ptr + (j * M + m) * N + offs_n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok & (m < M_rows))
+        tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
