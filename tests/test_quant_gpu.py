@@ -17,9 +17,10 @@ import torch
 
 from engine import LLM, SamplingParams
 
-MODEL = Path(__file__).resolve().parents[1] / ".models" / "tiny-qwen3-mtp"
-if not MODEL.exists():
-    MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-qwen3-mtp"
+_ROOT = Path(__file__).resolve().parents[1]
+# the checkout's .models, the one beside it (a copy inside the main checkout), then ../shared/models
+MODEL = next((p for p in (_ROOT / ".models" / "tiny-qwen3-mtp", _ROOT.parent / ".models" / "tiny-qwen3-mtp")
+              if p.exists()), _ROOT.parent / "shared" / "models" / "tiny-qwen3-mtp")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

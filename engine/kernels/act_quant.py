@@ -25,8 +25,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, Mp, stride_xm, stride_qm, stride_s
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=(rows < M)[:, None],
                 other=0.0).to(tl.float32)                                          # [BM, 128]
-    scale = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_MAX, 1e-12)                 # [BM]
-    q = (x / scale[:, None]).to(tl.float8e4nv)
+    # IEEE divisions (Triton's `/` is the approximate one): the same bits as the torch version
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FP8_MAX), 1e-12)       # [BM]
+    q = tl.div_rn(x, scale[:, None]).to(tl.float8e4nv)
     ok = rows < Mp
     tl.store(q_ptr + rows[:, None].to(tl.int64) * stride_qm + cols[None, :], q, mask=ok[:, None])
     tl.store(s_ptr + tl.program_id(1).to(tl.int64) * stride_sk + rows, scale, mask=ok)
