@@ -76,6 +76,7 @@ import structlog
 import torch
 
 from engine.parallel import TPGroup
+from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, add_norm_launch_shape
 
 log = structlog.get_logger(__name__)
 
@@ -508,12 +509,13 @@ class P2PCommunicator(_CudaCommunicator):
                 a["state"], a["cap"], a["rank"], a["world"] = state[r], cap, r, self.world_size
                 a["timeout_ns"] = int(timeout_s * 1e9) if timeout_s else 0
                 self._args.append(a)
-            module = cupy.RawModule(code=KERNEL_SOURCE, options=("-std=c++17",))
+            module = cupy.RawModule(code=KERNEL_SOURCE + ADD_NORM_SOURCE, options=("-std=c++17",))
             self._kernels = []          # per rank: RawKernel objects (attributes, for reports)
             self._functions = []        # per rank: the loaded function of that rank's device
+            names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()}}
             for d in self.devices:
                 with cupy.cuda.Device(d):
-                    kernels = {key: module.get_function(name) for key, name in KERNEL_NAMES.items()}
+                    kernels = {key: module.get_function(name) for key, name in names.items()}
                     self._functions.append({key: k.kernel for key, k in kernels.items()})
                     self._kernels.append(kernels)
             if self._nccl is None:
@@ -529,8 +531,9 @@ class P2PCommunicator(_CudaCommunicator):
 
     def kernel_attributes(self) -> dict[str, dict]:
         """Registers, local (spill) bytes and binary version per kernel, on rank 0's device."""
+        names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()}}
         with self._cupy.cuda.Device(self.devices[0]):
-            return {KERNEL_NAMES[key]: {"num_regs": k.num_regs, "local_size_bytes": k.local_size_bytes,
+            return {names[key]: {"num_regs": k.num_regs, "local_size_bytes": k.local_size_bytes,
                                         "binary_version": k.binary_version}
                     for key, k in self._kernels[0].items()}
 
@@ -565,6 +568,47 @@ class P2PCommunicator(_CudaCommunicator):
 
     def _all_gather(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         return self._nccl._all_gather(rank, x)
+
+    def all_reduce_add_rms_norm(self, rank: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One launch for `h = all_reduce(x) + residual; (rms_norm(h) * weight, h)` (engine.parallel_fused).
+
+        x, residual: [..., H] on devices[rank]; weight: [H]. Returns (normed, h) as new tensors, or
+        None where the fused kernel does not apply (dtype, shapes, rows not 16-byte multiples, more
+        than max_bytes): the caller then runs the unfused ops. The decision depends on shapes and
+        dtypes only, never on this rank's pointers, so every rank decides alike."""
+        self._check(rank, x)
+        kind = _P2P_DTYPES.get(x.dtype)
+        hidden = x.shape[-1] if x.dim() else 0
+        row_bytes = hidden * x.element_size()
+        nbytes = x.numel() * x.element_size()
+        if (kind is None or nbytes == 0 or nbytes > self.max_bytes or row_bytes % 16 or residual.shape != x.shape
+                or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
+            return None
+        if torch.cuda.current_device() != self.devices[rank]:
+            with torch.cuda.device(self.devices[rank]):
+                return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred)
+        return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred)
+
+    def _add_norm(self, rank, kind, x, residual, weight, eps, zero_centred):
+        def aligned(t):           # contiguous and 16-byte aligned, else a copy (pointers differ per rank)
+            return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+        x, residual, weight = aligned(x), aligned(residual), aligned(weight)
+        out, residual_out = torch.empty_like(x), torch.empty_like(x)
+        rows = x.numel() // x.shape[-1]
+        blocks, threads, units = add_norm_launch_shape(rows, x.shape[-1] * x.element_size(), self.max_blocks)
+        args = (self._args[rank], np.uint64(x.data_ptr()), np.uint64(residual.data_ptr()),
+                np.uint64(weight.data_ptr()), np.uint64(out.data_ptr()), np.uint64(residual_out.data_ptr()),
+                np.int32(rows), np.int32(units), np.float32(eps), np.int32(1 if zero_centred else 0))
+        launch = (self._functions[rank]["add_norm", kind], (blocks,), (threads,), args,
+                  _Stream(torch.cuda.current_stream(x.device).cuda_stream))
+        device = self.devices[rank]
+        if self._cupy.cuda.runtime.getDevice() == device:
+            _launch(*launch)
+        else:
+            with self._cupy.cuda.Device(device):
+                _launch(*launch)
+        return out, residual_out
 
     def _self_test(self) -> None:
         """Launch a few all-reduces for all ranks from this thread (launches return at once; the

@@ -139,13 +139,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(_Linear):
-    """Input features split over ranks; partial outputs summed with one all-reduce."""
+    """Input features split over ranks; partial outputs summed with one all-reduce, unless the
+    caller sets `reduce = False` and sums them itself (engine.layers.tp_norm fuses that sum with
+    the residual add and the next norm)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK, quant: str | None = None):
         super().__init__(tp.shard(in_features, "in_features"), out_features, tp, quant, cols_sharded=True)
+        self.reduce = True
 
     def _col_range(self):
         return self.tp.rank * self.in_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(super().forward(x))
+        y = super().forward(x)
+        return self.tp.all_reduce(y) if self.reduce else y
