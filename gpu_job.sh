@@ -9,12 +9,12 @@ quiet() { grep -v -e "^20..-..-.. " -e "UserWarning" -e "_warn_once"; }
 echo "== tpfuse sync1 $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%H:%M:%S)"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 echo "== fused kernel: checks, then us per call in graphs (unfused = P2P all-reduce + norm kernel(s))"
-timeout 60 python3 tools/tp_fuse_check.py 2>&1 | quiet | tee "$OUT/tp_fuse_check.log"
+timeout 70 python3 tools/tp_fuse_check.py 2>&1 | quiet | tee "$OUT/tp_fuse_check.log"
 echo "== profile qwen3-8b TP2 ctx 512 k0, fused $(date -u +%H:%M:%S)"
-timeout 45 python3 tools/profile_decode.py --context 512 --tensor-parallel-size 2 --steps 20 2>&1 | quiet \
+timeout 42 python3 tools/profile_decode.py --context 512 --tensor-parallel-size 2 --steps 20 2>&1 | quiet \
     | tee "$OUT/profile_tp2_fused.log"
 echo "== profile qwen3-8b TP2 ctx 512 k0, unfused $(date -u +%H:%M:%S)"
-NINFER_TP_FUSED_NORM=0 timeout 40 python3 tools/profile_decode.py --context 512 --tensor-parallel-size 2 --steps 20 2>&1 \
+NINFER_TP_FUSED_NORM=0 timeout 38 python3 tools/profile_decode.py --context 512 --tensor-parallel-size 2 --steps 20 2>&1 \
     | quiet | tee "$OUT/profile_tp2_unfused.log"
 echo "== GPU tests of the fused op $(date -u +%H:%M:%S)"
 timeout 25 python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel_gpu.py -k fused 2>&1 | tail -15 \

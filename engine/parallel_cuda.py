@@ -75,6 +75,7 @@ import numpy as np
 import structlog
 import torch
 
+from engine.p2p_launch import RankLaunch
 from engine.parallel import TPGroup
 from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, add_norm_launch_shape
 
@@ -469,7 +470,7 @@ class P2PCommunicator(_CudaCommunicator):
 
     def __init__(self, devices, *, max_bytes: int = DEFAULT_P2P_MAX_BYTES, threads: int = 512,
                  small_threads: int | None = 128, max_blocks: int = MAX_BLOCKS, timeout_s: float = 60.0,
-                 fallback: NcclCommunicator | None = None, self_test: bool = True):
+                 fallback: NcclCommunicator | None = None, self_test: bool = True, fast_launch: bool = True):
         cupy = _import_cupy()
         self.devices = _check_devices(devices, least=2)
         self.world_size = len(self.devices)
@@ -485,6 +486,7 @@ class P2PCommunicator(_CudaCommunicator):
             raise ValueError(f"max_bytes must be at least 16, got {max_bytes}")
         self.max_bytes, self.threads, self.max_blocks = int(max_bytes), int(threads), int(max_blocks)
         self.small_threads = int(small_threads)
+        self.fast_launch = fast_launch      # engine.p2p_launch; False: CuPy's generic kernel call
         self._cupy = cupy
         self._allocations: list[tuple[int, int]] = []           # (device, pointer) to free
         self._owns_nccl = fallback is None
@@ -518,6 +520,8 @@ class P2PCommunicator(_CudaCommunicator):
                     kernels = {key: module.get_function(name) for key, name in names.items()}
                     self._functions.append({key: k.kernel for key, k in kernels.items()})
                     self._kernels.append(kernels)
+            self._function_ptrs = [{key: f.ptr for key, f in fns.items()} for fns in self._functions]
+            self._pack_launches()
             if self._nccl is None:
                 self._nccl = NcclCommunicator(self.devices)
             if self_test:
@@ -553,15 +557,14 @@ class P2PCommunicator(_CudaCommunicator):
         units = nbytes // 16 if vec else x.numel()
         threads = self.small_threads if nbytes <= SMALL_MESSAGE_BYTES else self.threads
         blocks = min(self.max_blocks, -(-units // threads))
-        launch = (self._functions[rank][kind, vec], (blocks,), (threads,),
-                  (self._args[rank], np.uint64(buf.data_ptr()), np.int32(units)),
-                  _Stream(torch.cuda.current_stream(x.device).cuda_stream))
-        device = self.devices[rank]
-        if self._cupy.cuda.runtime.getDevice() == device:   # CuPy launches in its current context
-            _launch(*launch)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if self.fast_launch:
+            call = (self._fast[rank].all_reduce, self._function_ptrs[rank][kind, vec], blocks, threads, stream,
+                    buf.data_ptr(), units)
         else:
-            with self._cupy.cuda.Device(device):
-                _launch(*launch)
+            call = (_launch, self._functions[rank][kind, vec], (blocks,), (threads,),
+                    (self._args[rank], np.uint64(buf.data_ptr()), np.int32(units)), _Stream(stream))
+        self._in_context(rank, call)
         if buf is not x:
             x.copy_(buf)
         return x
@@ -597,18 +600,29 @@ class P2PCommunicator(_CudaCommunicator):
         out, residual_out = torch.empty_like(x), torch.empty_like(x)
         rows = x.numel() // x.shape[-1]
         blocks, threads, units = add_norm_launch_shape(rows, x.shape[-1] * x.element_size(), self.max_blocks)
-        args = (self._args[rank], np.uint64(x.data_ptr()), np.uint64(residual.data_ptr()),
-                np.uint64(weight.data_ptr()), np.uint64(out.data_ptr()), np.uint64(residual_out.data_ptr()),
-                np.int32(rows), np.int32(units), np.float32(eps), np.int32(1 if zero_centred else 0))
-        launch = (self._functions[rank]["add_norm", kind], (blocks,), (threads,), args,
-                  _Stream(torch.cuda.current_stream(x.device).cuda_stream))
+        pointers = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if self.fast_launch:
+            call = (self._fast[rank].add_norm, self._function_ptrs[rank]["add_norm", kind], blocks, threads, stream,
+                    pointers, rows, units, eps, zero_centred)
+        else:
+            call = (_launch, self._functions[rank]["add_norm", kind], (blocks,), (threads,),
+                    (self._args[rank], *(np.uint64(p) for p in pointers), np.int32(rows), np.int32(units),
+                     np.float32(eps), np.int32(1 if zero_centred else 0)), _Stream(stream))
+        self._in_context(rank, call)
+        return out, residual_out
+
+    def _in_context(self, rank: int, call: tuple) -> None:
+        """call[0](*call[1:]) with devices[rank] current for CuPy (launches use the current context)."""
         device = self.devices[rank]
         if self._cupy.cuda.runtime.getDevice() == device:
-            _launch(*launch)
+            call[0](*call[1:])
         else:
             with self._cupy.cuda.Device(device):
-                _launch(*launch)
-        return out, residual_out
+                call[0](*call[1:])
+
+    def _pack_launches(self) -> None:
+        self._fast = [RankLaunch(self._cupy.cuda.driver, a.tobytes()) for a in self._args]
 
     def _self_test(self) -> None:
         """Launch a few all-reduces for all ranks from this thread (launches return at once; the
@@ -617,6 +631,7 @@ class P2PCommunicator(_CudaCommunicator):
         self._args = [a.copy() for a in saved]
         for a in self._args:
             a["timeout_ns"] = min(int(a["timeout_ns"][0]) or 10**10, 10**10)
+        self._pack_launches()
         try:
             for numel in (1, 4097, 4096, min(self.max_bytes // 2, 1 << 17)):
                 xs = [torch.full((numel,), float(r + 1), dtype=torch.bfloat16, device=f"cuda:{d}")
@@ -630,8 +645,21 @@ class P2PCommunicator(_CudaCommunicator):
                     if not bool((x == want).all()):
                         raise RuntimeError(f"P2P all-reduce self-test gave a wrong sum on {x.device} "
                                            f"for {numel} elements")
+            # the fused kernel: h = (1 + ... + world) + 1 everywhere, normed to 1 (weight 1)
+            got = []
+            for r, d in enumerate(self.devices):
+                x = torch.full((3, 1024), float(r + 1), dtype=torch.bfloat16, device=f"cuda:{d}")
+                one = torch.ones(1024, dtype=torch.bfloat16, device=f"cuda:{d}")
+                got.append(self.all_reduce_add_rms_norm(r, x, torch.ones_like(x), one, 1e-6))
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+            want = self.world_size * (self.world_size + 1) / 2 + 1
+            for out, h in got:
+                if not (bool((h == want).all()) and bool((out == 1).all())):
+                    raise RuntimeError(f"P2P fused all-reduce + add + norm self-test failed on {h.device}")
         finally:
             self._args = saved
+            self._pack_launches()
 
     def close(self) -> None:
         cupy = self._cupy

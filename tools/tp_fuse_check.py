@@ -183,6 +183,55 @@ def time_fused(comm, rows: int, hidden: int, variant: str, ops: int = 50, replay
     return statistics.median(us[2:])
 
 
+def time_eager(comm, rows: int, hidden: int, variant: str, fast: bool, calls: int = 100, repeats: int = 5,
+               dtype=torch.bfloat16) -> dict:
+    """Host µs per call (and GPU µs per call) of `calls` eager calls back to back from both rank
+    threads at once, as the engine's eager TP path makes them; max over ranks, median over repeats.
+    variant: plain (the all-reduce alone), fused, unfused (all-reduce + Triton RMSNorm)."""
+    import time
+    saved = comm.fast_launch
+    comm.fast_launch = fast
+
+    def body(rank, barrier):
+        dev = comm.devices[rank]
+        x = (torch.randn(rows, hidden, generator=torch.Generator().manual_seed(rank)) * 1e-3).to(dtype).to(dev)
+        res = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7)).to(dtype).to(dev)
+        norm = _norm(hidden, False, torch.ones(hidden, dtype=dtype), dev)
+
+        def one():
+            if variant == "plain":
+                comm.all_reduce(rank, x)
+            elif variant == "fused":
+                comm.all_reduce_add_rms_norm(rank, x, res, norm.weight, EPS)
+            else:
+                norm(comm.all_reduce(rank, x), res)
+        for _ in range(5):
+            one()
+        host, gpu = [], []
+        for _ in range(repeats):
+            x.mul_(0)                                   # keep repeated doublings finite
+            torch.cuda.synchronize()
+            barrier.wait(60)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            for _ in range(calls):
+                one()
+            end.record()
+            host.append((time.perf_counter() - t0) * 1e6 / calls)
+            end.synchronize()
+            gpu.append(start.elapsed_time(end) * 1000 / calls)
+        return host, gpu
+
+    try:
+        per_rank = run_ranks(comm.devices, body)
+    finally:
+        comm.fast_launch = saved
+    host = [max(r[0][i] for r in per_rank) for i in range(repeats)]
+    gpu = [max(r[1][i] for r in per_rank) for i in range(repeats)]
+    return {"host_us": statistics.median(host), "gpu_us": statistics.median(gpu)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -197,6 +246,9 @@ def main() -> int:
         out["checks"] += check_fused(comm, shapes[:5], zero_centred=zc, graph=True)
     out["checks"] += check_fused(comm, [(2, 4096), (7, 1024)], dtype=torch.float32)
     out["checks"] += check_fused(comm, [(2, 4096)], dtype=torch.float16, zero_centred=True)
+    comm.fast_launch = False                                    # CuPy's generic launch path too
+    out["checks"] += check_fused(comm, shapes[:3])
+    comm.fast_launch = True
     bad = [c for c in out["checks"] if not c["ok"]]
     print(f"checks: {len(out['checks'])} run, {len(bad)} failed")
     for c in bad[:10]:
@@ -216,13 +268,21 @@ def main() -> int:
             print(f"{t:6d} {hidden:6d} {row['kb']:6.0f} | {row['unfused']:8.2f} {row['fused']:8.2f} "
                   f"{row['fused'] / row['unfused']:6.2f} | {row['unfused-zc']:8.2f} {row['fused-zc']:8.2f} "
                   f"{row['fused-zc'] / row['unfused-zc']:6.2f}")
-    for t in (512,):
+    for t in (512, 4096):
         row = {"tokens": t, "hidden": 4096, "kb": t * 4096 * 2 / 1024}
         for v in ("unfused", "fused"):
-            row[v] = time_fused(comm, t, 4096, v, ops=10)
+            row[v] = time_fused(comm, t, 4096, v, ops=10 if t <= 512 else 4, replays=6)
         out["timings"].append(row)
         print(f"{t:6d} {4096:6d} {row['kb']:6.0f} | {row['unfused']:8.2f} {row['fused']:8.2f} "
               f"{row['fused'] / row['unfused']:6.2f}")
+    print("\neager, both rank threads at once (host µs per call / GPU µs per call):")
+    out["eager"] = []
+    for rows in (1, 512):
+        for variant, fast in (("plain", False), ("plain", True), ("unfused", True), ("fused", True)):
+            r = {"tokens": rows, "hidden": 4096, "variant": variant,
+                 "launch": "ctypes" if fast else "cupy", **time_eager(comm, rows, 4096, variant, fast)}
+            out["eager"].append(r)
+            print(f"  {rows:4d} x 4096 {variant:8s} {r['launch']:6s} host {r['host_us']:7.1f}  gpu {r['gpu_us']:7.1f}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "tp_fuse.json"), "w") as f:
             json.dump(out, f, indent=1)
