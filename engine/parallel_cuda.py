@@ -39,6 +39,11 @@ Protocol of the one-shot kernel (rank r, one launch, `world` ranks, blocks b = 0
   other: every rank makes the same calls in the same order with the same sizes, hence the same
   grid and slices, whatever the alignment of its own x (a misaligned x is copied first).
 
+  `P2PCommunicator.all_reduce_add_rms_norm` runs a variant of this kernel (engine.parallel_fused)
+  that also adds the residual and applies the next RMSNorm, one block per row; it shares the
+  stages, flags and epoch counter, so plain and fused calls may follow each other in any order.
+  Kernels are launched through engine.p2p_launch (parameters packed once per rank).
+
   Requirements: peer access between all devices; one all_reduce at a time per rank, ordered on
   its stream (the model's layers are); every rank makes the same sequence of calls.
   A rank that waits longer than `timeout_s` for its peer traps (the CUDA context is lost) rather
