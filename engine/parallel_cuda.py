@@ -92,6 +92,9 @@ DEFAULT_P2P_MAX_BYTES = 512 * 1024          # larger all-reduces go to NCCL
 # Up to this size a launch uses `small_threads` per block: on 2 x H200 in graphs, 128 threads took
 # 5.41-5.71 us for 8-32 KB against 5.84-5.96 us with 512, and lost from 64 KB up (run 2, 2026-11-30).
 SMALL_MESSAGE_BYTES = 32 * 1024
+# The fused all-reduce + add + RMSNorm (engine.parallel_fused) up to this size; larger ones run the
+# unfused ops (the plain kernel or NCCL, then the norm kernel). None: up to max_bytes.
+FUSED_MAX_BYTES: int | None = None
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8
 _STATE_BYTES = 256
 _NCCL_SUM = 0                                # ncclSum
@@ -590,7 +593,8 @@ class P2PCommunicator(_CudaCommunicator):
         hidden = x.shape[-1] if x.dim() else 0
         row_bytes = hidden * x.element_size()
         nbytes = x.numel() * x.element_size()
-        if (kind is None or nbytes == 0 or nbytes > self.max_bytes or row_bytes % 16 or residual.shape != x.shape
+        limit = self.max_bytes if FUSED_MAX_BYTES is None else min(self.max_bytes, FUSED_MAX_BYTES)
+        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or residual.shape != x.shape
                 or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
             return None
         if torch.cuda.current_device() != self.devices[rank]:
