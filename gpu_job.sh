@@ -18,6 +18,8 @@ timeout 40 python3 tools/profile_decode.py --context 512 --tensor-parallel-size 
 echo "== engine TP2 equals TP1 (p2p, graphs) $(date -u +%H:%M:%S)"
 timeout 45 python3 -m pytest -q -x -p no:cacheprovider tests/test_engine_gpu.py -k "tp2_equals_tp1_fp32 and p2p" \
     2>&1 | tail -15 | tee "$OUT/tests_engine_tp2.log"
+echo "== split-K probe (1 GPU) $(date -u +%H:%M:%S)"
+timeout 15 python3 tools/splitk_probe.py 2>&1 | quiet | tee "$OUT/splitk_probe.log"
 echo "== GPU tests of the fused op $(date -u +%H:%M:%S)"
 timeout 25 python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel_gpu.py -k fused 2>&1 | tail -15 \
     | tee "$OUT/tests_fused.log"
