@@ -584,40 +584,42 @@ class P2PCommunicator(_CudaCommunicator):
                                 eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One launch for `h = all_reduce(x) + residual; (rms_norm(h) * weight, h)` (engine.parallel_fused).
 
-        x, residual: [..., H] on devices[rank]; weight: [H]. Returns (normed, h) as new tensors, or
-        None where the fused kernel does not apply (dtype, shapes, rows not 16-byte multiples, more
-        than max_bytes): the caller then runs the unfused ops. The decision depends on shapes and
-        dtypes only, never on this rank's pointers, so every rank decides alike."""
+        x, residual: [..., H] on devices[rank] (x may also be [S, ..., H]: this rank's partials of
+        S slices of K, summed before the exchange); weight: [H]. Returns (normed, h) as new tensors,
+        or None where the fused kernel does not apply (dtype, shapes, rows not 16-byte multiples,
+        more than max_bytes): the caller then runs the unfused ops. The decision depends on shapes
+        and dtypes only, never on this rank's pointers, so every rank decides alike."""
         self._check(rank, x)
         kind = _P2P_DTYPES.get(x.dtype)
-        hidden = x.shape[-1] if x.dim() else 0
+        splits = x.shape[0] if x.dim() == residual.dim() + 1 else 1
+        hidden = residual.shape[-1] if residual.dim() else 0
         row_bytes = hidden * x.element_size()
-        nbytes = x.numel() * x.element_size()
+        nbytes = residual.numel() * x.element_size()
         limit = self.max_bytes if FUSED_MAX_BYTES is None else min(self.max_bytes, FUSED_MAX_BYTES)
-        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or residual.shape != x.shape
-                or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
+        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or x.shape[x.dim() - residual.dim():]
+                != residual.shape or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
             return None
         if torch.cuda.current_device() != self.devices[rank]:
             with torch.cuda.device(self.devices[rank]):
-                return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred)
-        return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred)
+                return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred, splits)
+        return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred, splits)
 
-    def _add_norm(self, rank, kind, x, residual, weight, eps, zero_centred):
+    def _add_norm(self, rank, kind, x, residual, weight, eps, zero_centred, splits):
         def aligned(t):           # contiguous and 16-byte aligned, else a copy (pointers differ per rank)
             return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
         x, residual, weight = aligned(x), aligned(residual), aligned(weight)
-        out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        rows = x.numel() // x.shape[-1]
-        blocks, threads, units = add_norm_launch_shape(rows, x.shape[-1] * x.element_size(), self.max_blocks)
+        out, residual_out = torch.empty_like(residual), torch.empty_like(residual)
+        rows = residual.numel() // residual.shape[-1]
+        blocks, threads, units = add_norm_launch_shape(rows, residual.shape[-1] * x.element_size(), self.max_blocks)
         pointers = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
         stream = torch.cuda.current_stream(x.device).cuda_stream
         if self.fast_launch:
             call = (self._fast[rank].add_norm, self._function_ptrs[rank]["add_norm", kind], blocks, threads, stream,
-                    pointers, rows, units, eps, zero_centred)
+                    pointers, rows, units, eps, zero_centred, splits)
         else:
             call = (_launch, self._functions[rank]["add_norm", kind], (blocks,), (threads,),
                     (self._args[rank], *(np.uint64(p) for p in pointers), np.int32(rows), np.int32(units),
-                     np.float32(eps), np.int32(1 if zero_centred else 0)), _Stream(stream))
+                     np.float32(eps), np.int32(1 if zero_centred else 0), np.int32(splits)), _Stream(stream))
         self._in_context(rank, call)
         return out, residual_out
 

@@ -12,7 +12,10 @@ adds the residual, writes the new residual and writes the normed output:
     y = round(h * rstd * (1 + w))                        zero-centred (engine.layers.hybrid_norm)
     rstd = rsqrt(mean(h^2) + eps)                        over the row, fp32
 
-rounding where the unfused ops round ("round" = to the activation dtype). Every rank runs the same
+rounding where the unfused ops round ("round" = to the activation dtype). With `splits` > 1 the
+rank's input is [splits, T, H]: partial outputs of a row-parallel projection computed over slices
+of its input features (RowParallelLinear.k_splits), summed in fp32 in slice order and rounded once
+before they are staged, which takes the place of cuBLAS's split-K reduce kernel. Every rank runs the same
 grid over the same numbers in the same order, so the outputs are bitwise equal across ranks.
 
 Launch shape: one block per row (a token's hidden vector), blocks striding over rows when there are
@@ -46,7 +49,7 @@ __device__ __forceinline__ float block_sum(float v, float* s_part) {
 template <typename T>
 __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void* xp, const void* rp,
                                                   const void* wp, void* op, void* rop, int rows,
-                                                  int row_units, float eps, int zero_centred) {
+                                                  int row_units, float eps, int zero_centred, int splits) {
     typedef Unit<T, true> U;
     typedef typename U::word word;
     typedef typename Num<T>::raw raw;
@@ -64,10 +67,20 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     word* res_out = (word*)rop;
     word* mine = (word*)(a.stage[a.rank] + (u64)parity * a.cap);
 
-    // 1. Stage this block's rows of the local partial where the peers can read them.
+    // 1. Stage this block's rows of the local partial where the peers can read them; with
+    //    splits > 1, x holds [splits][rows][H] partials of slices of K: their fp32 sum, rounded once.
+    const int split_units = rows * row_units;
     for (int row = (int)blockIdx.x; row < rows; row += (int)gridDim.x) {
         const int base = row * row_units;
-        for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x) mine[base + i] = x[base + i];
+        for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x) {
+            if (splits == 1) {
+                mine[base + i] = x[base + i];
+            } else {
+                float acc[U::N];
+                for (int sp = 0; sp < splits; ++sp) U::add(acc, x[sp * split_units + base + i], sp == 0);
+                mine[base + i] = U::pack(acc);
+            }
+        }
     }
     __syncthreads();
 
@@ -142,9 +155,9 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
 #define ADD_NORM_ENTRY(NAME, T)                                                                   \
     extern "C" __global__ void __launch_bounds__(1024) NAME(const RankArgs a, const void* x,      \
             const void* residual, const void* weight, void* out, void* residual_out, int rows,    \
-            int row_units, float eps, int zero_centred) {                                         \
+            int row_units, float eps, int zero_centred, int splits) {                             \
         one_shot_add_norm<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps,     \
-                             zero_centred);                                                       \
+                             zero_centred, splits);                                               \
     }
 ADD_NORM_ENTRY(ninfer_ar_add_norm_f32, F32)
 ADD_NORM_ENTRY(ninfer_ar_add_norm_f16, F16)
@@ -168,6 +181,8 @@ def add_norm_reference(parts: list[torch.Tensor], residual: torch.Tensor, weight
     residual [..., H], weight [H] -> (normed [..., H], new residual [..., H]), rounded to the
     activation dtype where the unfused ops (all_reduce, add, RMSNorm) round."""
     dtype = parts[0].dtype
+    if parts[0].dim() == residual.dim() + 1:          # [S, ..., H] partials of K slices per rank
+        parts = [sum_splits(p) for p in parts]
     total = parts[0].float().clone()
     for p in parts[1:]:
         total += p.float()
@@ -178,3 +193,11 @@ def add_norm_reference(parts: list[torch.Tensor], residual: torch.Tensor, weight
     else:
         out = normed.to(dtype).float() * weight.float()
     return out.to(dtype), h
+
+
+def sum_splits(x: torch.Tensor) -> torch.Tensor:
+    """[S, ..., H] partials -> [..., H]: summed in fp32 in split order, rounded once (as the kernel stages them)."""
+    acc = x[0].float()
+    for part in x[1:]:
+        acc = acc + part.float()
+    return acc.to(x.dtype)

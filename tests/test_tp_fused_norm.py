@@ -18,7 +18,7 @@ from engine import SamplingParams
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.norm import RMSNorm
 from engine.parallel import LocalCommunicator
-from engine.parallel_fused import add_norm_launch_shape, add_norm_reference
+from engine.parallel_fused import add_norm_launch_shape, add_norm_reference, sum_splits
 from hybrid_support import require_shared_hybrid
 from test_engine_tp_cpu import on_ranks
 
@@ -60,6 +60,7 @@ class FusedReferenceCommunicator(LocalCommunicator):
         self.fused_calls = [0] * world_size
         self.zero_centred_calls = [0] * world_size
         self.plain_calls = [0] * world_size
+        self.split_calls = [0] * world_size
 
     def all_reduce(self, rank, x):
         self.plain_calls[rank] += 1
@@ -67,6 +68,7 @@ class FusedReferenceCommunicator(LocalCommunicator):
 
     def all_reduce_add_rms_norm(self, rank, x, residual, weight, eps, zero_centred=False):
         self.fused_calls[rank] += 1
+        self.split_calls[rank] += int(x.dim() == residual.dim() + 1)
         self.zero_centred_calls[rank] += int(zero_centred)
         parts = self._exchange(rank, x.clone())
         return add_norm_reference(parts, residual, weight, eps, zero_centred)
@@ -116,3 +118,22 @@ def test_qwen3_layers_hand_every_sum_to_the_fused_call(shared_model, fused_comm)
 
 def test_hybrid_layers_hand_every_sum_to_the_fused_call(fused_comm):
     _check_wiring(require_shared_hybrid(), fused_comm, zero_centred=True, draft_tokens=3)
+
+
+def test_k_split_partials_reach_the_fused_call_and_keep_tp2_equal_to_tp1(shared_model, fused_comm, monkeypatch):
+    # o_proj / down_proj as a batched GEMM over K slices for short inputs: [S, T, hidden] partials
+    monkeypatch.setattr("engine.layers.tp_norm.K_SPLITS", 4)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in make_llm(shared_model).generate(PROMPTS, params)]
+    two = make_llm(shared_model, tensor_parallel_size=2, draft_tokens=3)
+    layer = two.engine.executor.driver.model.model.layers[0]
+    assert (layer.self_attn.o_proj.k_splits, layer.mlp.down_proj.k_splits) == (4, 4)
+    got = [o.token_ids for o in two.generate(PROMPTS, params)]
+    assert got == want
+    assert fused_comm[-1].split_calls[0] > 0
+
+
+def test_sum_splits_adds_in_fp32_and_rounds_once():
+    parts = torch.tensor([[1.0], [2.0 ** -8], [2.0 ** -8]], dtype=torch.bfloat16)
+    # in bf16 step by step 1 + 2^-8 ties to 1 twice; in fp32 the sum is 1 + 2^-7, a bf16 value
+    assert float(sum_splits(parts)) == 1.0 + 2.0 ** -7

@@ -30,15 +30,23 @@ from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.parallel import TPGroup
+from engine.parallel_fused import sum_splits
 
 FUSED = os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0"
+# Row-parallel projections with at most SPLIT_ROWS rows run as a batched GEMM over K_SPLITS slices of
+# their input (RowParallelLinear.k_splits) when the communicator fuses: 1 turns it off.
+K_SPLITS = int(os.environ.get("NINFER_TP_K_SPLITS", "1"))
+SPLIT_ROWS = 16
 
 
 def defer_reduce(tp: TPGroup, *projections: RowParallelLinear) -> bool:
     """Make these row-parallel layers return partial sums when tp has several ranks; True if so."""
     deferred = tp.size > 1
+    fused = deferred and FUSED and hasattr(tp.comm, "all_reduce_add_rms_norm")
     for p in projections:
         p.reduce = not deferred
+        if fused and K_SPLITS > 1 and p.in_features % K_SPLITS == 0:
+            p.k_splits, p.split_rows = K_SPLITS, SPLIT_ROWS
     return deferred
 
 
@@ -54,5 +62,7 @@ def reduce_add_norm(tp: TPGroup, norm: nn.Module, x: torch.Tensor,
                             zero_centred=isinstance(norm, ZeroCentredRMSNorm))
                 if got is not None:
                     return got
+        if x.dim() == residual.dim() + 1:                # [S, T, hidden] partials of K slices
+            x = sum_splits(x)
         x = tp.all_reduce(x)
     return norm(x, residual)
