@@ -258,6 +258,11 @@ def main() -> int:
     out["checks"] += check_fused(comm, shapes[:3])
     out["checks"] += check_fused(comm, shapes[:2], splits=2)
     comm.fast_launch = True
+    def save():                                                 # after each phase: a cut run keeps its part
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "tp_fuse.json"), "w") as f:
+                json.dump(out, f, indent=1)
+    save()
     bad = [c for c in out["checks"] if not c["ok"]]
     print(f"checks: {len(out['checks'])} run, {len(bad)} failed")
     for c in bad[:10]:
@@ -274,6 +279,7 @@ def main() -> int:
             for v in ("unfused", "fused", "unfused-zc", "fused-zc", "fused-split4"):
                 row[v] = time_fused(comm, t, hidden, v)
             out["timings"].append(row)
+            save()
             print(f"{t:6d} {hidden:6d} {row['kb']:6.0f} | {row['unfused']:8.2f} {row['fused']:8.2f} "
                   f"{row['fused'] / row['unfused']:6.2f} | {row['unfused-zc']:8.2f} {row['fused-zc']:8.2f} "
                   f"{row['fused-zc'] / row['unfused-zc']:6.2f} | {row['fused-split4']:17.2f}")
@@ -292,9 +298,7 @@ def main() -> int:
                  "launch": "ctypes" if fast else "cupy", **time_eager(comm, rows, 4096, variant, fast)}
             out["eager"].append(r)
             print(f"  {rows:4d} x 4096 {variant:8s} {r['launch']:6s} host {r['host_us']:7.1f}  gpu {r['gpu_us']:7.1f}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "tp_fuse.json"), "w") as f:
-            json.dump(out, f, indent=1)
+    save()
     comm.close()
     nccl.close()
     return 1 if bad else 0
