@@ -82,7 +82,7 @@ import torch
 
 from engine.p2p_launch import RankLaunch
 from engine.parallel import TPGroup
-from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, add_norm_launch_shape
+from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, MAX_SPLITS, add_norm_launch_shape
 
 log = structlog.get_logger(__name__)
 
@@ -596,7 +596,7 @@ class P2PCommunicator(_CudaCommunicator):
         row_bytes = hidden * x.element_size()
         nbytes = residual.numel() * x.element_size()
         limit = self.max_bytes if FUSED_MAX_BYTES is None else min(self.max_bytes, FUSED_MAX_BYTES)
-        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or x.shape[x.dim() - residual.dim():]
+        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or splits > MAX_SPLITS or x.shape[x.dim() - residual.dim():]
                 != residual.shape or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
             return None
         if torch.cuda.current_device() != self.devices[rank]:

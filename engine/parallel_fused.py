@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import torch
 
+MAX_SPLITS = 8          # partials of K slices one fused call sums per rank
+
 ADD_NORM_SOURCE = r"""
 // needs the definitions of engine.parallel_cuda.KERNEL_SOURCE (RankArgs, Num, Unit, flags)
+#define MAX_SPLITS %(max_splits)d
 __device__ __forceinline__ float block_sum(float v, float* s_part) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -75,9 +78,17 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
         for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x) {
             if (splits == 1) {
                 mine[base + i] = x[base + i];
-            } else {
+            } else {                                // all loads first (unrolled), then the fp32 sum
+                word v[MAX_SPLITS];
+#pragma unroll
+                for (int sp = 0; sp < MAX_SPLITS; ++sp) {
+                    if (sp < splits) v[sp] = x[sp * split_units + base + i];
+                }
                 float acc[U::N];
-                for (int sp = 0; sp < splits; ++sp) U::add(acc, x[sp * split_units + base + i], sp == 0);
+#pragma unroll
+                for (int sp = 0; sp < MAX_SPLITS; ++sp) {
+                    if (sp < splits) U::add(acc, v[sp], sp == 0);
+                }
                 mine[base + i] = U::pack(acc);
             }
         }
@@ -162,7 +173,7 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
 ADD_NORM_ENTRY(ninfer_ar_add_norm_f32, F32)
 ADD_NORM_ENTRY(ninfer_ar_add_norm_f16, F16)
 ADD_NORM_ENTRY(ninfer_ar_add_norm_bf16, BF16)
-"""
+""" % {"max_splits": MAX_SPLITS}
 
 ADD_NORM_KERNEL_NAMES = {kind: f"ninfer_ar_add_norm_{kind}" for kind in ("f32", "f16", "bf16")}
 

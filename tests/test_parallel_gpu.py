@@ -197,7 +197,7 @@ FUSED_SHAPES = [(1, 4096), (3, 5120), (8, 4096), (51, 5120), (65, 2048), (1, 102
 def _assert_fused_ok(records):
     assert records, "no checks ran"
     bad = [r for r in records if not r["ok"]]
-    assert not bad, bad[:5]
+    assert not bad, "\n".join(str(r) for r in bad[:5])
 
 
 @multi_gpu

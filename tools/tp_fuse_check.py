@@ -130,7 +130,10 @@ def check_fused(comm, shapes, dtype=torch.bfloat16, zero_centred=False, graph=Fa
                 un_out, un_res = got[0][1][j]
                 rec["unfused_residual_equal"] = bool(torch.equal(un_res, outs[0][1]))
                 rec["out_max_ulps_vs_unfused"] = _ulps(outs[0][0], un_out)
-            rec["ok"] = ranks_equal and res_exact and out_ulps <= 2.0 and all(
+            # bf16/fp16: one rounding either way of round(h * rstd); fp32: rstd's last bits (rsqrtf,
+            # the order of the row's sum of squares) at ~1e-7 each
+            max_ulps = 2.0 if dtype != torch.float32 else 16.0
+            rec["ok"] = ranks_equal and res_exact and out_ulps <= max_ulps and all(
                 bool(torch.isfinite(o[0]).all()) for o in outs)
             records.append(rec)
         # the plain all-reduce between the fused calls
