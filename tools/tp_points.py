@@ -84,7 +84,7 @@ def measure(model: str, tp: int, fused: bool, tokens: int, device: str = "cuda",
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="preset:qwen3-8b")
-    ap.add_argument("--variants", default="tp1,tp2,tp2-nosplit,tp2-unfused",
+    ap.add_argument("--variants", default="tp1,tp2-unfused,tp2,tp2-nosplit",
                     help="tp1; tp2 (fused, K splits); tp2-nosplit (fused only); tp2-unfused (neither)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the code (in-process ranks)")
