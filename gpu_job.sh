@@ -10,10 +10,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 quiet() { grep --line-buffered -v -e "^20..-..-.. " -e "UserWarning" -e "_warn_once"; }
 T0=$(date +%s)
 echo "== tpfuse sync2 $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%H:%M:%S)" | tee "$OUT/job.log"
-timeout 38 python3 -m pytest -q -p no:cacheprovider -rf tests/test_parallel_gpu.py tests/test_engine_gpu.py \
+timeout 36 python3 -m pytest -q -p no:cacheprovider -rf tests/test_parallel_gpu.py tests/test_engine_gpu.py \
     -k "fused or (tp2_equals_tp1_fp32 and p2p)" > "$OUT/tests.log" 2>&1
 echo "tests rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/job.log"
-timeout 52 python3 tools/tp_points.py --tokens 96 2>&1 | quiet > "$OUT/tp_points.log"
+timeout 50 python3 tools/tp_points.py --tokens 96 2>&1 | quiet > "$OUT/tp_points.log"
 echo "tp_points rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/job.log"
 timeout 24 python3 tools/tp_fuse_check.py --quick 2>&1 | quiet > "$OUT/tp_fuse_check.log"
 echo "tp_fuse_check rc=$? at $(( $(date +%s) - T0 )) s" | tee -a "$OUT/job.log"
