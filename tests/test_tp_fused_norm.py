@@ -137,3 +137,29 @@ def test_sum_splits_adds_in_fp32_and_rounds_once():
     parts = torch.tensor([[1.0], [2.0 ** -8], [2.0 ** -8]], dtype=torch.bfloat16)
     # in bf16 step by step 1 + 2^-8 ties to 1 twice; in fp32 the sum is 1 + 2^-7, a bf16 value
     assert float(sum_splits(parts)) == 1.0 + 2.0 ** -7
+
+
+def test_row_parallel_k_split_partials_sum_to_the_projection():
+    from engine.layers.linear import RowParallelLinear
+    gen = torch.Generator().manual_seed(3)
+    layer = RowParallelLinear(96, 40)
+    layer.weight.data.copy_(torch.randn(40, 96, generator=gen))
+    x = torch.randn(5, 96, generator=gen)
+    want = layer(x)                                             # one rank, reduce on: F.linear
+    layer.reduce, layer.k_splits, layer.split_rows = False, 8, 8
+    parts = layer(x)
+    assert parts.shape == (8, 5, 40)
+    torch.testing.assert_close(sum_splits(parts), want, rtol=1e-5, atol=1e-5)
+    assert layer(torch.randn(9, 96, generator=gen)).shape == (9, 40)   # above split_rows: one matmul
+
+
+def test_defer_reduce_splits_only_where_the_communicator_fuses():
+    from engine.layers.linear import RowParallelLinear
+    from engine.layers.tp_norm import defer_reduce
+    for comm, splits in ((LocalCommunicator(2), 1), (FusedReferenceCommunicator(2), 8)):
+        group = comm.groups()[0]
+        layer = RowParallelLinear(128, 64, group)
+        assert defer_reduce(group, layer)
+        assert (layer.reduce, layer.k_splits) == (False, splits)
+    one = RowParallelLinear(128, 64)
+    assert not defer_reduce(one.tp, one) and one.reduce and one.k_splits == 1
