@@ -98,8 +98,12 @@ def main() -> int:
         if args.device == "cuda" and tp > torch.cuda.device_count():
             continue
         splits = 1 if v.endswith(("nosplit", "unfused")) else 8
-        rows.append({"variant": v, **measure(args.model, tp, not v.endswith("unfused"), args.tokens, args.device,
-                                             k_splits=splits)})
+        try:
+            rows.append({"variant": v, **measure(args.model, tp, not v.endswith("unfused"), args.tokens, args.device,
+                                                 k_splits=splits)})
+        except Exception as e:  # noqa: BLE001 - the other variants still run
+            print(f"{v:12s} FAILED: {e!r}"[:400], flush=True)
+            continue
         r = rows[-1]
         kern = " ".join(f"{d} {n:.0f}" for d, n in r.get("kernels_per_round", {}).items())
         print(f"{v:12s} setup {r['setup_s']:5.1f} s | decode b1 {r['decode_b1_tok_s']:7.1f} tok/s "
