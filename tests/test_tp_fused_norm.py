@@ -153,9 +153,10 @@ def test_row_parallel_k_split_partials_sum_to_the_projection():
     assert layer(torch.randn(9, 96, generator=gen)).shape == (9, 40)   # above split_rows: one matmul
 
 
-def test_defer_reduce_splits_only_where_the_communicator_fuses():
+def test_defer_reduce_splits_only_where_the_communicator_fuses(monkeypatch):
     from engine.layers.linear import RowParallelLinear
     from engine.layers.tp_norm import defer_reduce
+    monkeypatch.setattr("engine.layers.tp_norm.K_SPLITS", 8)
     for comm, splits in ((LocalCommunicator(2), 1), (FusedReferenceCommunicator(2), 8)):
         group = comm.groups()[0]
         layer = RowParallelLinear(128, 64, group)

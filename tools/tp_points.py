@@ -7,8 +7,9 @@ one warm-up request), then: decode batch 1 at a 512-token context (k = 0), 8 str
 prompts decoding together (`tools.bench.concurrency.streams_point`: parked after prefill, resumed
 in one command; aggregate = the sum of the streams' decode rates), and the prefill of a fresh
 512-token prompt alone (best of 3), and kernels per decode round counted by the profiler.
-`tp2-nosplit` is TP2 without the K-split projections, `tp2-unfused` without the fused all-reduce +
-add + RMSNorm too (engine.layers.tp_norm.FUSED, K_SPLITS): the before/after in the same run. Prints a
+`tp2` is the engine's default (fused all-reduce + add + RMSNorm), `tp2-split8` adds the K-split
+projections, `tp2-unfused` has neither (engine.layers.tp_norm.FUSED, K_SPLITS): the before/after in
+the same run. Prints a
 table and writes $OUT/tp_points.json.
 """
 
@@ -87,8 +88,9 @@ def measure(model: str, tp: int, fused: bool, tokens: int, device: str = "cuda",
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="preset:qwen3-8b")
-    ap.add_argument("--variants", default="tp1,tp2-unfused,tp2,tp2-nosplit",
-                    help="tp1; tp2 (fused, K splits); tp2-nosplit (fused only); tp2-unfused (neither)")
+    ap.add_argument("--variants", default="tp1,tp2-unfused,tp2,tp2-split8",
+                    help="tp1; tp2 (the engine's default: fused all-reduce + add + norm); tp2-split8 (also "
+                         "the K-split projections); tp2-unfused (neither)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the code (in-process ranks)")
     args = ap.parse_args()
@@ -97,7 +99,7 @@ def main() -> int:
         tp = 2 if v.startswith("tp2") else 1
         if args.device == "cuda" and tp > torch.cuda.device_count():
             continue
-        splits = 1 if v.endswith(("nosplit", "unfused")) else 8
+        splits = 8 if v.endswith("split8") else 1
         try:
             rows.append({"variant": v, **measure(args.model, tp, not v.endswith("unfused"), args.tokens, args.device,
                                                  k_splits=splits)})

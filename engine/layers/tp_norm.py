@@ -33,12 +33,14 @@ from engine.parallel import TPGroup
 from engine.parallel_fused import sum_splits
 
 FUSED = os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0"
-# Row-parallel projections with at most SPLIT_ROWS rows run as a batched GEMM over K_SPLITS slices of
-# their input (RowParallelLinear.k_splits) when the communicator fuses; NINFER_TP_K_SPLITS=1 turns it
-# off. On an H200, TP=2 shards, in graphs (tools/splitk_probe.py, 2026-11-30 sync 1): qwen3-8b
-# down_proj 15.6 us (cuBLAS split-K GEMV + its reduce kernel) -> 10.7 us over 8 slices at 1 row,
-# o_proj 5.8 -> 4.9 us at 8 rows; qwen3-32b down 37.8 -> 33.4 us, o_proj 10.6 -> 9.5 us at 1 row.
-K_SPLITS = int(os.environ.get("NINFER_TP_K_SPLITS", "8"))
+# Row-parallel projections with at most SPLIT_ROWS rows may run as a batched GEMM over K_SPLITS
+# slices of their input (RowParallelLinear.k_splits) when the communicator fuses: NINFER_TP_K_SPLITS=8.
+# Off by default: alone, on an H200's TP=2 shards in graphs, it beats cuBLAS (qwen3-8b down_proj
+# 15.6 us as split-K GEMV + reduce kernel -> 10.7 us over 8 slices at 1 row; tools/splitk_probe.py),
+# and it removes 36 kernels per qwen3-8b round, but the fused kernel's staging of 8 partials costs
+# ~0.8 us per call and the engine measured no gain: decode b1 4.164 ms with it, 4.151 ms without
+# (bench/results/2026-11-30-h200-tpfuse). It also rounds 8 partials per rank instead of one.
+K_SPLITS = int(os.environ.get("NINFER_TP_K_SPLITS", "1"))
 SPLIT_ROWS = 8                                   # the row counts measured (1 and 8)
 
 
