@@ -39,6 +39,11 @@ Protocol of the one-shot kernel (rank r, one launch, `world` ranks, blocks b = 0
   other: every rank makes the same calls in the same order with the same sizes, hence the same
   grid and slices, whatever the alignment of its own x (a misaligned x is copied first).
 
+  `P2PCommunicator.all_reduce_add_rms_norm` runs a variant of this kernel (engine.parallel_fused)
+  that also adds the residual and applies the next RMSNorm, one block per row; it shares the
+  stages, flags and epoch counter, so plain and fused calls may follow each other in any order.
+  Kernels are launched through engine.p2p_launch (parameters packed once per rank).
+
   Requirements: peer access between all devices; one all_reduce at a time per rank, ordered on
   its stream (the model's layers are); every rank makes the same sequence of calls.
   A rank that waits longer than `timeout_s` for its peer traps (the CUDA context is lost) rather
@@ -75,7 +80,9 @@ import numpy as np
 import structlog
 import torch
 
+from engine.p2p_launch import RankLaunch
 from engine.parallel import TPGroup
+from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, MAX_SPLITS, add_norm_launch_shape
 
 log = structlog.get_logger(__name__)
 
@@ -85,6 +92,9 @@ DEFAULT_P2P_MAX_BYTES = 512 * 1024          # larger all-reduces go to NCCL
 # Up to this size a launch uses `small_threads` per block: on 2 x H200 in graphs, 128 threads took
 # 5.41-5.71 us for 8-32 KB against 5.84-5.96 us with 512, and lost from 64 KB up (run 2, 2026-11-30).
 SMALL_MESSAGE_BYTES = 32 * 1024
+# The fused all-reduce + add + RMSNorm (engine.parallel_fused) up to this size; larger ones run the
+# unfused ops (the plain kernel or NCCL, then the norm kernel). None: up to max_bytes.
+FUSED_MAX_BYTES: int | None = None
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8
 _STATE_BYTES = 256
 _NCCL_SUM = 0                                # ncclSum
@@ -468,7 +478,7 @@ class P2PCommunicator(_CudaCommunicator):
 
     def __init__(self, devices, *, max_bytes: int = DEFAULT_P2P_MAX_BYTES, threads: int = 512,
                  small_threads: int | None = 128, max_blocks: int = MAX_BLOCKS, timeout_s: float = 60.0,
-                 fallback: NcclCommunicator | None = None, self_test: bool = True):
+                 fallback: NcclCommunicator | None = None, self_test: bool = True, fast_launch: bool = True):
         cupy = _import_cupy()
         self.devices = _check_devices(devices, least=2)
         self.world_size = len(self.devices)
@@ -484,6 +494,7 @@ class P2PCommunicator(_CudaCommunicator):
             raise ValueError(f"max_bytes must be at least 16, got {max_bytes}")
         self.max_bytes, self.threads, self.max_blocks = int(max_bytes), int(threads), int(max_blocks)
         self.small_threads = int(small_threads)
+        self.fast_launch = fast_launch      # engine.p2p_launch; False: CuPy's generic kernel call
         self._cupy = cupy
         self._allocations: list[tuple[int, int]] = []           # (device, pointer) to free
         self._owns_nccl = fallback is None
@@ -508,14 +519,17 @@ class P2PCommunicator(_CudaCommunicator):
                 a["state"], a["cap"], a["rank"], a["world"] = state[r], cap, r, self.world_size
                 a["timeout_ns"] = int(timeout_s * 1e9) if timeout_s else 0
                 self._args.append(a)
-            module = cupy.RawModule(code=KERNEL_SOURCE, options=("-std=c++17",))
+            module = cupy.RawModule(code=KERNEL_SOURCE + ADD_NORM_SOURCE, options=("-std=c++17",))
             self._kernels = []          # per rank: RawKernel objects (attributes, for reports)
             self._functions = []        # per rank: the loaded function of that rank's device
+            names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()}}
             for d in self.devices:
                 with cupy.cuda.Device(d):
-                    kernels = {key: module.get_function(name) for key, name in KERNEL_NAMES.items()}
+                    kernels = {key: module.get_function(name) for key, name in names.items()}
                     self._functions.append({key: k.kernel for key, k in kernels.items()})
                     self._kernels.append(kernels)
+            self._function_ptrs = [{key: f.ptr for key, f in fns.items()} for fns in self._functions]
+            self._pack_launches()
             if self._nccl is None:
                 self._nccl = NcclCommunicator(self.devices)
             if self_test:
@@ -529,8 +543,9 @@ class P2PCommunicator(_CudaCommunicator):
 
     def kernel_attributes(self) -> dict[str, dict]:
         """Registers, local (spill) bytes and binary version per kernel, on rank 0's device."""
+        names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()}}
         with self._cupy.cuda.Device(self.devices[0]):
-            return {KERNEL_NAMES[key]: {"num_regs": k.num_regs, "local_size_bytes": k.local_size_bytes,
+            return {names[key]: {"num_regs": k.num_regs, "local_size_bytes": k.local_size_bytes,
                                         "binary_version": k.binary_version}
                     for key, k in self._kernels[0].items()}
 
@@ -550,21 +565,75 @@ class P2PCommunicator(_CudaCommunicator):
         units = nbytes // 16 if vec else x.numel()
         threads = self.small_threads if nbytes <= SMALL_MESSAGE_BYTES else self.threads
         blocks = min(self.max_blocks, -(-units // threads))
-        launch = (self._functions[rank][kind, vec], (blocks,), (threads,),
-                  (self._args[rank], np.uint64(buf.data_ptr()), np.int32(units)),
-                  _Stream(torch.cuda.current_stream(x.device).cuda_stream))
-        device = self.devices[rank]
-        if self._cupy.cuda.runtime.getDevice() == device:   # CuPy launches in its current context
-            _launch(*launch)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if self.fast_launch:
+            call = (self._fast[rank].all_reduce, self._function_ptrs[rank][kind, vec], blocks, threads, stream,
+                    buf.data_ptr(), units)
         else:
-            with self._cupy.cuda.Device(device):
-                _launch(*launch)
+            call = (_launch, self._functions[rank][kind, vec], (blocks,), (threads,),
+                    (self._args[rank], np.uint64(buf.data_ptr()), np.int32(units)), _Stream(stream))
+        self._in_context(rank, call)
         if buf is not x:
             x.copy_(buf)
         return x
 
     def _all_gather(self, rank: int, x: torch.Tensor) -> torch.Tensor:
         return self._nccl._all_gather(rank, x)
+
+    def all_reduce_add_rms_norm(self, rank: int, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One launch for `h = all_reduce(x) + residual; (rms_norm(h) * weight, h)` (engine.parallel_fused).
+
+        x, residual: [..., H] on devices[rank] (x may also be [S, ..., H]: this rank's partials of
+        S slices of K, summed before the exchange); weight: [H]. Returns (normed, h) as new tensors,
+        or None where the fused kernel does not apply (dtype, shapes, rows not 16-byte multiples,
+        more than max_bytes): the caller then runs the unfused ops. The decision depends on shapes
+        and dtypes only, never on this rank's pointers, so every rank decides alike."""
+        self._check(rank, x)
+        kind = _P2P_DTYPES.get(x.dtype)
+        splits = x.shape[0] if x.dim() == residual.dim() + 1 else 1
+        hidden = residual.shape[-1] if residual.dim() else 0
+        row_bytes = hidden * x.element_size()
+        nbytes = residual.numel() * x.element_size()
+        limit = self.max_bytes if FUSED_MAX_BYTES is None else min(self.max_bytes, FUSED_MAX_BYTES)
+        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or splits > MAX_SPLITS or x.shape[x.dim() - residual.dim():]
+                != residual.shape or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
+            return None
+        if torch.cuda.current_device() != self.devices[rank]:
+            with torch.cuda.device(self.devices[rank]):
+                return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred, splits)
+        return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred, splits)
+
+    def _add_norm(self, rank, kind, x, residual, weight, eps, zero_centred, splits):
+        def aligned(t):           # contiguous and 16-byte aligned, else a copy (pointers differ per rank)
+            return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+        x, residual, weight = aligned(x), aligned(residual), aligned(weight)
+        out, residual_out = torch.empty_like(residual), torch.empty_like(residual)
+        rows = residual.numel() // residual.shape[-1]
+        blocks, threads, units = add_norm_launch_shape(rows, residual.shape[-1] * x.element_size(), self.max_blocks)
+        pointers = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        if self.fast_launch:
+            call = (self._fast[rank].add_norm, self._function_ptrs[rank]["add_norm", kind], blocks, threads, stream,
+                    pointers, rows, units, eps, zero_centred, splits)
+        else:
+            call = (_launch, self._functions[rank]["add_norm", kind], (blocks,), (threads,),
+                    (self._args[rank], *(np.uint64(p) for p in pointers), np.int32(rows), np.int32(units),
+                     np.float32(eps), np.int32(1 if zero_centred else 0), np.int32(splits)), _Stream(stream))
+        self._in_context(rank, call)
+        return out, residual_out
+
+    def _in_context(self, rank: int, call: tuple) -> None:
+        """call[0](*call[1:]) with devices[rank] current for CuPy (launches use the current context)."""
+        device = self.devices[rank]
+        if self._cupy.cuda.runtime.getDevice() == device:
+            call[0](*call[1:])
+        else:
+            with self._cupy.cuda.Device(device):
+                call[0](*call[1:])
+
+    def _pack_launches(self) -> None:
+        self._fast = [RankLaunch(self._cupy.cuda.driver, a.tobytes()) for a in self._args]
 
     def _self_test(self) -> None:
         """Launch a few all-reduces for all ranks from this thread (launches return at once; the
@@ -573,6 +642,7 @@ class P2PCommunicator(_CudaCommunicator):
         self._args = [a.copy() for a in saved]
         for a in self._args:
             a["timeout_ns"] = min(int(a["timeout_ns"][0]) or 10**10, 10**10)
+        self._pack_launches()
         try:
             for numel in (1, 4097, 4096, min(self.max_bytes // 2, 1 << 17)):
                 xs = [torch.full((numel,), float(r + 1), dtype=torch.bfloat16, device=f"cuda:{d}")
@@ -586,8 +656,21 @@ class P2PCommunicator(_CudaCommunicator):
                     if not bool((x == want).all()):
                         raise RuntimeError(f"P2P all-reduce self-test gave a wrong sum on {x.device} "
                                            f"for {numel} elements")
+            # the fused kernel: h = (1 + ... + world) + 1 everywhere, normed to 1 (weight 1)
+            got = []
+            for r, d in enumerate(self.devices):
+                x = torch.full((3, 1024), float(r + 1), dtype=torch.bfloat16, device=f"cuda:{d}")
+                one = torch.ones(1024, dtype=torch.bfloat16, device=f"cuda:{d}")
+                got.append(self.all_reduce_add_rms_norm(r, x, torch.ones_like(x), one, 1e-6))
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+            want = self.world_size * (self.world_size + 1) / 2 + 1
+            for out, h in got:
+                if not (bool((h == want).all()) and bool((out == 1).all())):
+                    raise RuntimeError(f"P2P fused all-reduce + add + norm self-test failed on {h.device}")
         finally:
             self._args = saved
+            self._pack_launches()
 
     def close(self) -> None:
         cupy = self._cupy

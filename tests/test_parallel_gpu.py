@@ -80,6 +80,20 @@ def test_kernel_source_compiles_for_sm90_without_spills(tmp_path):
     assert len(spills) == 6 and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
+def test_fused_add_norm_source_compiles_for_sm90_without_spills(tmp_path):
+    from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE
+    src = tmp_path / "one_shot_add_norm.cu"
+    src.write_text(KERNEL_SOURCE + ADD_NORM_SOURCE)            # as P2PCommunicator builds it
+    out = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                          "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for name in ADD_NORM_KERNEL_NAMES.values():
+        assert f"Compiling entry function '{name}'" in out.stderr, out.stderr
+    spills = [line for line in out.stderr.splitlines() if "spill stores" in line]
+    assert len(spills) == 9 and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
+
+
 # --------------------------------------------------------------------------------- two GPUs
 
 @pytest.fixture(scope="module")
@@ -173,3 +187,78 @@ def test_nvls_variables_are_forced_off_by_the_check_tool():
             "assert os.environ['NCCL_NVLS_ENABLE'] == '0'\n")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120,
                    env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+
+
+# ------------------------------------------------------ fused all-reduce + residual add + RMSNorm
+
+FUSED_SHAPES = [(1, 4096), (3, 5120), (8, 4096), (51, 5120), (65, 2048), (1, 1024)]   # all <= 512 KB
+
+
+def _assert_fused_ok(records):
+    assert records, "no checks ran"
+    bad = [r for r in records if not r["ok"]]
+    assert not bad, "\n".join(str(r) for r in bad[:5])
+
+
+@multi_gpu
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["rmsnorm", "zero-centred"])
+def test_fused_add_norm_eager_equals_reference_and_unfused_ops(comms, zero_centred):
+    from tools.tp_fuse_check import check_fused
+    records = check_fused(comms["p2p"], FUSED_SHAPES, zero_centred=zero_centred)
+    _assert_fused_ok(records)
+    fused = [r for r in records if "rows" in r]
+    assert all(r["unfused_residual_equal"] and r["out_max_ulps_vs_unfused"] <= 2.0 for r in fused), fused
+
+
+@multi_gpu
+@pytest.mark.parametrize("zero_centred", [False, True], ids=["rmsnorm", "zero-centred"])
+def test_fused_add_norm_in_cuda_graphs_follows_new_inputs(comms, zero_centred):
+    from tools.tp_fuse_check import check_fused
+    _assert_fused_ok(check_fused(comms["p2p"], FUSED_SHAPES[:4], zero_centred=zero_centred, graph=True, replays=3))
+
+
+@multi_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_add_norm_other_dtypes(comms, dtype):
+    from tools.tp_fuse_check import check_fused
+    _assert_fused_ok(check_fused(comms["p2p"], [(2, 4096), (5, 1024)], dtype=dtype, zero_centred=dtype == torch.float16))
+
+
+@multi_gpu
+def test_fused_add_norm_above_the_limit_falls_back_to_the_unfused_ops(comms):
+    from engine.layers.norm import RMSNorm
+    from engine.layers.tp_norm import reduce_add_norm
+    from engine.parallel_fused import add_norm_reference
+    from tools.comm_check import run_ranks
+    comm = comms["p2p"]
+    rows, hidden = 80, 4096                                     # 640 KB of bf16 > the 512 KB limit
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(rows, hidden, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    residual = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(hidden, generator=gen).to(torch.bfloat16)
+    groups = comm.groups()
+
+    def body(rank, barrier):
+        dev = f"cuda:{rank}"
+        norm = RMSNorm(hidden, 1e-6).to(device=dev, dtype=torch.bfloat16)
+        norm.weight.data.copy_(weight)
+        x, res = parts[rank].to(dev), residual.to(dev)
+        refused = comm.all_reduce_add_rms_norm(rank, x, res, norm.weight, 1e-6) is None
+        out, new_res = reduce_add_norm(groups[rank], norm, x, res)
+        torch.cuda.synchronize()
+        return refused, out.cpu(), new_res.cpu()
+
+    got = run_ranks([0, 1], body)
+    want_out, want_res = add_norm_reference(parts, residual, weight, 1e-6)
+    for refused, out, new_res in got:
+        assert refused
+        assert torch.equal(new_res, want_res)                   # two ranks: NCCL's sum rounds once too
+        torch.testing.assert_close(out, want_out, rtol=2 ** -7, atol=1e-2)
+
+
+@multi_gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_fused_add_norm_sums_k_split_partials(comms, graph):
+    # x: [S, T, H] partials of S slices of K (RowParallelLinear.k_splits), summed before the exchange
+    from tools.tp_fuse_check import check_fused
+    _assert_fused_ok(check_fused(comms["p2p"], FUSED_SHAPES[:3], splits=4, graph=graph))

@@ -26,6 +26,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 
 KINDS = (  # first match wins
+    ("all-reduce+add+norm", ("ninfer_ar_add_norm",)),
     ("all-reduce", ("ninfer_ar_", "nccl")),
     ("attention", ("_attn_kernel", "_merge_kernel", "flash", "fmha")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "gemv", "cublas", "splitK")),
@@ -86,10 +87,13 @@ def main() -> None:
     per_kind: dict[str, float] = defaultdict(float)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     busy_by_device: dict[int, float] = defaultdict(float)
+    kernels_by_device: dict[int, int] = defaultdict(int)
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0:
             us = ev.device_time_total
             busy_by_device[ev.device_index] += us / 1e3 / args.steps
+            if not ev.name.startswith("Memcpy") and not ev.name.startswith("Memset"):
+                kernels_by_device[ev.device_index] += 1
             if ev.device_index != 0:
                 continue
             per_kind[kind_of(ev.name)] += us
@@ -100,6 +104,9 @@ def main() -> None:
           f"draft_vocab={args.draft_vocab} {'eager' if args.eager else 'graphs'}: {plain_ms:.3f} ms per round "
           f"({wall_ms:.3f} under the profiler), cuda:0 kernels busy {busy_ms:.3f} ms ({busy_ms / plain_ms:.0%}); "
           f"busy by device: " + ", ".join(f"cuda:{d} {ms:.3f}" for d, ms in sorted(busy_by_device.items())))
+    kernels_per_round = {d: n / args.steps for d, n in sorted(kernels_by_device.items())}
+    print("  kernels per round: " + ", ".join(f"cuda:{d} {n:.0f}" for d, n in kernels_per_round.items())
+          + f"  (NINFER_TP_FUSED_NORM={os.environ.get('NINFER_TP_FUSED_NORM', '1')})")
     for kind, us in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:18s} {us / 1e3 / args.steps:8.3f} ms/round")
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:15]
@@ -108,10 +115,12 @@ def main() -> None:
     out = os.environ.get("OUT")
     if out:
         name = (f"profile_{args.model.split(':')[-1]}_tp{args.tensor_parallel_size}_ctx{args.context}"
-                f"_k{args.draft_tokens}.json")
+                f"_k{args.draft_tokens}{'' if os.environ.get('NINFER_TP_FUSED_NORM', '1') != '0' else '_unfused'}.json")
         with open(os.path.join(out, name), "w") as f:
             json.dump({"args": vars(args), "ms_per_round": plain_ms, "wall_ms_profiled": wall_ms, "busy_ms": busy_ms,
                        "busy_ms_by_device": busy_by_device,
+                       "kernels_per_round_by_device": kernels_per_round,
+                       "fused_norm": os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0",
                        "per_kind_ms": {k: v / 1e3 / args.steps for k, v in per_kind.items()},
                        "top": [(n, us / 1e3 / args.steps, c // args.steps) for n, (us, c) in top]}, f, indent=1)
     core.shutdown()

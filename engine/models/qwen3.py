@@ -23,6 +23,7 @@ from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.tp_norm import defer_reduce, reduce_add_norm
 from engine.parallel import SINGLE_RANK, TPGroup
 
 
@@ -78,15 +79,18 @@ class Qwen3DecoderLayer(nn.Module):
         self.self_attn = Qwen3Attention(cfg, rotary, tp, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg, tp, f"{prefix}.mlp")
+        self.tp = tp
+        defer_reduce(tp, self.self_attn.o_proj, self.mlp.down_proj)
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
+        # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.tp_norm).
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = reduce_add_norm(self.tp, self.input_layernorm, x, residual)
         x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = reduce_add_norm(self.tp, self.post_attention_layernorm, x, residual)
         return self.mlp(x), residual
 
 
@@ -97,13 +101,14 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"model.layers.{i}")
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> final-normed hidden [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return reduce_add_norm(self.tp, self.norm, x, residual)[0]
 
 
 class MTPModule(nn.Module):
@@ -125,6 +130,7 @@ class MTPModule(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"mtp.layers.{i}")
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
@@ -132,7 +138,7 @@ class MTPModule(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return reduce_add_norm(self.tp, self.norm, x, residual)[0]
 
 
 def quant_format(cfg: ModelConfig, prefix: str, parts: list[str]) -> str | None:

@@ -22,6 +22,7 @@ from engine.layers.gated_delta import GatedDeltaNet
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.rotary import RotaryEmbedding
+from engine.layers.tp_norm import defer_reduce, reduce_add_norm
 from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP, quant_format
 from engine.parallel import SINGLE_RANK, TPGroup
 
@@ -39,15 +40,19 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, rotary, tp, lambda parts: quant_format(cfg, f"{prefix}.self_attn", parts))
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = Qwen3MLP(cfg, tp, f"{prefix}.mlp")
+        self.tp = tp
+        mixer = self.linear_attn.out_proj if self.is_linear else self.self_attn.o_proj
+        defer_reduce(tp, mixer, self.mlp.down_proj)
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
+        # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.tp_norm).
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = reduce_add_norm(self.tp, self.input_layernorm, x, residual)
         x = self.linear_attn(x) if self.is_linear else self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = reduce_add_norm(self.tp, self.post_attention_layernorm, x, residual)
         return self.mlp(x), residual
 
 
@@ -58,13 +63,14 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary, tp, f"model.layers.{i}")
                                     for i, t in enumerate(cfg.layer_types))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> final-normed hidden [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return reduce_add_norm(self.tp, self.norm, x, residual)[0]
 
 
 class HybridMTPModule(nn.Module):
@@ -79,6 +85,7 @@ class HybridMTPModule(nn.Module):
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, "full_attention", rotary, tp, f"mtp.layers.{i}")
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
+        self.tp = tp
 
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
@@ -86,7 +93,7 @@ class HybridMTPModule(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return reduce_add_norm(self.tp, self.norm, x, residual)[0]
 
 
 class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
