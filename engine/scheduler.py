@@ -68,6 +68,17 @@ class DecodeWork:
     sampling: SamplingParams
     seed: int
     state_slot: int = -1           # hybrids: the request's linear-attention state slot
+    # Async scheduling (engine.overlap): the row of the round before whose tokens this row adds on the
+    # device (engine.decode_round.carry_forward); num_tokens and output_index are then as they were
+    # before that round, last_token_id and mtp_token_ids are unused, and that round adds at most
+    # `carried_max` tokens.
+    carry_row: int = -1
+    carried_max: int = 0
+
+    @property
+    def max_num_tokens(self) -> int:
+        """An upper bound of n for this round (exact unless carried)."""
+        return self.num_tokens + self.carried_max
 
 
 @dataclass
@@ -187,8 +198,12 @@ class Scheduler:
             for work in decode:
                 work.draft_tokens = min(work.draft_tokens, k_round)
         prefills = self.lane.plan(self.waiting, self._has_room)
+        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=self.take_finished_ids())
+
+    def take_finished_ids(self) -> list[str]:
+        """Requests that left since the last call (their runner state is dropped with the next round)."""
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=finished)
+        return finished
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestEvent]:
         now = self.clock()
