@@ -17,9 +17,9 @@ dropped. Its KV blocks are freed after round N's tokens are read, while N+1 may 
 that is safe because every later use of a freed block is enqueued after N+1 on the same stream, and
 N+1 writes only positions past the request's last final (prefix-registered) block.
 
-Rounds with prefill work, batch changes that add requests (admission, attach), a request that may
-reach max_tokens in round N, and out-of-KV (preemption) run synchronously: the step first lands the
-round in flight, then schedules as before. Tensor parallelism and hybrid models always do
+A request that round N may end by length sits round N+1 out and rejoins, packed whole, the round
+after. Rounds with prefill work, batch changes that add requests (admission, attach) and out-of-KV
+(preemption) run synchronously: the step first lands the round in flight, then schedules as before. Tensor parallelism and hybrid models always do
 (`why_synchronous`).
 """
 
@@ -89,7 +89,11 @@ class InflightRound:
 
 
 def plan_ahead(scheduler: Scheduler, inflight: InflightRound) -> SchedulerOutput | None:
-    """Round N+1 while round N (in flight) is unread, or None when it must wait for N's tokens."""
+    """Round N+1 while round N (in flight) is unread, or None when it must wait for N's tokens.
+
+    A request in round N gets a carried row. One that round N may end by length sits N+1 out (its
+    tokens do not depend on the batch it runs in); the round after packs it whole, as it does any
+    running request whose rounds have all been read."""
     s = scheduler
     if s.waiting or s.lane or s.attached or inflight.sched.prefills:
         return None
@@ -98,13 +102,16 @@ def plan_ahead(scheduler: Scheduler, inflight: InflightRound) -> SchedulerOutput
     works: list[DecodeWork] = []
     for req in s.running:
         r = rows.get(req.request_id)
-        if r is None or inflight.requests[r] is not req:
-            return None
+        if r is None or inflight.requests[r] is not req:           # every round of it was read
+            if not s.kv.allocate(req, req.num_tokens + k):
+                return None                                        # preemption decides synchronously
+            works.append(s.decode_work(req))
+            continue
         adds = inflight.sched.decode[r].draft_tokens + 1           # the most round N adds
         if req.num_output_tokens + adds >= req.sampling.max_tokens:
-            return None                                            # N may end it by length: read N first
+            continue                                               # N may end it by length
         if not s.kv.allocate(req, req.num_tokens + adds + k):
-            return None                                            # preemption decides synchronously
+            return None
         works.append(DecodeWork(
             request_id=req.request_id, last_token_id=0, num_tokens=req.num_tokens,
             num_mtp_computed=req.num_tokens - 1 if k else 0, mtp_token_ids=[], block_ids=req.block_ids,

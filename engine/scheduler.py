@@ -192,7 +192,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                decode.append(self._decode_work(req))
+                decode.append(self.decode_work(req))
         if self.draft_policy is not None and decode:
             k_round = self.draft_policy.choose(len(decode))
             for work in decode:
@@ -312,7 +312,8 @@ class Scheduler:
             return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
         return len(self.running) + len(self.attached) + ahead < self.config.max_batch
 
-    def _decode_work(self, req: Request) -> DecodeWork:
+    def decode_work(self, req: Request) -> DecodeWork:
+        """The request's next round, packed whole from what the host knows (every round of it read)."""
         return DecodeWork(
             request_id=req.request_id, last_token_id=req.last_token_id, num_tokens=req.num_tokens,
             num_mtp_computed=req.num_mtp_computed,

@@ -58,6 +58,11 @@ class LaunchLog:
     def carried(self) -> int:
         return sum(1 for rows in self.rounds if rows and all(r >= 0 for r in rows))
 
+    @property
+    def mixed(self) -> int:
+        """Rounds planned ahead that also pack a row whole (a request that sat the round before out)."""
+        return sum(1 for rows in self.rounds if any(r >= 0 for r in rows) and any(r < 0 for r in rows))
+
 
 def run(core: EngineCore, jobs: list[tuple[str, SamplingParams]], arrivals: dict[int, list[int]] | None = None,
         abort_at: dict[int, str] | None = None):
@@ -103,6 +108,8 @@ def test_overlapped_loop_gives_the_synchronous_tokens(shared_model, k):
     for rid, req in got_reqs.items():
         assert got[rid][0] == req.output_token_ids == want_reqs[rid].output_token_ids
     assert log.carried >= 10, log.rounds                    # most decode rounds were planned ahead
+    if k:
+        assert log.mixed > 0, log.rounds                    # near max_tokens a request sits one round out
     assert not never.rounds
 
 
