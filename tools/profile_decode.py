@@ -1,6 +1,6 @@
 """Where a decode step's time goes: kernel time by kind per step, against the step's wall time.
 
-    python3 tools/profile_decode.py [--model preset:qwen3-8b] [--context 512] [--draft-tokens 0] [--steps 20]
+    python3 tools/profile_decode.py [--model preset:qwen3-8b] [--context 512] [--draft-tokens 0,3] [--steps 20]
                                     [--tensor-parallel-size 2] [--batch 1,8] [--modes sync,async]
 
 Builds the engine on cuda:0 (and cuda:1.. with TP) with random weights, warms it up (graphs
@@ -57,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="preset:qwen3-8b")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--draft-tokens", type=int, default=0)
+    ap.add_argument("--draft-tokens", default="0", help="k, or comma-separated values (one engine each)")
     ap.add_argument("--draft-vocab", type=int, default=0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eager", action="store_true")
@@ -70,6 +70,16 @@ def main() -> None:
     batches = [int(b) for b in args.batch.split(",")]
     modes = args.modes.split(",")
 
+    rows = []
+    for k in [int(x) for x in str(args.draft_tokens).split(",")]:     # one engine per k, one after the other
+        rows += profile_engine(argparse.Namespace(**{**vars(args), "draft_tokens": k}), batches, modes)
+    print(f"\n{'batch':>5} {'k':>2} {'mode':>6} {'ms/round':>9} {'busy ms':>8} {'idle ms':>8} {'tok/round':>9}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['args']['draft_tokens']:2d} {r['mode']:>6} {r['ms_per_round']:9.3f} "
+              f"{r['busy_ms']:8.3f} {r['idle_ms']:8.3f} {r['tokens_per_round']:9.2f}")
+
+
+def profile_engine(args, batches: list[int], modes: list[str]) -> list[dict]:
     core = EngineCore(EngineConfig(model=args.model, device=args.device, draft_tokens=args.draft_tokens,
                                    draft_vocab=args.draft_vocab, max_batch=max(4, *batches),
                                    kv_capacity=max(batches) * (args.context + 4096),
@@ -85,11 +95,8 @@ def main() -> None:
                       f"({getattr(core, 'sync_reason', 'no engine.overlap')}); skipped")
                 continue
             rows.append(profile_one(core, args, batch, mode))
-    print(f"\n{'batch':>5} {'k':>2} {'mode':>6} {'ms/round':>9} {'busy ms':>8} {'idle ms':>8} {'tok/round':>9}")
-    for r in rows:
-        print(f"{r['batch']:5d} {args.draft_tokens:2d} {r['mode']:>6} {r['ms_per_round']:9.3f} {r['busy_ms']:8.3f} "
-              f"{r['idle_ms']:8.3f} {r['tokens_per_round']:9.2f}")
     core.shutdown()
+    return rows
 
 
 def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
