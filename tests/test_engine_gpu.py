@@ -12,9 +12,11 @@ import torch
 
 from engine import LLM, SamplingParams
 
-MODEL = Path(__file__).resolve().parents[1] / ".models" / "tiny-qwen3-mtp"
-if not MODEL.exists():
-    MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-qwen3-mtp"
+# the repository's .models/, the one beside a copy of it (the GPU machine), or the shared folder
+_CANDIDATES = [Path(__file__).resolve().parents[1] / ".models", Path(__file__).resolve().parents[2] / ".models",
+               Path(__file__).resolve().parents[2] / "shared" / "models"]
+MODEL = next((c / "tiny-qwen3-mtp" for c in _CANDIDATES if (c / "tiny-qwen3-mtp").exists()),
+             _CANDIDATES[-1] / "tiny-qwen3-mtp")
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_model = pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")
