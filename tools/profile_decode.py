@@ -8,7 +8,7 @@ captured); then for each batch size starts that many requests at the given conte
 scheduling mode (`sync`: every round waits for the last one's tokens; `async`: the next round is
 enqueued first, engine.overlap), times 5 x `--steps` decode rounds without the profiler, then records
 `--steps` with torch.profiler. Prints per-round milliseconds by kernel kind and device, the GPU idle per
-round (wall time less kernel time on cuda:0) and the top kernels; writes $OUT/profile_*.json.
+round (wall time less kernel time on cuda:0) and the top kernels; writes every row to one $OUT/profile_*.json.
 Modes need a build with async scheduling (`EngineCore.async_scheduling`); an older one runs `sync`.
 """
 
@@ -77,6 +77,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['batch']:5d} {r['args']['draft_tokens']:2d} {r['mode']:>6} {r['ms_per_round']:9.3f} "
               f"{r['busy_ms']:8.3f} {r['idle_ms']:8.3f} {r['tokens_per_round']:9.2f}")
+    out = os.environ.get("OUT")
+    if out:
+        name = (f"profile_{args.model.split(':')[-1]}_tp{args.tensor_parallel_size}_ctx{args.context}"
+                f"_k{args.draft_tokens.replace(',', '-')}{'_' + args.label if args.label else ''}.json")
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def profile_engine(args, batches: list[int], modes: list[str]) -> list[dict]:
@@ -162,12 +168,6 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
            "busy_ms_by_device": busy_by_device,
            "per_kind_ms": {k: v / 1e3 / args.steps for k, v in per_kind.items()},
            "top": [(n, us / 1e3 / args.steps, c // args.steps) for n, (us, c) in top]}
-    out = os.environ.get("OUT")
-    if out:
-        name = (f"profile_{args.model.split(':')[-1]}_tp{args.tensor_parallel_size}_ctx{args.context}"
-                f"_b{batch}_k{args.draft_tokens}_{mode}{'_' + args.label if args.label else ''}.json")
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(row, f, indent=1)
     return row
 
 
