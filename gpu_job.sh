@@ -2,7 +2,7 @@
 # issue 15 item 2 (async scheduling, engine.overlap) on the GPU machine; <= 120 s at SYNC 2.
 # Uses preset:qwen3-8b (random weights) and ../.models/tiny-qwen3-mtp (the GPU tests).
 #   1. before: tools/profile_decode.py on the base commit's engine (.overlap-base/, `git archive` of
-#      cca6f8d), k = 0, b = 1 and 8 (it schedules synchronously)
+#      main, the commit this branch is rebased on), k = 0 and 3, b = 1 and 8 (it schedules synchronously)
 #   2. after: the same tool on this commit, k = 0 and 3, b = 1 and 8, sync (every round waits for the
 #      last: --no-async-scheduling, same graphs) and async; ms per round and GPU idle per round
 #      (wall time less cuda:0 kernel time)
@@ -21,12 +21,12 @@ python -c "import torch, triton; print('torch', torch.__version__, 'triton', tri
 quiet() { grep -v "^20..-..-.. \|^USDT\|UserWarning\|self.profiler = \|_warn_once" ; }
 
 if [ -d .overlap-base/engine ]; then
-  PYTHONPATH=$PWD/.overlap-base:${PYTHONPATH:-$PWD} timeout 30 python tools/profile_decode.py --context 512 \
-      --draft-tokens 0 --batch 1,8 --modes sync --steps 20 --label "base-$BASE" 2>&1 | quiet > "$OUT/profile-base.log"
-  echo "before (base $BASE):"; grep -A3 "^batch" "$OUT/profile-base.log" || grep "ms per round" "$OUT/profile-base.log"
+  PYTHONPATH=$PWD/.overlap-base:${PYTHONPATH:-$PWD} timeout 36 python tools/profile_decode.py --context 512 \
+      --draft-tokens 0,3 --batch 1,8 --modes sync --steps 20 --label "base-$BASE" 2>&1 | quiet > "$OUT/profile-base.log"
+  echo "before (base $BASE):"; grep -A5 "^batch" "$OUT/profile-base.log" || grep "ms per round" "$OUT/profile-base.log"
 fi
 
-timeout $(( $(left) - 38 )) python tools/profile_decode.py --context 512 --draft-tokens 0,3 --batch 1,8 \
+timeout $(( $(left) - 32 )) python tools/profile_decode.py --context 512 --draft-tokens 0,3 --batch 1,8 \
     --modes sync,async --steps 20 --label "$COMMIT" 2>&1 | quiet > "$OUT/profile.log"
 echo "after ($COMMIT):"; grep -A9 "^batch" "$OUT/profile.log" || grep "ms per round" "$OUT/profile.log"
 
