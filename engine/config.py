@@ -149,6 +149,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_comm: str = "auto"                   # TP all-reduce: "p2p" (one-shot NVLink), "nccl", "auto"
     enforce_eager: bool = False             # no CUDA graphs
+    async_scheduling: bool = True           # plan decode round N+1 while the GPU runs N (engine.overlap)
     draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
     stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
     lease_seconds: float = 60.0             # how long a prefilled (parked) request keeps its KV for a decode

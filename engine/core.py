@@ -25,7 +25,8 @@ from engine.presets import PREFIX as PRESET_PREFIX, preset
 from engine.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.executor import Executor
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from engine.overlap import InflightRound, TokenReadback, plan_ahead, why_synchronous
+from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.hybrid_config import state_slot_counts
 from engine.state_slots import StateSlotPool
 from engine.state_snapshots import StateSnapshots
@@ -125,6 +126,12 @@ class EngineCore:
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
+        # async scheduling (engine.overlap): the decode round enqueued and not read yet
+        self.sync_reason = why_synchronous(config, model_config)
+        self.async_scheduling = not self.sync_reason
+        self._inflight: InflightRound | None = None
+        self._readback = TokenReadback(config.max_batch, k + 1, self.executor.driver.device)
+        log.info("scheduling", overlapped=self.async_scheduling, why_synchronous=self.sync_reason or None)
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
 
@@ -204,7 +211,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -213,15 +220,40 @@ class EngineCore:
         return [self._finished_output(r, []) for r in self.scheduler.expire()]
 
     def step(self) -> list[RequestOutput]:
+        """One round. With async scheduling a decode round is enqueued here and its tokens come out of
+        the next step, which enqueues the round after it first (engine.overlap)."""
         outputs = self.expire()
+        if self._inflight is not None:
+            ahead = plan_ahead(self.scheduler, self._inflight)
+            landing, self._inflight = self._inflight, (self._launch(ahead) if ahead is not None else None)
+            outputs += self._land(landing)
+            if self._inflight is not None or not self.scheduler.has_work:
+                self.last_step_idle = False
+                return outputs
         sched = self.scheduler.schedule()
         # nothing could run (queued requests wait for KV or a batch seat held by parked ones)
         self.last_step_idle = sched.empty
+        if self.async_scheduling and sched.decode and not sched.prefills:
+            self._inflight = self._launch(sched)
+            return outputs
         prefilling = list(self.scheduler.lane.requests)
         # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
         result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids
                   else ModelOutput())
-        events = self.scheduler.update(sched, result)
+        return outputs + self._outputs(sched, prefilling, self.scheduler.update(sched, result))
+
+    def _launch(self, sched: SchedulerOutput) -> InflightRound:
+        host, arrived = self._readback.start(self.executor.launch(sched))
+        return InflightRound(sched, [self.scheduler.requests[w.request_id] for w in sched.decode], host, arrived)
+
+    def _land(self, inflight: InflightRound) -> list[RequestOutput]:
+        """Round N's bookkeeping, once its tokens arrived (rows of requests gone since are dropped)."""
+        result = inflight.result()
+        sched = inflight.live(self.scheduler)
+        return self._outputs(sched, [], self.scheduler.update(sched, result))
+
+    def _outputs(self, sched: SchedulerOutput, prefilling: list[Request], events) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
         for ev in events:                # tokens past a stop string are neither delivered nor counted
             ev.new_token_ids = self._apply_stop_strings(ev.request, ev.new_token_ids)
         self._record(sched, prefilling, events)

@@ -41,21 +41,38 @@ class _Captured:
         self.batch = batch
         self.setup = setup
         pin = dict(pin_memory=True)
-        self.host = (torch.zeros(ROWS * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
-                     torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
-                     torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
+        # Two sets of pinned staging arrays, used in turn: with async scheduling the host packs the
+        # next round while this one's copies may still wait in the stream behind the round before.
+        self._staging = [(torch.zeros(ROWS * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
+                          torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
+                          torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
+                         for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]    # each set's last upload
+        self._turn = 0
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
         # (context class, variant, draft steps) -> (graph, its output tokens)
         self.graphs: dict[tuple[int, tuple[bool, bool], int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    @property
+    def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The staging arrays of the current turn."""
+        return self._staging[self._turn]
+
     def pack(self, works) -> None:
+        """Pack into the next turn's staging arrays, once the copy that last read them is done."""
+        self._turn ^= 1
+        copied = self._copied[self._turn]
+        if copied is not None:
+            copied.synchronize()
         pack_round(self.setup, works, self.batch, self.setup.max_blocks, out=self.host)
 
     def upload(self, host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         """Copy packed inputs (this bucket's own staging arrays, or another rank's) to the device."""
         for dst, src in zip(self.device, host or self.host):
             dst.copy_(torch.from_numpy(src), non_blocking=True)
+        if host is None or host is self.host:
+            self._copied[self._turn] = torch.cuda.current_stream().record_event()
 
 
 def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None, mode: str = "global",
@@ -127,7 +144,7 @@ class GraphedRounds:
     def select(self, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
         cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
-        longest = max(w.num_tokens for w in works) + self.setup.k
+        longest = max(w.max_num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
         return cap, (cls, (True, False) if all_greedy else (False, any_filter), round_drafts(self.setup, works))
 

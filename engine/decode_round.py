@@ -13,11 +13,20 @@ With k drafts (MTP formulas in `engine.models.qwen3.MTPModule`):
   4. that forward's hidden states go back to the request's row of the hidden pool for the next
      round's step 1.
 With k = 0 a round is one target forward and one sample.
+
+Carried rows (async scheduling, engine.overlap): the host packs round N+1 before it has read round
+N's tokens. What N+1 needs from N is a function of N's tokens alone: a row that continues row r of
+round N emitted `e = accepted + 1` tokens there (tokens [r, :e], -1 after), so x_{n-1} = tokens[r, e-1]
+(the bonus token), n = n_N + e (the host packs n_N), the output index advances by e, and step 1's
+MTP window is those e tokens (m0 = n_N - 1 is known on the host). Every round keeps its tokens in a
+persistent buffer (`keep_last_tokens`) and the next round's carried rows read it (`carry_forward`),
+both inside the round's CUDA graph: no extra launch, no host read. Rows packed whole (carry row -1)
+pass unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -28,7 +37,7 @@ from engine.hidden_pool import HiddenStatePool
 from engine.models.qwen3 import Qwen3ForCausalLM
 
 # int64 rows per request at the head of a round's packed ints (RoundInputs.from_packed)
-ROWS = 10
+ROWS = 11
 
 
 def sampling_variant(works: list) -> tuple[bool, bool]:
@@ -54,6 +63,9 @@ class RoundSetup:
     device: torch.device
     scratch_slot: int = 0             # hybrids: the state slot padded rows step (engine.state_cache)
     adaptive: bool = False            # rounds draft fewer than k when the scheduler says (round_drafts)
+    # [max_batch, k+1] int64: the last round's tokens (-1 padded), read by the next round's carried
+    # rows (carry_forward); None: no round carries (rows are packed from the host only)
+    last_tokens: torch.Tensor | None = None
 
     @property
     def pool_rows(self) -> dict[str, int]:
@@ -84,6 +96,7 @@ class RoundInputs:
     output_index: torch.Tensor    # [B] int64: index of x_n among the request's outputs
     num_drafts: torch.Tensor      # [B] int64: each request's own k (<= k)
     state_slots: torch.Tensor     # [B] int64: linear-attention state slot (hybrids; scratch otherwise)
+    carry_rows: torch.Tensor      # [B] int64: row of the last round this row continues; -1 = packed whole
 
     @classmethod
     def from_packed(cls, ints: torch.Tensor, floats: torch.Tensor, tables: torch.Tensor, k: int) -> "RoundInputs":
@@ -95,7 +108,7 @@ class RoundInputs:
         return cls(last_ids=i[0], num_tokens=i[1], mtp_start=i[2], mtp_counts=i[3],
                    mtp_ids=ints[ROWS * bsz:].view(bsz, k + 1), pool_rows=i[4], block_tables=tables,
                    temperature=f[0], top_k=i[5], top_p=f[1], seeds=i[6], output_index=i[7], num_drafts=i[8],
-                   state_slots=i[9])
+                   state_slots=i[9], carry_rows=i[10])
 
     def sampling(self, all_greedy: bool, any_filter: bool) -> sampler.SamplingBatch:
         return sampler.SamplingBatch(self.temperature, self.top_k, self.top_p, self.seeds, self.output_index,
@@ -138,6 +151,17 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
 
     The hidden pool's rows ([rows, k+1, hidden]) are updated in place with this round's target hidden
     states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
+    model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
+    if setup.last_tokens is not None:
+        inp = carry_forward(inp, setup.last_tokens)
+        tokens, num_accepted = _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)
+        keep_last_tokens(setup.last_tokens, tokens)
+        return tokens, num_accepted
+    return _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)
+
+
+def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
+               any_filter: bool, drafts: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     hidden_pool = setup.hidden.states if setup.hidden is not None else None
     drafts = k if drafts is None else drafts
@@ -188,6 +212,32 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
     return tokens, num_accepted
 
 
+def carry_forward(inp: RoundInputs, last_tokens: torch.Tensor) -> RoundInputs:
+    """The round's inputs with its carried rows completed from the last round's tokens.
+
+    last_tokens: [max_batch, k+1] int64, the last round's tokens (-1 after each row's last)."""
+    carried = inp.carry_rows >= 0                                                   # [B]
+    prev = last_tokens[inp.carry_rows.clamp(min=0)]                                  # [B, k+1]
+    emitted = (prev >= 0).sum(1)                                                     # [B]: accepted + 1
+    added = torch.where(carried, emitted, 0)
+    bonus = prev.gather(1, (emitted - 1).clamp(min=0).unsqueeze(1)).squeeze(1)      # [B]
+    return replace(
+        inp,
+        last_ids=torch.where(carried, bonus, inp.last_ids),
+        num_tokens=inp.num_tokens + added,
+        mtp_counts=torch.where(carried, emitted, inp.mtp_counts),
+        mtp_ids=torch.where(carried.unsqueeze(1), prev.clamp(min=0), inp.mtp_ids),
+        output_index=inp.output_index + added)
+
+
+def keep_last_tokens(last_tokens: torch.Tensor, tokens: torch.Tensor) -> None:
+    """Store a round's tokens [B, drafts+1] in rows :B of last_tokens [max_batch, k+1] (-1 padded)."""
+    bsz, width = tokens.shape
+    if width < last_tokens.shape[1]:                  # an adaptive round that drafted fewer than k
+        tokens = torch.nn.functional.pad(tokens, (0, last_tokens.shape[1] - width), value=-1)
+    last_tokens[:bsz].copy_(tokens)
+
+
 def pack_round(setup: RoundSetup, works: list, batch: int, width: int,
                out: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None):
     """Host arrays of a round for `batch` rows (rows past len(works) are padding that writes only
@@ -203,13 +253,14 @@ def pack_round(setup: RoundSetup, works: list, batch: int, width: int,
     i[:] = 0
     i[1], i[3], i[4] = 1, 1, scratch_row            # padding: n = 1, one MTP row, scratch pool row
     i[9] = scratch_slot                             # and the scratch state slot
+    i[10] = -1                                      # nothing carried from the last round
     mtp[:] = 0
     f[0], f[1] = 0.0, 1.0
     tables[:] = null_block
     for r, w in enumerate(works):
         i[:, r] = (w.last_token_id, w.num_tokens, w.num_mtp_computed, w.num_tokens - 1 - w.num_mtp_computed,
                    pool_row.get(w.request_id, scratch_row), w.sampling.top_k, w.seed, w.output_index,
-                   w.draft_tokens, w.state_slot if w.state_slot >= 0 else scratch_slot)
+                   w.draft_tokens, w.state_slot if w.state_slot >= 0 else scratch_slot, w.carry_row)
         f[:, r] = (w.sampling.temperature, w.sampling.top_p)
         if k > 0:
             mtp[r, :len(w.mtp_token_ids)] = w.mtp_token_ids

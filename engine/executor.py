@@ -108,6 +108,14 @@ class Executor:
             self._replay_all(out.decode, result)
         return result
 
+    def launch(self, out: SchedulerOutput) -> torch.Tensor:
+        """Enqueue a decode-only round without reading it (async scheduling; one rank).
+        -> its tokens [>= len(out.decode), drafts+1] on the device."""
+        if self._workers or out.prefills:
+            raise RuntimeError("only a decode round of one rank is launched without a read")
+        self.driver.release_rows(out.finished_request_ids)
+        return self.driver.launch_decode(out.decode)[:len(out.decode)]
+
     @torch.inference_mode()
     def _replay_all(self, works, result: ModelOutput) -> None:
         driver = self.driver

@@ -22,6 +22,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.decode_round import RoundInputs, RoundSetup, pack_round, round_drafts, run_round, sampling_variant
 from engine.forward_context import build_forward_context, forward_context
 from engine.hidden_pool import HiddenStatePool
+from engine.overlap import why_synchronous
 from engine.kv_pages import LayerKV
 from engine.models.registry import model_class
 from engine.parallel import SINGLE_RANK, TPGroup
@@ -103,7 +104,9 @@ class ModelRunner:
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
             max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
-            scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0)
+            scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0,
+            last_tokens=(torch.zeros(self.max_batch, draft_tokens + 1, dtype=torch.int64, device=self.device)
+                         if not why_synchronous(config, model_config) else None))
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -181,17 +184,21 @@ class ModelRunner:
     # -- decode ---------------------------------------------------------------------------------
 
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
+        read_tokens(works, self.launch_decode(works), result)
+
+    @torch.inference_mode()
+    def launch_decode(self, works: list[DecodeWork]) -> torch.Tensor:
+        """Enqueue the round; no host read. -> its tokens [>= len(works), k+1] on the device."""
         all_greedy, any_filter = sampling_variant(works)
         if self.graphed(works):
-            tokens = self.graphs.replay(works, all_greedy, any_filter)
-        else:
-            width = max(len(w.block_ids) for w in works)
-            packed = pack_round(self.round_setup, works, len(works), width)
-            inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
-            max_len = max(w.num_tokens for w in works) + self.k
-            tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
-                                  round_drafts(self.round_setup, works))
-        read_tokens(works, tokens, result)
+            return self.graphs.replay(works, all_greedy, any_filter)
+        width = max(len(w.block_ids) for w in works)
+        packed = pack_round(self.round_setup, works, len(works), width)
+        inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
+        max_len = max(w.max_num_tokens for w in works) + self.k
+        tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
+                              round_drafts(self.round_setup, works))
+        return tokens
 
 
 def read_tokens(works: list[DecodeWork], tokens: torch.Tensor, result: ModelOutput) -> None:

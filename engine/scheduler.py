@@ -68,6 +68,17 @@ class DecodeWork:
     sampling: SamplingParams
     seed: int
     state_slot: int = -1           # hybrids: the request's linear-attention state slot
+    # Async scheduling (engine.overlap): the row of the round before whose tokens this row adds on the
+    # device (engine.decode_round.carry_forward); num_tokens and output_index are then as they were
+    # before that round, last_token_id and mtp_token_ids are unused, and that round adds at most
+    # `carried_max` tokens.
+    carry_row: int = -1
+    carried_max: int = 0
+
+    @property
+    def max_num_tokens(self) -> int:
+        """An upper bound of n for this round (exact unless carried)."""
+        return self.num_tokens + self.carried_max
 
 
 @dataclass
@@ -181,14 +192,18 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is RequestStatus.RUNNING:
-                decode.append(self._decode_work(req))
+                decode.append(self.decode_work(req))
         if self.draft_policy is not None and decode:
             k_round = self.draft_policy.choose(len(decode))
             for work in decode:
                 work.draft_tokens = min(work.draft_tokens, k_round)
         prefills = self.lane.plan(self.waiting, self._has_room)
+        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=self.take_finished_ids())
+
+    def take_finished_ids(self) -> list[str]:
+        """Requests that left since the last call (their runner state is dropped with the next round)."""
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=finished)
+        return finished
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestEvent]:
         now = self.clock()
@@ -297,7 +312,8 @@ class Scheduler:
             return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
         return len(self.running) + len(self.attached) + ahead < self.config.max_batch
 
-    def _decode_work(self, req: Request) -> DecodeWork:
+    def decode_work(self, req: Request) -> DecodeWork:
+        """The request's next round, packed whole from what the host knows (every round of it read)."""
         return DecodeWork(
             request_id=req.request_id, last_token_id=req.last_token_id, num_tokens=req.num_tokens,
             num_mtp_computed=req.num_mtp_computed,

@@ -12,9 +12,11 @@ import torch
 
 from engine import LLM, SamplingParams
 
-MODEL = Path(__file__).resolve().parents[1] / ".models" / "tiny-qwen3-mtp"
-if not MODEL.exists():
-    MODEL = Path(__file__).resolve().parents[2] / "shared" / "models" / "tiny-qwen3-mtp"
+# the repository's .models/, the one beside a copy of it (the GPU machine), or the shared folder
+_CANDIDATES = [Path(__file__).resolve().parents[1] / ".models", Path(__file__).resolve().parents[2] / ".models",
+               Path(__file__).resolve().parents[2] / "shared" / "models"]
+MODEL = next((c / "tiny-qwen3-mtp" for c in _CANDIDATES if (c / "tiny-qwen3-mtp").exists()),
+             _CANDIDATES[-1] / "tiny-qwen3-mtp")
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_model = pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")
@@ -62,6 +64,29 @@ def test_adaptive_draft_length_with_graphs_equals_k0_fp32(fp32_k0):
 
 def test_cuda_graphs_equal_eager_fp32(fp32_k0):
     assert _generate(dtype="float32", draft_tokens=0, enforce_eager=True) == fp32_k0
+
+
+# different lengths, a stop token, a seeded sampled row: async scheduling must change nothing
+MIXED = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=40, stop_token_ids=[13]),
+         SamplingParams(max_tokens=31, temperature=0.8, top_p=0.9, seed=7), SamplingParams(max_tokens=64)]
+
+
+def _generate_mixed(**kw) -> list[tuple[list[int], str]]:
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)
+    outs = [(o.token_ids, o.finish_reason.value) for o in llm.generate(PROMPTS, MIXED)]
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks and kv.refs_taken == kv.refs_dropped
+    assert llm.engine.async_scheduling == kw.get("async_scheduling", True)
+    llm.engine.executor.shutdown()
+    return outs
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_scheduling_equals_synchronous_with_graphs_fp32(fp32_k0, k):
+    # greedy, equal lengths: the overlapped loop (the default) against every round waiting for the last
+    assert _generate(dtype="float32", draft_tokens=k, async_scheduling=False) == fp32_k0
+    mixed = _generate_mixed(dtype="float32", draft_tokens=k, async_scheduling=False)
+    assert _generate_mixed(dtype="float32", draft_tokens=k) == mixed
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:

@@ -75,6 +75,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="hybrid models: linear-attention states kept at block boundaries for prefix reuse "
                         "(each costs one request's state)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode; for debugging)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=d["async_scheduling"].default,
+                   help="plan and enqueue the next decode round while the GPU runs this one (one GPU, "
+                        "non-hybrid models; --no-async-scheduling: every round waits for the last)")
     g.add_argument("--lease-seconds", type=float, default=d["lease_seconds"].default,
                    help="how long a prefilled handle keeps its KV without a decode attaching")
 
@@ -107,7 +111,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_vocab=args.draft_vocab, max_batch=args.max_batch, max_pending=args.max_pending,
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
-        state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds)
+        state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
+        async_scheduling=args.async_scheduling)
 
 
 def engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
