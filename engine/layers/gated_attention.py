@@ -15,35 +15,9 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers.attention import PagedAttention
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
-from engine.layers.linear import RowParallelLinear, _Linear
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import SINGLE_RANK, TPGroup
-
-
-class GatedQKVParallelLinear(_Linear):
-    """q (with its gate: 2 x head_dim rows per head), k and v fused; heads split over ranks, KV heads
-    replicated when fewer than ranks. Checkpoint shards: "q" [2 heads d, H], "k"/"v" [kv_heads d, H]."""
-
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp: TPGroup = SINGLE_RANK, quant: str | None = None):
-        self.head_dim = head_dim
-        self.num_heads = tp.shard(num_heads, "num_attention_heads")
-        if num_kv_heads >= tp.size:
-            self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
-        elif tp.size % num_kv_heads:
-            raise ValueError(f"num_key_value_heads={num_kv_heads} cannot be replicated over {tp.size} ranks")
-        else:
-            self.num_kv_heads = 1
-        self._kv_replicas = max(1, tp.size // num_kv_heads)
-        q_rows, kv_rows = 2 * self.num_heads * head_dim, self.num_kv_heads * head_dim
-        super().__init__(hidden_size, q_rows + 2 * kv_rows, tp, quant, [q_rows, kv_rows, kv_rows])
-
-    def _row_range(self, shard_id: str):
-        q_rows, kv_rows = 2 * self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if shard_id == "q":
-            return 0, self.tp.rank * q_rows, q_rows
-        kv_rank = self.tp.rank // self._kv_replicas
-        return q_rows + (0 if shard_id == "k" else kv_rows), kv_rank * kv_rows, kv_rows
 
 
 class GatedAttention(nn.Module):
@@ -52,8 +26,9 @@ class GatedAttention(nn.Module):
         super().__init__()
         quant = quant or (lambda parts: None)
         d = cfg.head_dim
-        self.qkv_proj = GatedQKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads,
-                                               cfg.num_key_value_heads, tp, quant(["q_proj", "k_proj", "v_proj"]))
+        # q rows per head: the query, then its output gate (checkpoint shard "q" [2 heads d, H])
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, d, cfg.num_attention_heads, cfg.num_key_value_heads, tp,
+                                          quant(["q_proj", "k_proj", "v_proj"]), q_rows_per_head=2)
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp, quant(["o_proj"]))
         self.q_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(d, cfg.rms_norm_eps)

@@ -117,11 +117,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections fused; heads split over ranks, KV heads replicated if fewer than ranks."""
+    """q, k and v projections fused; heads split over ranks, KV heads replicated if fewer than ranks.
+    `q_rows_per_head` > 1: each head's q rows carry more than the query (Qwen3.5's gated attention:
+    the query and its output gate, 2 x head_dim rows per head)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 tp: TPGroup = SINGLE_RANK, quant: str | None = None):
+                 tp: TPGroup = SINGLE_RANK, quant: str | None = None, q_rows_per_head: int = 1):
         self.head_dim = head_dim
+        self.q_rows_per_head = q_rows_per_head
         self.num_heads = tp.shard(num_heads, "num_attention_heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = tp.shard(num_kv_heads, "num_key_value_heads")
@@ -130,12 +133,12 @@ class QKVParallelLinear(ColumnParallelLinear):
                 raise ValueError(f"num_key_value_heads={num_kv_heads} cannot be replicated over {tp.size} ranks")
             self.num_kv_heads = 1
         self._kv_replicas = max(1, tp.size // num_kv_heads)
-        q_rows, kv_rows = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        q_rows, kv_rows = q_rows_per_head * self.num_heads * head_dim, self.num_kv_heads * head_dim
         _Linear.__init__(self, hidden_size, q_rows + 2 * kv_rows, tp, quant, [q_rows, kv_rows])
 
     def _row_range(self, shard_id: str):
         d = self.head_dim
-        q_rows, kv_rows = self.num_heads * d, self.num_kv_heads * d
+        q_rows, kv_rows = self.q_rows_per_head * self.num_heads * d, self.num_kv_heads * d
         if shard_id == "q":
             return 0, self.tp.rank * q_rows, q_rows
         kv_rank = self.tp.rank // self._kv_replicas

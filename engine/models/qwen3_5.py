@@ -23,7 +23,7 @@ from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.tp_norm import defer_reduce, reduce_add_norm
-from engine.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP, quant_format
+from engine.models.qwen3 import MTPModule, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, quant_format
 from engine.parallel import SINGLE_RANK, TPGroup
 
 LINEAR = "linear_attention"
@@ -56,28 +56,25 @@ class HybridDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class HybridModel(nn.Module):
+class HybridModel(Qwen3Model):
+    """Qwen3's model (its forward) over the hybrid's layer pattern, with a zero-centred final norm."""
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary, tp, f"model.layers.{i}")
                                     for i, t in enumerate(cfg.layer_types))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] -> final-normed hidden [T, hidden]
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return reduce_add_norm(self.tp, self.norm, x, residual)[0]
 
 
-class HybridMTPModule(nn.Module):
-    """g_t = norm(layers(fc(concat(pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)))))."""
+class HybridMTPModule(MTPModule):
+    """Qwen3's MTP module (its forward) with zero-centred norms and a gated full-attention layer:
+    g_t = norm(layers(fc(concat(pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)))))."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
-        super().__init__()
+        nn.Module.__init__(self)
         h = cfg.hidden_size
         self.pre_fc_norm_embedding = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
@@ -86,14 +83,6 @@ class HybridMTPModule(nn.Module):
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
         self.tp = tp
-
-    def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return reduce_add_norm(self.tp, self.norm, x, residual)[0]
 
 
 class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
