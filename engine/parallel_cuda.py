@@ -230,6 +230,14 @@ template <typename T> struct Unit<T, false> {
     static __device__ __forceinline__ word pack(const float (&acc)[N]) { return Num<T>::store(acc[0]); }
 };
 
+// Lets the kernel after this one (a PDL launch: engine/kernels/pdl.py) start its programs now; they
+// wait in griddepcontrol.wait until this kernel has finished, so nothing here can be read early.
+__device__ __forceinline__ void allow_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename T, bool VEC>
 __device__ __forceinline__ void one_shot(const RankArgs& a, void* xp, int units) {
     typedef Unit<T, VEC> U;
@@ -291,6 +299,7 @@ __device__ __forceinline__ void one_shot(const RankArgs& a, void* xp, int units)
 
 #define ENTRY(NAME, T, VEC)                                                                      \
     extern "C" __global__ void __launch_bounds__(1024) NAME(const RankArgs a, void* x, int units) { \
+        allow_dependents();                                                                      \
         one_shot<T, VEC>(a, x, units);                                                           \
     }
 ENTRY(ninfer_ar_f32_vec, F32, true)

@@ -167,6 +167,7 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     extern "C" __global__ void __launch_bounds__(1024) NAME(const RankArgs a, const void* x,      \
             const void* residual, const void* weight, void* out, void* residual_out, int rows,    \
             int row_units, float eps, int zero_centred, int splits) {                             \
+        allow_dependents();                                                                       \
         one_shot_add_norm<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps,     \
                              zero_centred, splits);                                               \
     }

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 from engine.kernels.attention import _load_halves, _store_kv_token, page_args
 from engine.kv_pages import LayerKV
 
@@ -24,11 +25,15 @@ from engine.kv_pages import LayerKV
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, stride_o, stride_ro, n, eps,
-                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+                     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     dt = o_ptr.dtype.element_ty
+    if USE_PDL:                                          # engine/kernels/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # the twin adds in the activation dtype: round the sum before it is stored and normed
@@ -67,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](x2, r2, weight, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
                                   n, eps, BLOCK=block, HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
-                                  num_warps=min(16, max(1, block // 512)))
+                                  num_warps=min(16, max(1, block // 512)), **pdl.launch_options(x.device))
     return out if residual is None else (out, residual_out)
 
 
@@ -174,11 +179,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 # -- SiLU * mul ----------------------------------------------------------------------------------------
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dt = o_ptr.dtype.element_ty
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)    # F.silu rounds to the dtype, then the product
@@ -194,5 +202,5 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if x2.shape[0]:
         block = min(2048, triton.next_power_of_2(n))
         _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, o2, x2.stride(0), o2.stride(0), n,
-                                                                BLOCK=block, num_warps=4)
+                                                                BLOCK=block, num_warps=4, **pdl.launch_options(x.device))
     return out

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 
 def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -61,8 +62,11 @@ def _norm_rope_heads(src, dst, w_ptr, cos, sin, heads, stride_h, dst_stride_h, e
 def _prep_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, ko_ptr, H, KVH,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cs, eps,
                  D: tl.constexpr, R2: tl.constexpr, REST: tl.constexpr, HALF: tl.constexpr,
-                 H_PAD: tl.constexpr, KVH_PAD: tl.constexpr):
+                 H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
+    if USE_PDL:                                  # engine/kernels/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + tl.arange(0, R2))
     sin = tl.load(cs_ptr + pos * stride_cs + R2 + tl.arange(0, R2))
@@ -89,18 +93,21 @@ def qk_norm_partial_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tenso
         _prep_kernel[(T,)](q, k, q_weight, k_weight, cos_sin, positions.contiguous(), q_out, k_out, H, KVH,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0), eps,
                            D=D, R2=R // 2, REST=D // 2 - R, HALF=D // 2, H_PAD=triton.next_power_of_2(H),
-                           KVH_PAD=triton.next_power_of_2(KVH), num_warps=4)
+                           KVH_PAD=triton.next_power_of_2(KVH), num_warps=4, **pdl.launch_options(q.device))
     return q_out, k_out
 
 
 @triton.jit
 def _gate_kernel(o_ptr, g_ptr, out_ptr, H, stride_ot, stride_oh, stride_gt, stride_gh, D: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     m = offs < D
     dt = out_ptr.dtype.element_ty
+    if USE_PDL:                                  # engine/kernels/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     g = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs, mask=m, other=0.0).to(tl.float32)
     s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     o = tl.load(o_ptr + t * stride_ot + h * stride_oh + offs, mask=m, other=0.0).to(tl.float32)
@@ -115,5 +122,5 @@ def sigmoid_gate_mul(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, H * D, dtype=o.dtype, device=o.device)
     if T:
         _gate_kernel[(T, H)](o, gate, out, H, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), D=D,
-                             BLOCK=triton.next_power_of_2(D), num_warps=2)
+                             BLOCK=triton.next_power_of_2(D), num_warps=2, **pdl.launch_options(o.device))
     return out

@@ -24,13 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 CONV_WIDTH = 4            # Qwen3.5's linear_conv_kernel_dim; other widths take the general path
 
 
 @triton.jit
 def _conv_qkv_kernel(x_ptr, win_ptr, w_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, n, Hk, DK, DV, key_dim, q_scale,
                      stride_xb, stride_xt, stride_ws, stride_wc, stride_qb, stride_qt, stride_vb, stride_vt,
-                     WRITE_WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+                     WRITE_WINDOW: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     b = tl.program_id(0)
     head = tl.program_id(1)                      # q heads [0, Hk), k heads [Hk, 2Hk), v heads after
     is_v = head >= 2 * Hk
@@ -39,16 +40,19 @@ def _conv_qkv_kernel(x_ptr, win_ptr, w_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, n, Hk
     offs = tl.arange(0, BLOCK)
     mask = offs < width
     ch = c0 + offs
-    slot = tl.load(slot_ptr + b).to(tl.int64)
-    wrow = win_ptr + slot * stride_ws + ch * stride_wc
     dt = x_ptr.dtype.element_ty
-    r0 = tl.load(wrow + 0, mask=mask, other=0.0).to(tl.float32)
-    r1 = tl.load(wrow + 1, mask=mask, other=0.0).to(tl.float32)
-    r2 = tl.load(wrow + 2, mask=mask, other=0.0).to(tl.float32)
     w0 = tl.load(w_ptr + ch * 4 + 0, mask=mask, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + ch * 4 + 1, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + ch * 4 + 2, mask=mask, other=0.0).to(tl.float32)
     w3 = tl.load(w_ptr + ch * 4 + 3, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:                                  # the weights above are read-only (engine/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    wrow = win_ptr + slot * stride_ws + ch * stride_wc
+    r0 = tl.load(wrow + 0, mask=mask, other=0.0).to(tl.float32)
+    r1 = tl.load(wrow + 1, mask=mask, other=0.0).to(tl.float32)
+    r2 = tl.load(wrow + 2, mask=mask, other=0.0).to(tl.float32)
     for t in range(n):
         x = tl.load(x_ptr + b * stride_xb + t * stride_xt + ch, mask=mask, other=0.0).to(tl.float32)
         y = (w0 * r0 + w1 * r1 + w2 * r2 + w3 * x).to(dt).to(tl.float32)       # conv1d rounds its output
@@ -84,7 +88,7 @@ def conv_qkv(mixed: torch.Tensor, window: torch.Tensor, conv_weight: torch.Tenso
             mixed, window, conv_weight, slots, q, k, v, n, num_k_heads, head_k_dim, head_v_dim, key_dim,
             head_k_dim ** -0.5, mixed.stride(0), mixed.stride(1), window.stride(0), window.stride(1),
             q.stride(0), q.stride(1), v.stride(0), v.stride(1), WRITE_WINDOW=write_window, BLOCK=block,
-            num_warps=1 if block <= 128 else 2)
+            num_warps=1 if block <= 128 else 2, **pdl.launch_options(mixed.device))
     return q, k, v
 
 
@@ -93,7 +97,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, ssm_
                       n, group, DK, DV, stride_qb, stride_qt, stride_vb, stride_vt, stride_ab, stride_at,
                       stride_ss, stride_sh, stride_ob, stride_ot,
                       HAS_KEEP: tl.constexpr, WRITE_STATE: tl.constexpr, STORE_O: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, USE_PDL: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -101,12 +105,15 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, ssm_
     offs_k = tl.arange(0, BK)
     offs_v = vb * BV + tl.arange(0, BV)
     k_ok, v_ok = offs_k < DK, offs_v < DV
+    decay_rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+    if USE_PDL:                                  # A_log and dt_bias are weights
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(slot_ptr + b).to(tl.int64)
     s_ptrs = ssm_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     smask = k_ok[:, None] & v_ok[None, :]
     S = tl.load(s_ptrs, mask=smask, other=0.0)                                  # [BK, BV] float32
-    decay_rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
     keep = tl.load(keep_ptr + b) if HAS_KEEP else n
     dt = v_ptr.dtype.element_ty
     for t in range(n):
@@ -153,5 +160,5 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
         n, Hv // Hk, dk, dv, q.stride(0), q.stride(1), v.stride(0), v.stride(1), a2.stride(0), a2.stride(1),
         ssm.stride(0), ssm.stride(1), out.stride(0), out.stride(1),
         HAS_KEEP=num_kept is not None, WRITE_STATE=write_state, STORE_O=store_output, BK=bk, BV=bv,
-        num_warps=4)
+        num_warps=4, **pdl.launch_options(q.device))
     return o

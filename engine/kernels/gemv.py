@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from engine.kernels import pdl
 from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
 
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "gemv", "linear", "use_gemv"]
@@ -120,7 +121,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
                                   EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
 

@@ -102,7 +102,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                  stride_om, k_per_split, scale_br,
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr):
+                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -123,6 +123,11 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     if PREFETCH:
         raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
                                 EVEN_K and EVEN_N, SCALE_BC)
+    if USE_PDL:
+        # the first weight tile (with PREFETCH) is read before the kernel ahead has finished: weights are
+        # read-only; the activations, the split-K workspace and the output only after (engine/kernels/pdl.py)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(k_start, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)            # k_per_split is a multiple of BLOCK_K
         if PREFETCH:

@@ -10,13 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
 
 @triton.jit
-def _gated_kernel(x_ptr, z_ptr, w_ptr, o_ptr, D, eps, BLOCK: tl.constexpr):
+def _gated_kernel(x_ptr, z_ptr, w_ptr, o_ptr, D, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     dt = o_ptr.dtype.element_ty
+    if USE_PDL:                                  # engine/kernels/pdl.py
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
     xn = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
     normed = (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * xn).to(w_ptr.dtype.element_ty)
@@ -31,5 +35,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     out = torch.empty(z2.shape, dtype=z.dtype, device=z.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(D)
-        _gated_kernel[(x2.shape[0],)](x2, z2, weight, out, D, eps, BLOCK=block, num_warps=1 if block <= 256 else 4)
+        _gated_kernel[(x2.shape[0],)](x2, z2, weight, out, D, eps, BLOCK=block, num_warps=1 if block <= 256 else 4,
+                                      **pdl.launch_options(z.device))
     return out.view(z.shape)
