@@ -15,7 +15,6 @@ rank 0's tokens -- one host read per round, no thread hand-offs on the path the 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -87,9 +86,6 @@ class Executor:
                                     tp=g, device=d) for g, d in zip(groups, self.devices)]
         self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
         self._uploads: list[torch.cuda.Event] = []
-        # launch every rank's decode graph from its own thread at once (replay releases the GIL) rather
-        # than back to back from this one, where the last rank starts a whole graph launch late
-        self.parallel_graph_launch = os.environ.get("NINFER_PARALLEL_GRAPH_LAUNCH", "0") == "1"
 
     @property
     def num_ranks(self) -> int:
@@ -138,17 +134,8 @@ class Executor:
                 mine.upload(cap.host)
                 if mine is not cap and runner.device.type == "cuda":
                     self._uploads.append(torch.cuda.current_stream().record_event())
-        if self.parallel_graph_launch and self._workers:
-            for worker, runner, mine in zip(self._workers[1:], self.runners[1:], caps[1:]):
-                worker.submit(lambda r=runner, m=mine: r.graphs.launch(m, key))
-            tokens = self.driver.graphs.launch(caps[0], key)
-            for worker in self._workers[1:]:
-                ok, value = worker.outcome()
-                if not ok:
-                    raise value
-        else:
-            # back to back: a rank launched early waits in its first collective for the rest
-            tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
+        # the launches back to back: a rank launched early waits in its first collective for the rest
+        tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
         read_tokens(works, tokens, result)
 
     def run_all(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:

@@ -6,8 +6,7 @@
 Builds the engine on cuda:0 (and cuda:1.. with TP) with random weights, warms it up (graphs
 captured); then for each batch size starts that many requests at the given context and, for each
 scheduling mode (`sync`: every round waits for the last one's tokens; `async`: the next round is
-enqueued first, engine.overlap; `parallel`: sync, with TP ranks' graphs launched from their threads at
-once), times 5 x `--steps` decode rounds without the profiler, then records
+enqueued first, engine.overlap), times 5 x `--steps` decode rounds without the profiler, then records
 `--steps` with torch.profiler. Prints per-round milliseconds by kernel kind and device, the GPU idle per
 round (wall time less kernel time on cuda:0) and the top kernels; writes every row to one $OUT/profile_*.json.
 Modes need a build with async scheduling (`EngineCore.async_scheduling`); an older one runs `sync`.
@@ -65,7 +64,7 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
-    ap.add_argument("--modes", default="sync,async", help="comma-separated scheduling modes: sync, async, parallel")
+    ap.add_argument("--modes", default="sync,async", help="comma-separated scheduling modes: sync, async")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the tool itself")
     ap.add_argument("--label", default="", help="added to the JSON file names (e.g. the commit)")
     args = ap.parse_args()
@@ -112,8 +111,6 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
         while core.has_work:                             # nothing in flight while the mode changes
             core.step()
         core.async_scheduling = mode == "async"
-    if hasattr(core.executor, "parallel_graph_launch"):
-        core.executor.parallel_graph_launch = mode == "parallel"
     rng = random.Random(batch)
     max_tokens = 8 * args.steps * (args.draft_tokens + 1) + 64
     vocab = core.model_config.vocab_size
@@ -170,7 +167,8 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
           + ", ".join(f"cuda:{d} {ms:.3f}" for d, ms in sorted(busy_by_device.items())))
     kernels_per_round = {d: n / args.steps for d, n in sorted(kernels_by_device.items())}
     print("  kernels per round: " + ", ".join(f"cuda:{d} {n:.0f}" for d, n in kernels_per_round.items())
-          + f"  (NINFER_TP_FUSED_NORM={os.environ.get('NINFER_TP_FUSED_NORM', '1')})")
+          + f"  (NINFER_TP_FUSED_NORM={os.environ.get('NINFER_TP_FUSED_NORM', '1')}, "
+            f"NINFER_PDL={os.environ.get('NINFER_PDL', '1')})")
     # a rank that starts late makes the others wait in one collective; a rank that is slower throughout
     # spreads the wait over all of them
     for d, durations in sorted(reduce_us.items()):
@@ -189,6 +187,7 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
            "busy_ms_by_device": busy_by_device,
            "all_reduce_us_by_device": {d: sorted(v) for d, v in reduce_us.items()}, "kernels_per_round_by_device": kernels_per_round,
            "fused_norm": os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0",
+           "pdl": os.environ.get("NINFER_PDL", "1") != "0",
            "per_kind_ms": {k: v / 1e3 / args.steps for k, v in per_kind.items()},
            "top": [(n, us / 1e3 / args.steps, c // args.steps) for n, (us, c) in top]}
     return row
