@@ -70,14 +70,19 @@ def check_dequantize(fmt: str, N: int, K: int, device, seed: int = 0, block: tup
 
 
 def check_w8a8(M: int, N: int, K: int, device, seed: int = 0, block: tuple[int, int] = (128, 128)) -> dict:
-    """torch's block-scaled FP8 GEMM as the layer calls it, against the reference with the same
-    quantized activations."""
+    """torch's block-scaled FP8 GEMM as the layer calls it (activations quantized by the fused kernel
+    on CUDA), against the reference fed the same quantized activations, dequantized."""
     from engine.kernels.quant_gemm import _scaled_mm_blockwise, quantize_activations
     wt = make_weights("fp8", N, K, device, seed, block)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to(device=device, dtype=torch.bfloat16)
     y = _scaled_mm_blockwise(x, wt["weight"], wt["scale"])
-    a, sa = quantize_activations(x)
-    x_ref = F.dequantize_fp8_block(a, sa, (1, 128))          # the kernel's own activations, dequantized
+    if x.is_cuda:
+        from engine.kernels.act_quant import quantize_activations_fused
+        a, sa = quantize_activations_fused(x)
+        a, sa = a[:M], sa[:M]
+    else:
+        a, sa = quantize_activations(x)
+    x_ref = F.dequantize_fp8_block(a, sa.contiguous(), (1, 128))   # the GEMM's own activations, dequantized
     r = _report(y, x_ref @ wt["ref"].T)
     r["activation_rel_err"] = float((x_ref - x.float()).norm() / x.float().norm())
     return r
