@@ -272,3 +272,21 @@ def test_hybrid_section_counts_state_and_full_attention_kv(cpu_run):
     assert close(one["point"]["roofline_fraction"], one["point"]["floor_ms"] / one["point"]["ms_per_round_best"])
     assert r["headline"]["hybrid_one_gpu_192k_ok"] is True
     assert one["long_context"]["completion_tokens"] == r["plan"]["hybrid"]["long_decode_tokens"]
+
+
+def test_quant_section_runs_the_seeds_one_gpu_deployment_on_the_dense_shape(cpu_run):
+    """The quant section ends with the seed's deployment: the dense shape in NVFP4, int8 KV, one engine
+    of one rank, a decode point against its own floor and the long context decoded whole."""
+    _, _, r = cpu_run
+    quant = r["sections"]["quant"]
+    assert quant["status"] == "ok", quant.get("error")
+    seed = quant["seed_one_gpu"]
+    plan = r["plan"]
+    assert seed["model"] == f"preset:{plan['quant']['seed_shape']}-nvfp4"
+    p = seed["point"]
+    assert p["engine"]["tensor_parallel_size"] == 1 and p["engine"]["kv_dtype"] == "int8"
+    assert close(p["roofline_fraction"], p["floor_ms"] / p["ms_per_round_best"])
+    assert r["headline"]["seed_32b_nvfp4_one_gpu_192k_ok"] is True
+    lc = seed["long_context"]
+    assert lc["context"] == plan["hybrid"]["long_context"]
+    assert lc["completion_tokens"] == plan["hybrid"]["long_decode_tokens"] and lc["finish_reason"] == "length"

@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, quant-tests, tp-tests-parallel, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, quant-tests, profile-pdl, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +21,9 @@ step() {
          python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" ;;
     gpu-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_kernels_gpu.py -m "gpu and not multi_gpu" -s -rA 2>&1 | grep -E "agreement|PASS|FAIL|Error|error|passed|failed" | tail -n 80 ;;
     quant-tests) python3 -m pytest -q -p no:cacheprovider tests/test_quant_kernels.py tests/test_quant_gpu.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 60 ;;
-    tp-tests-parallel) NINFER_PARALLEL_GRAPH_LAUNCH=1 python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py tests/test_hybrid_gpu.py -m multi_gpu -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
+    profile-pdl) for pdl in 0 1; do   # programmatic dependent launch off / on (engine/kernels/pdl.py)
+                   NINFER_PDL=$pdl python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync --label pdl$pdl 2>&1 | grep -v "^20..-..-.. "
+                   NINFER_PDL=$pdl python3 tools/profile_decode.py --context 512 --steps 10 --modes sync,async --label pdl$pdl 2>&1 | grep -v "^20..-..-.. " ; done ;;
     tp-tests) python3 -m pytest -q -p no:cacheprovider tests/test_engine_gpu.py -m multi_gpu -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     comm-tests) python3 -m pytest -q -p no:cacheprovider tests/test_parallel_gpu.py -s -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     kernel-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_int8_upcast.py tests/test_kernels_gpu.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 70 ;;
@@ -43,7 +45,8 @@ step() {
     kernels-d256) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "d256" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 20 ;;
     hybrid-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_gated_delta_step.py tests/test_hybrid_gpu.py -rA --durations=12 > "$OUT/hybrid-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-tests.full.log" | tail -n 60 ;;
     hybrid-engine-tests) python3 -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py -k "graphs or tp2 or (lossless and 3)" -rA --durations=8 > "$OUT/hybrid-engine-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-engine-tests.full.log" | tail -n 40 ;;
-    profile-hybrid) python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,parallel 2>&1 | grep -v "^20..-..-.. " ;;
+    profile-hybrid) python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync 2>&1 | grep -v "^20..-..-.. " ;;
+    bench-seed) python3 -m tools.bench --sections roofline,quant --quick --budget-s "${SEED_BUDGET_S:-330}" --quant-shapes none --out "$OUT/bench-seed" ;;   # issue 14: qwen3-32b NVFP4 one GPU, 192k
     bench-hybrid) python3 -m tools.bench --sections roofline,hybrid --quick --budget-s "${HYBRID_BUDGET_S:-220}" \
                     --hybrid-deployments "${HYBRID_DEPLOYMENTS:-tp,one_gpu}" --out "$OUT/bench-hybrid" ;;
     *) echo "unknown step $1"; return 2 ;;

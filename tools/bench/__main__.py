@@ -48,6 +48,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--merge", action="append", default=[], help="an earlier results.json whose other sections to keep")
     ap.add_argument("--report-only", default=None, help="rebuild summary, plots and table from this results.json")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--quant-shapes", default=None,
+                    help="the quant section's shapes compared in bf16/FP8/NVFP4 (comma-separated; 'none' for only "
+                         "the seed's one-GPU deployment)")
+    ap.add_argument("--quant-seed-shape", default=None,
+                    help="the shape of the quant section's one-GPU NVFP4 192k deployment ('' = not run; default qwen3-32b)")
     ap.add_argument("--hybrid-deployments", default=None,
                     help="the hybrid section's deployments: tp (the shape at TP=2), one_gpu (quantized, one GPU); "
                          "default both")
@@ -114,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(device, shape, args.quick, args.repeats, args.time_scale)
     if args.budget_s:
         plan.global_s = args.budget_s
+    if args.quant_shapes:
+        plan.quant.shapes = [] if args.quant_shapes == "none" else [x.strip() for x in args.quant_shapes.split(",")]
+    if args.quant_seed_shape is not None:
+        plan.quant.seed_shape = args.quant_seed_shape
     if args.hybrid_deployments:
         plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
     info = runinfo.collect(device)

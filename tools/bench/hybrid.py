@@ -49,7 +49,7 @@ def run(bench, sec: dict) -> None:
     if "tp" in plan.deployments:
         _tp_deployment(bench, sec, plan, cfg, tp)
     if "one_gpu" in plan.deployments and plan.one_gpu_format:
-        _one_gpu(bench, sec.setdefault("one_gpu", {}), plan, cfg)
+        one_gpu_deployment(bench, sec.setdefault("one_gpu", {}), plan, cfg, "hybrid_one_gpu_192k_ok")
     measured = sec.get("points") or (sec.get("one_gpu") or {}).get("point")
     sec["status"] = "ok" if measured else "skipped"
     if not measured:
@@ -97,15 +97,15 @@ def _tp_deployment(bench, sec: dict, plan, cfg, tp: int) -> None:
     bench.pool.close()
 
 
-def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str) -> None:
+def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str, who: str = "hybrid") -> None:
     """One long context on `session`: sec["long_context"] (the request's figures), sec[key] (whether
     it ran whole) and sec[key + "_inputs"], or sec[key + "_reason"] when the budget skips it."""
     n_dec = plan.long_decode_tokens
     P = plan.long_context - n_dec
-    est = bench.estimate_prefill_s(P, who="hybrid", cfg=cfg) / tp + n_dec * 0.05
+    est = bench.estimate_prefill_s(P, who=who, cfg=cfg) / tp + n_dec * 0.05
     if not bench.budget.allows(est):
         sec[key + "_reason"] = bench.budget.skip_reason(est)
-        say("hybrid", f"long context skipped ({sec[key + '_reason']})")
+        say(who, f"long context skipped ({sec[key + '_reason']})")
         return
     try:
         r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=n_dec, ignore_eos=True),
@@ -118,14 +118,15 @@ def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str) -> No
     sec[key + "_inputs"] = {"shape": session.spec.model, "tensor_parallel_size": tp, "kv_dtype": plan.kv_dtype,
                             "prompt_tokens": P, "decoded": r["completion_tokens"], "prefill_tok_s": r["prefill_tok_s"],
                             "decode_tok_s": r["decode_tok_s"]}
-    say("hybrid", f"{P + n_dec}-token context, {session.spec.model} TP={tp} {plan.kv_dtype}: {'ok' if ok else 'FAILED'} "
+    say(who, f"{P + n_dec}-token context, {session.spec.model} TP={tp} {plan.kv_dtype}: {'ok' if ok else 'FAILED'} "
                   f"(prefill {fmt_rate(r['prefill_tok_s'])}, decode {fmt_rate(r['decode_tok_s'])})")
 
 
-def _one_gpu(bench, sec: dict, plan, cfg) -> None:
+def one_gpu_deployment(bench, sec: dict, plan, cfg, key: str, who: str = "hybrid") -> None:
     """The seed's one-GPU deployment: the shape's quantized checkpoint (random weights, quantized on
     the device), int8 KV, TP=1 -- decode at the shortest context against its own floor (packed
-    weights and scales, bf16 lm_head, KV, state) and the long context."""
+    weights and scales, bf16 lm_head, KV, state) and the long context; sec[key] says whether it ran.
+    The quant section calls it for the dense qwen3-32b (issue 14), this one for the hybrid."""
     from engine.capacity import shard_bytes
     from engine.presets import preset
     model = f"preset:{plan.shape}-{plan.one_gpu_format}"
@@ -138,9 +139,9 @@ def _one_gpu(bench, sec: dict, plan, cfg) -> None:
                              kv_capacity=cap, max_model_len=cap, prefill_chunk=plan.chunk, max_batch=4,
                              extra=(("prefix_reuse", False),))
     session, _ = bench.pool.get(spec, warm_prompt=plan.decode_contexts[0], warm_decode=16)
-    say("hybrid", f"engine {model} TP=1 {plan.kv_dtype} KV: {session.setup_text}")
+    say(who, f"engine {model} TP=1 {plan.kv_dtype} KV: {session.setup_text}")
     ctx = plan.decode_contexts[0]
-    p = decode_point(bench, session, ctx, 1, plan.decode_tokens, "hybrid")
+    p = decode_point(bench, session, ctx, 1, plan.decode_tokens, who)
     weights = shard_bytes(preset(model), 1, False, 1, 2) - (0 if cfg.tie_word_embeddings
                                                              else cfg.vocab_size * cfg.hidden_size * 2)
     read = (weights + (ctx + plan.decode_tokens / 2) * shapes.kv_bytes_per_token(cfg, plan.kv_dtype)
@@ -150,6 +151,6 @@ def _one_gpu(bench, sec: dict, plan, cfg) -> None:
         p["floor_ms"] = read / bw * 1e3
         p["roofline_fraction"] = p["floor_ms"] / p["ms_per_round_best"]
     sec.update(model=model, bytes_per_step=read, point=p)
-    _long_context(bench, session, plan, cfg, 1, sec, "hybrid_one_gpu_192k_ok")
+    _long_context(bench, session, plan, cfg, 1, sec, key, who)
     bench.save()
     bench.pool.close()

@@ -110,6 +110,7 @@ class QuantPlan:
     prefill_P: int = 4096           # one chunk of P tokens
     prefill_repeats: int = 2
     kv_capacity: int = 8192
+    seed_shape: str = "qwen3-32b"   # the seed's one-GPU deployment: this shape in NVFP4, int8 KV, 192k ("" = not run)
 
 
 @dataclass
@@ -246,7 +247,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
                        streams_small=2, streams_large=4),
     )
     plan.quant = QuantPlan(shapes=["tiny"], context=64, streams=4, batch_tokens=8, prefill_P=128, prefill_repeats=1,
-                           kv_capacity=1024)
+                           kv_capacity=1024, seed_shape="tiny")
     plan.hybrid = HybridPlan(shape="tiny-hybrid", decode_contexts=[64, 256], decode_tokens=8, prefill_prompts=[128, 512],
                              long_context=1024, long_decode_tokens=16, chunk=128)
     if quick:                       # the test's run: every code path once, few engines

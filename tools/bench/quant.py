@@ -4,6 +4,10 @@ quantize tool's own quantizer (`engine.quant.random_weights`), loaded through th
 decode batch 1 and batch 8 at a short context (k = 0), and a fresh-prompt prefill of P tokens in one
 chunk. Speed does not depend on the values; quality is tools/quant_quality.py's.
 
+Then the seed's one-GPU deployment (`seed_shape`, qwen3-32b): NVFP4 weights, int8 KV, one GPU, a
+192k-token prompt and 512 decoded tokens, with a decode point against its floor -- the hybrid
+section's one-GPU code (tools/bench/hybrid.py) on the dense shape; headline `seed_32b_nvfp4_one_gpu_192k_ok`.
+
 The decode roofline fraction of a format is the bytes one step reads -- the linear layers in that
 format (packed values and scales), lm_head in bf16, the KV at the context -- over the measured copy
 bandwidth, divided by the measured time per step.
@@ -14,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from engine.sampling_params import SamplingParams
-from tools.bench import shapes
+from tools.bench import hybrid, shapes
 from tools.bench.decode import decode_point, seconds_per_token, tokens_for
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import compact, random_prompt
@@ -85,7 +89,12 @@ def run(bench, sec: dict) -> None:
                          f"{fmt_rate((point.get('decode_b8') or {}).get('aggregate_tok_s'))}, prefill "
                          f"{fmt_rate((point.get('prefill') or {}).get('tok_s_peak'))}")
             bench.save()
-    _ratios(sec, plan.shapes[0])
+    if plan.shapes:
+        _ratios(sec, plan.shapes[0])
+    if plan.seed_shape:
+        seed_plan = replace(bench.plan.hybrid, shape=plan.seed_shape, one_gpu_format="nvfp4")
+        hybrid.one_gpu_deployment(bench, sec.setdefault("seed_one_gpu", {}), seed_plan,
+                                  shapes.model_config(plan.seed_shape), "seed_32b_nvfp4_one_gpu_192k_ok", "quant")
     sec["status"] = "ok"
 
 

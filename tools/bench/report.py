@@ -423,13 +423,22 @@ def _quant_rows(sec: dict) -> list[list[str]]:
 
 def _quant(r: dict) -> list[str]:
     sec = r["sections"].get("quant")
-    if not sec or not sec.get("points"):
+    seed = (sec or {}).get("seed_one_gpu") or {}
+    if not sec or not (sec.get("points") or seed):
         return []
     L = ["## Quantized weights (issue 14) — random weights quantized on the device, k = 0", ""]
-    L += _tab(["shape", "format", "decode b1 tok/s", "roofline fraction", "decode b8 aggregate tok/s",
-               "prefill 4k tok/s", "GB read per step"], _quant_rows(sec))
+    if sec.get("points"):
+        L += _tab(["shape", "format", "decode b1 tok/s", "roofline fraction", "decode b8 aggregate tok/s",
+                   "prefill 4k tok/s", "GB read per step"], _quant_rows(sec))
     for name, ratios in sec.get("ratios", {}).items():
         L.append(f"- {name} over bf16: " + ", ".join(f"{k} {fmt(v)}" for k, v in ratios.items()))
+    p = seed.get("point")
+    if p:
+        L.append(f"- the seed's one-GPU deployment, {seed.get('model')} with int8 KV: decode ctx {p['context']} "
+                 f"{fmt(p['decode_tok_s_peak'])} tok/s, {p['ms_per_round_best']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
+                 f"{fmt(p.get('roofline_fraction'))} of roofline, {seed['bytes_per_step'] / 1e9:.2f} GB per step)")
+    L += _long_context_line("seed deployment long context", seed.get("long_context"),
+                            seed.get("seed_32b_nvfp4_one_gpu_192k_ok"))
     return L + [""]
 
 
