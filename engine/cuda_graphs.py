@@ -47,7 +47,7 @@ class _Captured:
                           torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
                           torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
                          for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]    # each set's last upload
+        self._copied: list[list[torch.cuda.Event]] = [[], []]    # each set's last uploads (every rank's)
         self._turn = 0
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
@@ -60,11 +60,11 @@ class _Captured:
         return self._staging[self._turn]
 
     def pack(self, works) -> None:
-        """Pack into the next turn's staging arrays, once the copy that last read them is done."""
+        """Pack into the next turn's staging arrays, once the copies that last read them are done."""
         self._turn ^= 1
-        copied = self._copied[self._turn]
-        if copied is not None:
+        for copied in self._copied[self._turn]:
             copied.synchronize()
+        self._copied[self._turn] = []
         pack_round(self.setup, works, self.batch, self.setup.max_blocks, out=self.host)
 
     def upload(self, host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
@@ -72,7 +72,11 @@ class _Captured:
         for dst, src in zip(self.device, host or self.host):
             dst.copy_(torch.from_numpy(src), non_blocking=True)
         if host is None or host is self.host:
-            self._copied[self._turn] = torch.cuda.current_stream().record_event()
+            self.note_copy(torch.cuda.current_stream().record_event())
+
+    def note_copy(self, event: torch.cuda.Event) -> None:
+        """A copy out of this turn's staging arrays (another rank's upload): the next pack into them waits for it."""
+        self._copied[self._turn].append(event)
 
 
 def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None, mode: str = "global",

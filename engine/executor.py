@@ -10,6 +10,8 @@ do not disturb each other.
 A graphed decode round skips the threads: this thread packs the inputs once, copies them to every
 device, replays each rank's graph (one launch per GPU; the ranks meet on the devices) and reads
 rank 0's tokens -- one host read per round, no thread hand-offs on the path the GPUs wait for.
+With async scheduling (engine.overlap) `launch` does the same without the read: the next round is
+packed while this one runs, into the other of the two staging sets.
 """
 
 from __future__ import annotations
@@ -85,7 +87,6 @@ class Executor:
         self.runners = [ModelRunner(config, model_config, weights, num_blocks, draft_tokens, max_model_len,
                                     tp=g, device=d) for g, d in zip(groups, self.devices)]
         self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
-        self._uploads: list[torch.cuda.Event] = []
 
     @property
     def num_ranks(self) -> int:
@@ -97,7 +98,7 @@ class Executor:
         return self.runners[0]
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        lockstep = bool(self._workers and out.decode and self.driver.graphed(out.decode))
+        lockstep = self._lockstep(out)
         if not out.prefills and lockstep:
             for runner in self.runners:
                 runner.release_rows(out.finished_request_ids)
@@ -105,38 +106,45 @@ class Executor:
         else:
             result = self.run_all(lambda runner: runner.execute(out, with_decode=not lockstep))[0]
         if lockstep:
-            self._replay_all(out.decode, result)
+            read_tokens(out.decode, self._launch_lockstep(out.decode), result)
         return result
 
     def launch(self, out: SchedulerOutput) -> torch.Tensor:
-        """Enqueue a decode-only round without reading it (async scheduling; one rank).
-        -> its tokens [>= len(out.decode), drafts+1] on the device."""
-        if self._workers or out.prefills:
-            raise RuntimeError("only a decode round of one rank is launched without a read")
-        self.driver.release_rows(out.finished_request_ids)
-        return self.driver.launch_decode(out.decode)[:len(out.decode)]
+        """Enqueue a decode-only round on every rank without reading it (async scheduling).
+        -> rank 0's tokens [len(out.decode), drafts+1] on its device."""
+        if out.prefills:
+            raise RuntimeError("only a decode round is launched without a read")
+        for runner in self.runners:
+            runner.release_rows(out.finished_request_ids)
+        if self._lockstep(out):
+            tokens = self._launch_lockstep(out.decode)
+        else:                      # eager rounds: each rank's thread enqueues its own (they meet in collectives)
+            tokens = self.run_all(lambda runner: runner.launch_decode(out.decode))[0]
+        return tokens[:len(out.decode)]
+
+    def _lockstep(self, out: SchedulerOutput) -> bool:
+        return bool(self._workers and out.decode and self.driver.graphed(out.decode))
 
     @torch.inference_mode()
-    def _replay_all(self, works, result: ModelOutput) -> None:
+    def _launch_lockstep(self, works) -> torch.Tensor:
+        """Pack once, copy rank 0's staging arrays to every rank, replay every rank's graph.
+        -> rank 0's tokens [bucket, drafts+1] on its device, not read."""
         driver = self.driver
         rows = driver.round_setup.pool_rows
         for runner in self.runners[1:]:
             if runner.round_setup.pool_rows != rows:      # every rank assigns rows in the same order
                 raise RuntimeError("hidden-pool rows differ between ranks")
-        for event in self._uploads:        # the other ranks' last copies out of the staging arrays
-            event.synchronize()
-        self._uploads = []
         cap, key = driver.graphs.select(works, *sampling_variant(works))
-        cap.pack(works)
+        cap.pack(works)              # once every rank's copy out of this turn's staging arrays is done
         caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):
             with _on(runner.device):
                 mine.upload(cap.host)
                 if mine is not cap and runner.device.type == "cuda":
-                    self._uploads.append(torch.cuda.current_stream().record_event())
+                    cap.note_copy(torch.cuda.current_stream().record_event())
         # the launches back to back: a rank launched early waits in its first collective for the rest
-        tokens = [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
-        read_tokens(works, tokens, result)
+        # (launching from the rank threads at once measured slower: bench/results/2026-11-30-h200-pdl)
+        return [runner.graphs.launch(mine, key) for runner, mine in zip(self.runners, caps)][0]
 
     def run_all(self, fn: Callable[[ModelRunner], Any]) -> list[Any]:
         """fn(runner) on every rank at once (each on its thread); results in rank order."""

@@ -19,8 +19,15 @@ N+1 writes only positions past the request's last final (prefix-registered) bloc
 
 A request that round N may end by length sits round N+1 out and rejoins, packed whole, the round
 after. Rounds with prefill work, batch changes that add requests (admission, attach) and out-of-KV
-(preemption) run synchronously: the step first lands the round in flight, then schedules as before. Tensor parallelism and hybrid models always do
-(`why_synchronous`).
+(preemption) run synchronously: the step first lands the round in flight, then schedules as before.
+
+Tensor parallelism: every rank's round is enqueued (one graph replay each, or each rank's thread for
+an eager round) and rank 0's tokens are read; every rank keeps its own copy of the last tokens, equal
+on all ranks because they sample from the same gathered logits. Hybrid models: a round steps each
+row's linear-attention state in place in its slot, and a verify round commits the accepted prefix on
+the device (`commit_linear_states`), so N+1 reads N's state in stream order like it reads N's KV; a
+slot freed one round late is reused only by a prefill, which is enqueued after N+1 (snapshots for
+prefix reuse are taken in prefill only).
 """
 
 from __future__ import annotations
@@ -38,10 +45,6 @@ def why_synchronous(config: EngineConfig, model_config: ModelConfig) -> str:
     """Why this engine schedules every round synchronously; "" when it overlaps decode rounds."""
     if not config.async_scheduling:
         return "--no-async-scheduling"
-    if config.tensor_parallel_size > 1:
-        return "tensor parallelism (the ranks' lockstep replay is not overlapped yet)"
-    if model_config.is_hybrid:
-        return "hybrid model (linear-attention state slots are not overlapped yet)"
     return ""
 
 

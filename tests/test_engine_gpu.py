@@ -132,6 +132,14 @@ def test_tp2_equals_tp1_fp32(fp32_k0, tp_comm):
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_async_scheduling_equals_synchronous_fp32():
+    # every rank's graph replayed from the engine thread, rank 0 read one round late
+    mixed = _generate_mixed(dtype="float32", draft_tokens=3, tensor_parallel_size=2, async_scheduling=False)
+    assert _generate_mixed(dtype="float32", draft_tokens=3, tensor_parallel_size=2) == mixed
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_eager_equals_tp1_fp32(fp32_k0):
     # the rank threads' eager path (the graphed one replays from the engine thread)
     assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2, enforce_eager=True) == fp32_k0

@@ -188,11 +188,42 @@ def test_preemption_and_the_context_limit_fall_back_to_synchronous_rounds(shared
     assert all(v[1] == ["length"] for v in got.values())
 
 
-def test_where_rounds_stay_synchronous(shared_model):
+def test_only_the_flag_keeps_rounds_synchronous(shared_model):
     assert make_core(shared_model, async_scheduling=False).sync_reason == "--no-async-scheduling"
     tp2 = make_core(shared_model, tensor_parallel_size=2)
-    assert not tp2.async_scheduling and "tensor parallel" in tp2.sync_reason
+    assert tp2.async_scheduling and not tp2.sync_reason
     tp2.shutdown()
+
+
+def _same_tokens_overlapped(model: str, k: int, **kw) -> None:
+    sync = make_core(model, draft_tokens=k, async_scheduling=False, **kw)
+    fast = make_core(model, draft_tokens=k, **kw)
+    assert fast.async_scheduling
+    jobs = list(zip(PROMPTS, workload(sync)))
+    arrivals = {0: [0, 1, 2, 3], 6: [4], 13: [5]}
+    log = LaunchLog(fast)
+    want, _ = run(sync, jobs, arrivals)
+    got, got_reqs = run(fast, jobs, arrivals)
+    assert got == want
+    for rid, req in got_reqs.items():
+        assert got[rid][0] == req.output_token_ids
+    assert log.carried >= 10, log.rounds
+    sync.shutdown()
+    fast.shutdown()
+
+
+def test_tp2_overlapped_loop_gives_the_synchronous_tokens(shared_model):
+    """Every rank's round enqueued, rank 0's tokens read one round late; each rank carries the next
+    round's rows from its own last tokens (eager rounds on the CPU: each rank's thread enqueues)."""
+    _same_tokens_overlapped(shared_model, 3, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_hybrid_overlapped_loop_gives_the_synchronous_tokens(k):
+    """A hybrid's round steps each row's linear-attention state in its slot (a verify round commits the
+    accepted prefix on the device), so the round planned ahead reads the state the last one left."""
+    from tests.hybrid_support import require_shared_hybrid
+    _same_tokens_overlapped(require_shared_hybrid(), k)
 
 
 def test_the_flag_and_its_default():

@@ -124,10 +124,11 @@ def test_memory_plan_counts_the_bytes_each_rank_holds(tp, draft_tokens):
 
 
 class _StandInRounds:
-    """What `Executor._replay_all` needs of `engine.cuda_graphs.GraphedRounds`, without CUDA: pinned
-    staging becomes numpy, `upload` copies, and `launch` runs the round eagerly on the rank's thread
-    (ranks meet in the local communicator, so each must run on its own thread, as graphs do on their
-    own GPU). Rank 0's tokens come back through `tolist`, the executor's one read."""
+    """What `Executor._launch_lockstep` needs of `engine.cuda_graphs.GraphedRounds`, without CUDA:
+    pinned staging becomes numpy, `upload` copies, and `launch` runs the round eagerly on the rank's
+    thread (ranks meet in the local communicator, so each must run on its own thread, as graphs do on
+    their own GPU). Rank 0's launch returns a tensor that the last rank's launch fills once every rank
+    has finished -- as a device tensor is complete once read, with or without async scheduling."""
 
     class Bucket:
         def __init__(self, runner, batch):
@@ -142,21 +143,11 @@ class _StandInRounds:
         def upload(self, host=None):
             self.device = tuple(torch.from_numpy(a.copy()) for a in (host or self.host))
 
-    class Tokens:
-        def __init__(self, workers):
-            self.workers = workers
-
-        def tolist(self):
-            outcomes = [w.outcome() for w in self.workers]
-            bad = [v for ok, v in outcomes if not ok]
-            if bad:
-                raise bad[0]
-            return outcomes[0][1].tolist()
-
     def __init__(self, executor, runner, buckets):
         self.executor, self.runner, self.buckets = executor, runner, buckets
         self.bucket_of = {b: self.Bucket(runner, b) for b in buckets}
         self.launches = 0
+        self.tokens = None                         # rank 0's: the round's tokens, once every rank ran it
 
     def fits(self, n):
         return n <= self.buckets[-1]
@@ -174,7 +165,15 @@ class _StandInRounds:
         inputs = RoundInputs.from_packed(*bucket.device, k=r.k)
         ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, *key)[0])
         self.launches += 1
-        return self.Tokens(ex._workers) if rank == 0 else None
+        if rank == 0:
+            self.tokens = torch.full((bucket.batch, r.k + 1), -2, dtype=torch.int64)
+        if rank == len(ex.runners) - 1:
+            outcomes = [w.outcome() for w in ex._workers]
+            bad = [v for ok, v in outcomes if not ok]
+            if bad:
+                raise bad[0]
+            ex.runners[0].graphs.tokens.copy_(outcomes[0][1])
+        return self.tokens if rank == 0 else None
 
 
 @pytest.mark.parametrize("kw, buckets", [
@@ -182,23 +181,30 @@ class _StandInRounds:
     ({"draft_tokens": 2, "max_batch": 3}, [1, 2, 3]),
     ({"draft_tokens": 0, "max_batch": 2}, [1, 2]),
 ])
-def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduling):
     """The engine thread packs once, uploads rank 0's staging to every rank, launches every rank and
-    reads rank 0: same tokens as TP=1, greedy and sampled, with chunked prefills in between."""
+    reads rank 0 (one round later with async scheduling, the next round's rows carried on each rank
+    from its own last tokens): same tokens as TP=1, greedy and sampled, with chunked prefills between."""
     prompts = [s * 4 for s in ("def f(x):\n    return", "Hello world, this is", "Line 1: the quick brown fox",
                                "import numpy as np\n", "The capital of", "a b c d e f g")]
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     sampled = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, top_k=50, seed=s, ignore_eos=True)
                for s in range(len(prompts))]
     one = make_llm(shared_model, prefill_chunk=16, **kw)
-    two = make_llm(shared_model, prefill_chunk=16, tensor_parallel_size=2, **kw)
+    two = make_llm(shared_model, prefill_chunk=16, tensor_parallel_size=2, async_scheduling=async_scheduling, **kw)
+    assert two.engine.async_scheduling is async_scheduling
     ex = two.engine.executor
     for runner in ex.runners:
         runner.graphs = _StandInRounds(ex, runner, buckets)
+    carried = []
+    launch = ex.launch
+    ex.launch = lambda out: carried.append(any(w.carry_row >= 0 for w in out.decode)) or launch(out)
     for params in (greedy, sampled):
         assert [o.token_ids for o in two.generate(prompts, params)] == \
                [o.token_ids for o in one.generate(prompts, params)]
     assert ex.runners[0].graphs.launches > 0 and ex.runners[1].graphs.launches == ex.runners[0].graphs.launches
+    assert (sum(carried) >= 5) is async_scheduling, carried       # rounds planned ahead, each rank carrying
     assert ex.runners[0].round_setup.pool_rows == ex.runners[1].round_setup.pool_rows  # (the last row goes at the next step)
     assert_kv_idle(two.engine)
 

@@ -117,6 +117,14 @@ def test_tp2_equals_tp1(eager_k0):
     assert all(g[:16] == w[:16] for g, w in zip(got, eager_k0))
 
 
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=[pytest.mark.multi_gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA devices")])])
+def test_async_scheduling_equals_synchronous(eager_k0, tp):
+    # the round planned ahead steps the states the last one left (a verify round commits on the device)
+    sync, _ = generate(tensor_parallel_size=tp, draft_tokens=3, async_scheduling=False)
+    assert generate(tensor_parallel_size=tp, draft_tokens=3)[0] == sync
+
+
 def test_prompt_logits_near_the_float32_cpu_engine():
     if not MODEL.exists():
         pytest.skip(f"the trained hybrid is not at {MODEL}")

@@ -45,7 +45,7 @@ step() {
     kernels-d256) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py -k "d256" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 20 ;;
     hybrid-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_gated_delta_step.py tests/test_hybrid_gpu.py -rA --durations=12 > "$OUT/hybrid-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-tests.full.log" | tail -n 60 ;;
     hybrid-engine-tests) python3 -m pytest -q -p no:cacheprovider tests/test_hybrid_gpu.py -k "graphs or tp2 or (lossless and 3)" -rA --durations=8 > "$OUT/hybrid-engine-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-engine-tests.full.log" | tail -n 40 ;;
-    profile-hybrid) python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync 2>&1 | grep -v "^20..-..-.. " ;;
+    profile-hybrid) python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async 2>&1 | grep -v "^20..-..-.. " ;;
     bench-seed) python3 -m tools.bench --sections roofline,quant --quick --budget-s "${SEED_BUDGET_S:-330}" --quant-shapes none --time-scale "${SEED_TIME_SCALE:-2.5}" --out "$OUT/bench-seed" ;;   # issue 14: qwen3-32b NVFP4 one GPU, 192k
     bench-hybrid) python3 -m tools.bench --sections roofline,hybrid --quick --budget-s "${HYBRID_BUDGET_S:-220}" \
                     --hybrid-deployments "${HYBRID_DEPLOYMENTS:-tp,one_gpu}" --out "$OUT/bench-hybrid" ;;

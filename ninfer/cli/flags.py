@@ -77,8 +77,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (slower decode; for debugging)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=d["async_scheduling"].default,
-                   help="plan and enqueue the next decode round while the GPU runs this one (one GPU, "
-                        "non-hybrid models; --no-async-scheduling: every round waits for the last)")
+                   help="plan and enqueue the next decode round while the GPU runs this one "
+                        "(--no-async-scheduling: every round waits for the last)")
     g.add_argument("--lease-seconds", type=float, default=d["lease_seconds"].default,
                    help="how long a prefilled handle keeps its KV without a decode attaching")
 
