@@ -39,11 +39,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def decoder_layer(x, pos, cos, sin, mask, k_cache, v_cache, w, cfg_tuple):
-    """One layer for one token. x [hidden]; pos [1] int64; cos, sin [D/2]; mask [max_len] bool;
-    k_cache, v_cache [kv_heads, max_len, D] (written at pos); w: this layer's weights."""
+    """One layer for one token. x [1, hidden]; pos [1] int64; cos, sin [D/2]; mask [max_len] bool;
+    k_cache, v_cache [kv_heads, max_len, D] (written at pos); w: this layer's weights. The matmuls are
+    F.linear on a one-row activation, as gpt-fast writes them (cuBLAS's GEMM at M = 1; a 1-D `w @ h`
+    is a matrix-vector product that Inductor may decompose into its own reduction)."""
     heads, kv_heads, d, eps = cfg_tuple
     h = rms_norm(x, w["in_norm"], eps)
-    qkv = w["qkv"] @ h                                                   # [(heads + 2 kv) * D]
+    qkv = F.linear(h, w["qkv"])[0]                                       # [(heads + 2 kv) * D]
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d])
     q = rotate(rms_norm(q.view(heads, d), w["q_norm"], eps), cos, sin)
     k = rotate(rms_norm(k.view(kv_heads, d), w["k_norm"], eps), cos, sin)
@@ -51,10 +53,10 @@ def decoder_layer(x, pos, cos, sin, mask, k_cache, v_cache, w, cfg_tuple):
     v_cache.index_copy_(1, pos, v.view(kv_heads, 1, d))
     o = F.scaled_dot_product_attention(q.view(kv_heads, heads // kv_heads, d), k_cache, v_cache,
                                        attn_mask=mask.view(1, 1, -1))             # [kv, group, D]
-    x = x + w["o"] @ o.reshape(heads * d)
+    x = x + F.linear(o.reshape(1, heads * d), w["o"])
     h = rms_norm(x, w["post_norm"], eps)
-    gate, up = (w["gate_up"] @ h).chunk(2)
-    return x + w["down"] @ (F.silu(gate) * up)
+    gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, w["down"])
 
 
 class CompiledDecodePeer:
@@ -92,12 +94,12 @@ class CompiledDecodePeer:
     @torch.inference_mode()
     def step(self) -> None:
         """Decode one token: read self.token at self.pos, write the argmax back, advance pos."""
-        x = self.embed.index_select(0, self.token)[0]                    # no host read of the token
+        x = self.embed.index_select(0, self.token)                       # [1, hidden]; no host read of the token
         cos, sin = self.cos.index_select(0, self.pos)[0], self.sin.index_select(0, self.pos)[0]
         mask = self.positions <= self.pos
         for i, w in enumerate(self.layers):
             x = self.layer_fn(x, self.pos, cos, sin, mask, self.k_cache[i], self.v_cache[i], w, self.cfg_tuple)
-        logits = self.lm_head @ rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+        logits = F.linear(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)[0]
         self.token.copy_(logits.argmax().view(1))
         self.pos.add_(1)
 
