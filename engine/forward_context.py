@@ -34,6 +34,8 @@ class ForwardContext:
     state_slots: torch.Tensor | None = None
     # A verify pass: linear layers keep their inputs and leave the states to `commit_linear_states`.
     defer_state_commit: bool = False
+    # Each sequence's new tokens, on the host (eager prefill): a varlen layer splits by it without a read.
+    host_query_lens: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -92,5 +94,6 @@ def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tabl
         uniform_query_len=uniform,
         state_slots=(None if state_slots is None
                      else torch.tensor(state_slots, dtype=torch.int64).to(device, non_blocking=True)),
+        host_query_lens=tuple(query_lens),
     )
     return positions.to(device, non_blocking=True), ctx

@@ -10,12 +10,13 @@ forward over several sequences (`engine.forward_context` takes varlen batches). 
 prompts arriving together thus prefill in two steps of a 2048-token chunk instead of eight, and each
 still has its own prefill start (admission) and first token (the step that ends its prompt).
 
-Hybrid models (linear-attention layers: `states` given) go through the lane one request at a time,
-no packing: each prompt holds a state slot from admission, a prefix hit is trimmed to a state
-snapshot that its first chunk restores, and a chunk ending on a block boundary saves a snapshot.
-Packing hybrids needs varlen state handling in the gated delta layers (per-sequence conv windows and
-recurrent states inside one forward, and per-piece restore/snapshot ordering) that is not tested
-yet, so the lane keeps them apart; full-attention models pack as above.
+Hybrid models (linear-attention layers: `states` given) pack the same way: each prompt holds a
+state slot from admission (no free slot stops admission, like no KV), a prefix hit is trimmed to a
+state snapshot that its first chunk restores, and a chunk ending on a block boundary saves a
+snapshot. In the forward each piece's linear-attention layers run from its own slot (the conv
+window and recurrent state of that prompt alone); the runner restores every piece's snapshot before
+the forward and saves snapshots after it, so a snapshot saved in a step is never one restored in
+it: a prompt that could hit it is computing the same blocks and waits (`_awaits_shared_prefix`).
 
 Pure Python, no torch: the scheduler owns the lane; the runner only sees `PrefillWork`s.
 """
@@ -85,8 +86,6 @@ class PrefillLane:
             works.append(self._work(req, budget))
             budget -= len(works[-1].token_ids)
         while budget > 0 and waiting:
-            if self.states is not None and self.requests:    # hybrids: one prompt at a time (see above)
-                break
             req = waiting[0]
             if not has_room(req) or self._awaits_shared_prefix(req) or not self._admit(req):
                 break

@@ -142,7 +142,7 @@ class ModelRunner:
         lens = [len(w.token_ids) for w in pieces]
         slots = None
         if self.states is not None:
-            # hybrids: each piece runs from its request's state slot (the lane sends one piece per step)
+            # hybrids: each piece runs from its request's state slot; every restore before the forward
             slots = [w.state_slot for w in pieces]
             for w in pieces:
                 if w.restore_slot >= 0:                  # a prefix hit: its end's state snapshot

@@ -20,7 +20,7 @@ the decode batch when a seat frees, ahead of new prefills.
 
 Hybrid models: a request also holds a linear-attention state slot (engine.state_slots) from admission
 to finish or preemption, and a prefix hit is used only up to a state snapshot (engine.state_snapshots).
-The lane takes their prompts one at a time, unpacked (engine.prefill_pack says why).
+Their prompts pack in the lane like any other, each piece from its own slot (engine.prefill_pack).
 """
 
 from __future__ import annotations

@@ -108,6 +108,21 @@ def test_packed_greedy_tokens_equal_prompts_prefilled_alone(model, k, request):
         assert t.prefill == pytest.approx(last // 64 - first // 64)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_packed_hybrid_prompts_equal_prompts_prefilled_alone(k):
+    """Qwen3.5-class hybrid: each piece of a packed chunk runs its linear-attention layers from its
+    own state slot (conv window and recurrent state), pieces of unequal and of equal length alike."""
+    from hybrid_support import require_shared_hybrid
+    alone, reqs, core = alone_and_packed(require_shared_hybrid(), k)
+    assert [r.output_token_ids for r in reqs] == alone
+    for r in reqs:          # packed: each admitted in the step of its first token's chunk of 64, as above
+        first = sum(len(p) for p in PROMPTS[:reqs.index(r)])
+        assert r.stats(64).timings.queue == pytest.approx(first // 64 + 1)
+    assert_kv_idle(core)
+    states = core.scheduler.states
+    assert states.num_free == states.num_slots and states.taken == states.dropped
+
+
 def test_packed_prefill_on_two_cpu_ranks_equals_prompts_alone(shared_model):
     alone, reqs, core = alone_and_packed(shared_model, 3, tensor_parallel_size=2)
     assert [r.output_token_ids for r in reqs] == alone

@@ -104,3 +104,21 @@ def test_snapshot_pool_is_lru_and_reserves_before_binding():
     assert s3 == s2 and snaps.usable_prefix([b"b"]) == (0, -1)
     snaps.bind(s3, None)                                            # a chunk whose block never registered
     assert snaps.num_bound == 1 and snaps.reserve() == s3
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_questions_sent_together_pack_and_reuse_the_system_prompt(hybrid, fresh, k):
+    """All questions at once: the first prompt's chunk does not take the others (they would compute the
+    same blocks); they wait for its snapshots, then pack together behind it. Tokens equal the fresh
+    engine's; each reuse ends at a snapshot; the system prompt is not computed three times."""
+    llm = make_llm(hybrid, draft_tokens=k, prefill_chunk=64)
+    bs = llm.engine.config.block_size
+    outs = llm.generate([SYSTEM + q for q in QUESTIONS], PARAMS)
+    assert [o.token_ids for o in outs] == [fresh[q] for q in QUESTIONS]
+    usage = [o.stats.usage for o in outs]
+    for u in usage:
+        assert u.cached_tokens % bs == 0 and u.cached_tokens + u.computed_prefill_tokens == u.prompt_tokens
+    shared = len(llm.tokenizer.encode(SYSTEM))
+    assert usage[0].cached_tokens == 0
+    assert all(u.cached_tokens >= shared - 2 * 64 for u in usage[1:]), [u.cached_tokens for u in usage]
+    assert_kv_idle(llm.engine)

@@ -2,7 +2,7 @@
 
 - The slot pool (pure Python) hands out and takes back slots exactly once; the scheduler holds one
   per request from admission to finish or preemption, and a request waits for a slot like for KV;
-  the prefill lane takes hybrid prompts one at a time (three prompts that fit one chunk never pack).
+  prompts that fit one chunk pack as far as slots allow.
 - The memory plan counts the slots; a refusal names KV and state slots both.
 - Chunked prefill carries the state across chunks: any chunk >= 16 gives the one-pass tokens.
 - Preemption recomputes the state: preempted requests finish with their solo tokens.
@@ -56,19 +56,20 @@ def test_scheduler_holds_a_slot_per_request_and_frees_it_once():
     reqs = [make_request(prompt=20, max_tokens=3) for _ in range(3)]
     for r in reqs:
         sched.add_request(r)
-    seen_waiting_for_slot = False
+    seen_waiting_for_slot = packed = False
     while sched.has_work:
         out = sched.schedule()
         if sched.waiting and sched.states.num_free == 0 and sched.kv.num_free_blocks > 8:
             seen_waiting_for_slot = True                # KV was free: the slot held it back
         held = [r for r in reqs if r.state_slot >= 0]
         assert len({r.state_slot for r in held}) == len(held) <= 2
-        assert len(out.prefills) <= 1                   # hybrids: the lane takes one prompt at a time
+        assert len(out.prefills) <= 2                   # two slots: at most two prompts in a chunk
+        packed |= len(out.prefills) == 2
         for w in out.decode + out.prefills:
             assert w.state_slot == sched.requests[w.request_id].state_slot >= 0
         result = ModelOutput({w.request_id: [7] for w in out.decode + [p for p in out.prefills if p.sample]})
         sched.update(out, result)
-    assert seen_waiting_for_slot
+    assert seen_waiting_for_slot and packed
     assert all(r.state_slot == -1 and r.finished for r in reqs)
     assert sched.states.taken == sched.states.dropped == 3 and sched.states.num_free == 2
 

@@ -128,9 +128,10 @@ class GatedDeltaNet(nn.Module):
             o = self._run(mixed.view(-1, n, mixed.shape[-1]), beta.view(-1, n, beta.shape[-1]),
                           g.view(-1, n, g.shape[-1]), ctx.state_slots, ctx.defer_state_commit)
             o = o.flatten(0, 1)
-        else:
+        else:                           # a packed prefill: each prompt's piece from its own slot
             outs, start = [], 0
-            for i, n in enumerate(ctx.host_lens()[0]):
+            lens = ctx.host_query_lens if ctx.host_query_lens is not None else ctx.host_lens()[0]
+            for i, n in enumerate(lens):
                 if n:
                     sl = slice(start, start + n)
                     outs.append(self._run(mixed[None, sl], beta[None, sl], g[None, sl],

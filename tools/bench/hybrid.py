@@ -4,8 +4,8 @@ seed serves it -- TP=2, int8 KV for the 16 full-attention layers -- on one engin
   decode    batch 1, k = 0, at a short, an 8k and a 128k context. The 48 Gated DeltaNet layers read
             and write the same float32 state at every context; only the full-attention layers' KV
             grows, so ms per token should rise by that KV's bytes alone.
-  prefill   fresh prompts of 4k and 32k tokens at the plan's chunk (hybrids prefill one prompt at a
-            time, carrying the state across chunks).
+  prefill   one fresh prompt of 4k, then of 32k tokens, at the plan's chunk (the state carried
+            across chunks).
   long      one 192k-token context: the prompt, then 512 decoded tokens.
   one GPU   the seed's other deployment: the same shape quantized (NVFP4 by default), int8 KV, one
             GPU -- decode at the short context against its own floor, and the 192k context.
