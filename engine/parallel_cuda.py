@@ -70,16 +70,20 @@ Predictions for 2 x H200 (NV18), per all-reduce, median, before any measurement
   + flag one way over NVLink ~0.7-1 us + peer read round trip ~1-1.5 us + write; 64 KB adds
   ~0.2 us of NVLink transfer. Eagerly both communicators are bound by the Python launch path
   (two rank threads share the GIL), not by the link. The goal of issue #6 is <= 6 us for 8 KB
-  in graphs. A push variant with flags inside the data words (NCCL's LL protocol) would save one
-  more NVLink crossing (~1 us) if this one misses.
+  in graphs. A push variant with flags inside the data words (NCCL's LL protocol) saves one more
+  NVLink crossing and the system fence: engine.p2p_push, for 16-bit messages up to
+  `push_max_bytes` (opt-in, NINFER_P2P_PUSH_MAX_BYTES, until measured on the GPUs).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import structlog
 import torch
 
+from engine import p2p_push
 from engine.p2p_launch import RankLaunch
 from engine.parallel import TPGroup
 from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, MAX_SPLITS, add_norm_launch_shape
@@ -95,6 +99,9 @@ SMALL_MESSAGE_BYTES = 32 * 1024
 # The fused all-reduce + add + RMSNorm (engine.parallel_fused) up to this size; larger ones run the
 # unfused ops (the plain kernel or NCCL, then the norm kernel). None: up to max_bytes.
 FUSED_MAX_BYTES: int | None = None
+# The push variant (engine.p2p_push) for 16-bit messages up to this many bytes; 0: pull only. Opt-in
+# until measured on the GPUs: NINFER_P2P_PUSH_MAX_BYTES=65536 turns it on for decode-size calls.
+PUSH_MAX_BYTES_ENV = "NINFER_P2P_PUSH_MAX_BYTES"
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8
 _STATE_BYTES = 256
 _NCCL_SUM = 0                                # ncclSum
@@ -487,7 +494,8 @@ class P2PCommunicator(_CudaCommunicator):
 
     def __init__(self, devices, *, max_bytes: int = DEFAULT_P2P_MAX_BYTES, threads: int = 512,
                  small_threads: int | None = 128, max_blocks: int = MAX_BLOCKS, timeout_s: float = 60.0,
-                 fallback: NcclCommunicator | None = None, self_test: bool = True, fast_launch: bool = True):
+                 fallback: NcclCommunicator | None = None, self_test: bool = True, fast_launch: bool = True,
+                 push_max_bytes: int | None = None):
         cupy = _import_cupy()
         self.devices = _check_devices(devices, least=2)
         self.world_size = len(self.devices)
@@ -502,6 +510,9 @@ class P2PCommunicator(_CudaCommunicator):
         if max_bytes < 16:
             raise ValueError(f"max_bytes must be at least 16, got {max_bytes}")
         self.max_bytes, self.threads, self.max_blocks = int(max_bytes), int(threads), int(max_blocks)
+        if push_max_bytes is None:
+            push_max_bytes = int(os.environ.get(PUSH_MAX_BYTES_ENV, "0"))
+        self.push_max_bytes = min(int(push_max_bytes), self.max_bytes)
         self.small_threads = int(small_threads)
         self.fast_launch = fast_launch      # engine.p2p_launch; False: CuPy's generic kernel call
         self._cupy = cupy
@@ -520,18 +531,15 @@ class P2PCommunicator(_CudaCommunicator):
                         cupy.cuda.runtime.memset(ptr, 0, size)
                         into.append(ptr)
                     cupy.cuda.runtime.deviceSynchronize()
-            self._args = []
-            for r in range(self.world_size):
-                a = np.zeros(1, dtype=_ARGS_DTYPE)
-                a["stage"][0, :self.world_size] = stage
-                a["flags"][0, :self.world_size] = flags
-                a["state"], a["cap"], a["rank"], a["world"] = state[r], cap, r, self.world_size
-                a["timeout_ns"] = int(timeout_s * 1e9) if timeout_s else 0
-                self._args.append(a)
-            module = cupy.RawModule(code=KERNEL_SOURCE + ADD_NORM_SOURCE, options=("-std=c++17",))
+            timeout_ns = int(timeout_s * 1e9) if timeout_s else 0
+            self._args = [self._rank_args(r, stage, flags, state[r], cap, timeout_ns) for r in range(self.world_size)]
+            self._push_args = self._push_buffers(timeout_ns) if self.push_max_bytes else []
+            source = KERNEL_SOURCE + ADD_NORM_SOURCE + (p2p_push.PUSH_SOURCE if self.push_max_bytes else "")
+            module = cupy.RawModule(code=source, options=("-std=c++17",))
             self._kernels = []          # per rank: RawKernel objects (attributes, for reports)
             self._functions = []        # per rank: the loaded function of that rank's device
-            names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()}}
+            names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()},
+                     **(p2p_push.PUSH_KERNEL_NAMES if self.push_max_bytes else {})}
             for d in self.devices:
                 with cupy.cuda.Device(d):
                     kernels = {key: module.get_function(name) for key, name in names.items()}
@@ -550,9 +558,39 @@ class P2PCommunicator(_CudaCommunicator):
                 log.warning("p2p_close_after_failed_init", error=str(e))
             raise
 
+    def _rank_args(self, rank: int, stage: list[int], flags: list[int], state: int, cap: int, timeout_ns: int):
+        a = np.zeros(1, dtype=_ARGS_DTYPE)
+        a["stage"][0, :self.world_size] = stage
+        a["flags"][0, :self.world_size] = flags
+        a["state"], a["cap"], a["rank"], a["world"] = state, cap, rank, self.world_size
+        a["timeout_ns"] = timeout_ns
+        return a
+
+    def _push_buffers(self, timeout_ns: int) -> list[np.ndarray]:
+        """Receive areas (the sentinel in every word) and push states; the push kernels' RankArgs."""
+        cupy = self._cupy
+        cap = -(-self.push_max_bytes // 256) * 256
+        recv, state = [], []
+        for d in self.devices:
+            with cupy.cuda.Device(d):
+                size = p2p_push.recv_bytes(cap, MAX_RANKS)
+                ptr = cupy.cuda.runtime.malloc(size)
+                self._allocations.append((d, ptr))
+                memory = cupy.cuda.UnownedMemory(ptr, size, owner=None, device_id=d)
+                cupy.ndarray((size // 4,), cupy.uint32, cupy.cuda.MemoryPointer(memory, 0)).fill(p2p_push.SENTINEL_WORD)
+                recv.append(ptr)
+                ptr = cupy.cuda.runtime.malloc(_STATE_BYTES)
+                self._allocations.append((d, ptr))
+                cupy.cuda.runtime.memset(ptr, 0, _STATE_BYTES)
+                state.append(ptr)
+                cupy.cuda.runtime.deviceSynchronize()
+        return [self._rank_args(r, recv, [0] * self.world_size, state[r], cap, timeout_ns)
+                for r in range(self.world_size)]
+
     def kernel_attributes(self) -> dict[str, dict]:
         """Registers, local (spill) bytes and binary version per kernel, on rank 0's device."""
-        names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()}}
+        names = {**KERNEL_NAMES, **{("add_norm", kind): n for kind, n in ADD_NORM_KERNEL_NAMES.items()},
+                 **p2p_push.PUSH_KERNEL_NAMES}
         with self._cupy.cuda.Device(self.devices[0]):
             return {names[key]: {"num_regs": k.num_regs, "local_size_bytes": k.local_size_bytes,
                                         "binary_version": k.binary_version}
@@ -575,12 +613,15 @@ class P2PCommunicator(_CudaCommunicator):
         threads = self.small_threads if nbytes <= SMALL_MESSAGE_BYTES else self.threads
         blocks = min(self.max_blocks, -(-units // threads))
         stream = torch.cuda.current_stream(x.device).cuda_stream
+        push = vec and kind != "f32" and nbytes <= self.push_max_bytes
+        key, args, fast = ((("push", kind), self._push_args, self._fast_push) if push
+                           else ((kind, vec), self._args, self._fast))
         if self.fast_launch:
-            call = (self._fast[rank].all_reduce, self._function_ptrs[rank][kind, vec], blocks, threads, stream,
+            call = (fast[rank].all_reduce, self._function_ptrs[rank][key], blocks, threads, stream,
                     buf.data_ptr(), units)
         else:
-            call = (_launch, self._functions[rank][kind, vec], (blocks,), (threads,),
-                    (self._args[rank], np.uint64(buf.data_ptr()), np.int32(units)), _Stream(stream))
+            call = (_launch, self._functions[rank][key], (blocks,), (threads,),
+                    (args[rank], np.uint64(buf.data_ptr()), np.int32(units)), _Stream(stream))
         self._in_context(rank, call)
         if buf is not x:
             x.copy_(buf)
@@ -622,12 +663,16 @@ class P2PCommunicator(_CudaCommunicator):
         blocks, threads, units = add_norm_launch_shape(rows, residual.shape[-1] * x.element_size(), self.max_blocks)
         pointers = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
         stream = torch.cuda.current_stream(x.device).cuda_stream
+        push = (kind != "f32" and residual.numel() * x.element_size() <= self.push_max_bytes
+                and units <= p2p_push.PUSH_MAX_ROW_UNITS)
+        key, args, fast = ((("push_add_norm", kind), self._push_args, self._fast_push) if push
+                           else (("add_norm", kind), self._args, self._fast))
         if self.fast_launch:
-            call = (self._fast[rank].add_norm, self._function_ptrs[rank]["add_norm", kind], blocks, threads, stream,
+            call = (fast[rank].add_norm, self._function_ptrs[rank][key], blocks, threads, stream,
                     pointers, rows, units, eps, zero_centred, splits)
         else:
-            call = (_launch, self._functions[rank]["add_norm", kind], (blocks,), (threads,),
-                    (self._args[rank], *(np.uint64(p) for p in pointers), np.int32(rows), np.int32(units),
+            call = (_launch, self._functions[rank][key], (blocks,), (threads,),
+                    (args[rank], *(np.uint64(p) for p in pointers), np.int32(rows), np.int32(units),
                      np.float32(eps), np.int32(1 if zero_centred else 0), np.int32(splits)), _Stream(stream))
         self._in_context(rank, call)
         return out, residual_out
@@ -643,13 +688,14 @@ class P2PCommunicator(_CudaCommunicator):
 
     def _pack_launches(self) -> None:
         self._fast = [RankLaunch(self._cupy.cuda.driver, a.tobytes()) for a in self._args]
+        self._fast_push = [RankLaunch(self._cupy.cuda.driver, a.tobytes()) for a in self._push_args]
 
     def _self_test(self) -> None:
         """Launch a few all-reduces for all ranks from this thread (launches return at once; the
         kernels meet on the devices) and check the sums; a short timeout so a dead link fails fast."""
-        saved = self._args
-        self._args = [a.copy() for a in saved]
-        for a in self._args:
+        saved = self._args, self._push_args
+        self._args, self._push_args = [a.copy() for a in saved[0]], [a.copy() for a in saved[1]]
+        for a in self._args + self._push_args:
             a["timeout_ns"] = min(int(a["timeout_ns"][0]) or 10**10, 10**10)
         self._pack_launches()
         try:
@@ -678,7 +724,7 @@ class P2PCommunicator(_CudaCommunicator):
                 if not (bool((h == want).all()) and bool((out == 1).all())):
                     raise RuntimeError(f"P2P fused all-reduce + add + norm self-test failed on {h.device}")
         finally:
-            self._args = saved
+            self._args, self._push_args = saved
             self._pack_launches()
 
     def close(self) -> None:

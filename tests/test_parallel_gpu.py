@@ -94,14 +94,32 @@ def test_fused_add_norm_source_compiles_for_sm90_without_spills(tmp_path):
     assert len(spills) == 9 and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
+def test_push_source_compiles_for_sm90_without_spills(tmp_path):
+    from engine.p2p_push import PUSH_KERNEL_NAMES, PUSH_SOURCE
+    from engine.parallel_fused import ADD_NORM_SOURCE
+    src = tmp_path / "push.cu"
+    src.write_text(KERNEL_SOURCE + ADD_NORM_SOURCE + PUSH_SOURCE)      # as P2PCommunicator builds it with push on
+    out = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                          "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for name in PUSH_KERNEL_NAMES.values():
+        assert f"Compiling entry function '{name}'" in out.stderr, out.stderr
+    spills = [line for line in out.stderr.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
+
+
 # --------------------------------------------------------------------------------- two GPUs
 
 @pytest.fixture(scope="module")
 def comms():
     from engine.parallel_cuda import NcclCommunicator, P2PCommunicator
     nccl = NcclCommunicator([0, 1])
-    p2p = P2PCommunicator([0, 1], fallback=nccl, timeout_s=30.0)
-    yield {"nccl": nccl, "p2p": p2p}
+    p2p = P2PCommunicator([0, 1], fallback=nccl, timeout_s=30.0, push_max_bytes=0)
+    # the push variant (engine.p2p_push) for 16-bit messages up to 64 KB, the pull kernels above that
+    push = P2PCommunicator([0, 1], fallback=nccl, timeout_s=30.0, push_max_bytes=64 * 1024)
+    yield {"nccl": nccl, "p2p": p2p, "push": push}
+    push.close()
     p2p.close()
     nccl.close()
 
@@ -112,7 +130,7 @@ def _failures(records):
 
 
 @multi_gpu
-@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+@pytest.mark.parametrize("kind", ["nccl", "p2p", "push"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_all_reduce_eager_from_rank_threads(comms, kind, dtype):
     from tools.comm_check import check_all_reduce_eager
@@ -121,21 +139,21 @@ def test_all_reduce_eager_from_rank_threads(comms, kind, dtype):
 
 
 @multi_gpu
-@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+@pytest.mark.parametrize("kind", ["nccl", "p2p", "push"])
 def test_all_reduce_fp16(comms, kind):
     from tools.comm_check import check_all_reduce_eager
     assert not _failures(check_all_reduce_eager(comms[kind], torch.float16, sizes=(7, 4096, 32768), rounds=1))
 
 
 @multi_gpu
-@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+@pytest.mark.parametrize("kind", ["nccl", "p2p", "push"])
 def test_dependent_chain_reuses_buffers_correctly(comms, kind):
     from tools.comm_check import check_chain
     assert not _failures(check_chain(comms[kind], steps=300))
 
 
 @multi_gpu
-@pytest.mark.parametrize("kind", ["nccl", "p2p"])
+@pytest.mark.parametrize("kind", ["nccl", "p2p", "push"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_cuda_graph_per_rank_follows_new_inputs(comms, kind, dtype):
     from tools.comm_check import check_graph
@@ -202,9 +220,10 @@ def _assert_fused_ok(records):
 
 @multi_gpu
 @pytest.mark.parametrize("zero_centred", [False, True], ids=["rmsnorm", "zero-centred"])
-def test_fused_add_norm_eager_equals_reference_and_unfused_ops(comms, zero_centred):
+@pytest.mark.parametrize("kind", ["p2p", "push"])
+def test_fused_add_norm_eager_equals_reference_and_unfused_ops(comms, zero_centred, kind):
     from tools.tp_fuse_check import check_fused
-    records = check_fused(comms["p2p"], FUSED_SHAPES, zero_centred=zero_centred)
+    records = check_fused(comms[kind], FUSED_SHAPES, zero_centred=zero_centred)
     _assert_fused_ok(records)
     fused = [r for r in records if "rows" in r]
     assert all(r["unfused_residual_equal"] and r["out_max_ulps_vs_unfused"] <= 2.0 for r in fused), fused
@@ -212,16 +231,18 @@ def test_fused_add_norm_eager_equals_reference_and_unfused_ops(comms, zero_centr
 
 @multi_gpu
 @pytest.mark.parametrize("zero_centred", [False, True], ids=["rmsnorm", "zero-centred"])
-def test_fused_add_norm_in_cuda_graphs_follows_new_inputs(comms, zero_centred):
+@pytest.mark.parametrize("kind", ["p2p", "push"])
+def test_fused_add_norm_in_cuda_graphs_follows_new_inputs(comms, zero_centred, kind):
     from tools.tp_fuse_check import check_fused
-    _assert_fused_ok(check_fused(comms["p2p"], FUSED_SHAPES[:4], zero_centred=zero_centred, graph=True, replays=3))
+    _assert_fused_ok(check_fused(comms[kind], FUSED_SHAPES[:4], zero_centred=zero_centred, graph=True, replays=3))
 
 
 @multi_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_fused_add_norm_other_dtypes(comms, dtype):
+@pytest.mark.parametrize("kind", ["p2p", "push"])
+def test_fused_add_norm_other_dtypes(comms, dtype, kind):
     from tools.tp_fuse_check import check_fused
-    _assert_fused_ok(check_fused(comms["p2p"], [(2, 4096), (5, 1024)], dtype=dtype, zero_centred=dtype == torch.float16))
+    _assert_fused_ok(check_fused(comms[kind], [(2, 4096), (5, 1024)], dtype=dtype, zero_centred=dtype == torch.float16))
 
 
 @multi_gpu
@@ -258,7 +279,8 @@ def test_fused_add_norm_above_the_limit_falls_back_to_the_unfused_ops(comms):
 
 @multi_gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_fused_add_norm_sums_k_split_partials(comms, graph):
+@pytest.mark.parametrize("kind", ["p2p", "push"])
+def test_fused_add_norm_sums_k_split_partials(comms, graph, kind):
     # x: [S, T, H] partials of S slices of K (RowParallelLinear.k_splits), summed before the exchange
     from tools.tp_fuse_check import check_fused
-    _assert_fused_ok(check_fused(comms["p2p"], FUSED_SHAPES[:3], splits=4, graph=graph))
+    _assert_fused_ok(check_fused(comms[kind], FUSED_SHAPES[:3], splits=4, graph=graph))
