@@ -65,16 +65,17 @@ __device__ __forceinline__ uint4 poll_word(const uint4* p) {
 __device__ __forceinline__ bool arrived(uint4 w) {
     return w.x != PUSH_SENTINEL && w.y != PUSH_SENTINEL && w.z != PUSH_SENTINEL && w.w != PUSH_SENTINEL;
 }
+__device__ __noinline__ void push_timed_out(int rank, int peer, u64 call) {
+    printf("ninfer push all-reduce: rank %d block %d waited too long for rank %d (call %llu)\n",
+           rank, (int)blockIdx.x, peer, call);
+    __trap();
+}
 __device__ __forceinline__ uint4 wait_word(const uint4* p, const RankArgs& a, int peer, u64 call) {
     uint4 w = poll_word(p);
     if (arrived(w)) return w;
     const u64 start = global_ns();
     while (!arrived(w = poll_word(p))) {
-        if (a.timeout_ns != 0ull && global_ns() - start > a.timeout_ns) {
-            printf("ninfer push all-reduce: rank %d block %d waited too long for rank %d (call %llu)\n",
-                   a.rank, (int)blockIdx.x, peer, call);
-            __trap();
-        }
+        if (a.timeout_ns != 0ull && global_ns() - start > a.timeout_ns) push_timed_out(a.rank, peer, call);
     }
     return w;
 }
@@ -131,15 +132,10 @@ __device__ __forceinline__ void push_all_reduce(const RankArgs& a, void* xp, int
             if (q != a.rank) push_word(recv_slot(a, q, b, a.rank) + i, w);
     }
     for (int i = first; i < units; i += stride) {                       // 2-3. wait, sum in rank order
-        uint4 v[MAX_RANKS];
-#pragma unroll
-        for (int s = 0; s < MAX_RANKS; ++s) {
-            if (s < a.world) v[s] = s == a.rank ? canonical(x[i]) : wait_word(recv_slot(a, a.rank, b, s) + i, a, s, call);
-        }
         float acc[U::N];
-#pragma unroll
-        for (int s = 0; s < MAX_RANKS; ++s) {
-            if (s < a.world) U::add(acc, v[s], s == 0);
+        for (int s = 0; s < a.world; ++s) {
+            const uint4 v = s == a.rank ? canonical(x[i]) : wait_word(recv_slot(a, a.rank, b, s) + i, a, s, call);
+            U::add(acc, v, s == 0);
         }
         x[i] = U::pack(acc);
     }
@@ -172,18 +168,10 @@ __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp,
         if (mine) {                                  // 1. this rank's partial (split partials summed once), pushed
             if (splits == 1) {
                 own = x[base + i];
-            } else {
-                word v[MAX_SPLITS];
-#pragma unroll
-                for (int sp = 0; sp < MAX_SPLITS; ++sp) {
-                    if (sp < splits) v[sp] = x[sp * split_units + base + i];
-                }
-                float acc[U::N];
-#pragma unroll
-                for (int sp = 0; sp < MAX_SPLITS; ++sp) {
-                    if (sp < splits) U::add(acc, v[sp], sp == 0);
-                }
-                own = U::pack(acc);
+            } else {                                 // in slice order, rounded once (as the pull kernel)
+                float part[U::N];
+                for (int sp = 0; sp < splits; ++sp) U::add(part, x[sp * split_units + base + i], sp == 0);
+                own = U::pack(part);
             }
             own = canonical(own);                    // every rank sums the numbers it sends
             for (int q = 0; q < a.world; ++q)
@@ -192,14 +180,9 @@ __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp,
         float ss = 0.f;
         float acc[U::N];
         if (mine) {                                  // 2-3. wait, sum in rank order, add the residual
-            word v[MAX_RANKS];
-#pragma unroll
-            for (int s = 0; s < MAX_RANKS; ++s) {
-                if (s < a.world) v[s] = s == a.rank ? own : wait_word(recv_slot(a, a.rank, b, s) + base + i, a, s, call);
-            }
-#pragma unroll
-            for (int s = 0; s < MAX_RANKS; ++s) {
-                if (s < a.world) U::add(acc, v[s], s == 0);
+            for (int s = 0; s < a.world; ++s) {
+                const word v = s == a.rank ? own : wait_word(recv_slot(a, a.rank, b, s) + base + i, a, s, call);
+                U::add(acc, v, s == 0);
             }
             typename U::View r;
             r.u = res[base + i];
