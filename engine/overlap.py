@@ -62,8 +62,8 @@ class TokenReadback:
         self._turn ^= 1
         n, w = tokens.shape
         host = self._buffers[self._turn][:n * w].view(n, w)
-        host.copy_(tokens, non_blocking=self._cuda)
-        return host, (torch.cuda.current_stream().record_event() if self._cuda else None)
+        host.copy_(tokens, non_blocking=self._cuda)       # on the current stream of the tokens' device
+        return host, (torch.cuda.current_stream(tokens.device).record_event() if self._cuda else None)
 
 
 @dataclass
