@@ -162,8 +162,22 @@ class RowParallelLinear(_Linear):
         return self.tp.rank * self.in_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.reduce and self.k_splits > 1 and self.quant is None and x.dim() == 2 and x.shape[0] <= self.split_rows:
+        if self._k_split(x):
             s, k, n = self.k_splits, self.in_features, self.out_features        # x: [T, k] -> [s, T, n]
             return torch.bmm(x.reshape(-1, s, k // s).transpose(0, 1), self.weight.view(n, s, k // s).permute(1, 2, 0))
         y = super().forward(x)
         return self.tp.all_reduce(y) if self.reduce else y
+
+    def forward_swiglu(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """self(act(gate_up)) for act = SiluAndMul; gate_up: [T, 2 * in_features]. At decode rows on CUDA
+        the bf16 GEMV computes silu(gate) * up as it reads its input: one launch, the same numbers."""
+        if self.quant is None and gate_up.is_cuda and gate_up.dtype == torch.bfloat16 and not self._k_split(gate_up):
+            from engine.kernels import gemv
+            if gemv.use_gemv("bf16", gate_up.numel() // gate_up.shape[-1]):
+                y = gemv.linear(gate_up, self.weight, swiglu=True)
+                return self.tp.all_reduce(y) if self.reduce else y
+        return self(act(gate_up))
+
+    def _k_split(self, x: torch.Tensor) -> bool:
+        return (not self.reduce and self.k_splits > 1 and self.quant is None and x.dim() == 2
+                and x.shape[0] <= self.split_rows)
