@@ -184,31 +184,11 @@ __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp,
                 const word v = s == a.rank ? own : wait_word(recv_slot(a, a.rank, b, s) + base + i, a, s, call);
                 U::add(acc, v, s == 0);
             }
-            typename U::View r;
-            r.u = res[base + i];
-#pragma unroll
-            for (int j = 0; j < U::N; ++j) {
-                const float sum = Num<T>::load(Num<T>::store(acc[j]));
-                const float h = Num<T>::load(Num<T>::store(sum + Num<T>::load(r.e[j])));
-                acc[j] = h;
-                ss += h * h;
-            }
+            add_residual<T>(acc, res[base + i], ss);
             res_out[base + i] = U::pack(acc);
         }
         const float rstd = rsqrtf(block_sum(ss, s_part) / n + eps);   // every thread of the block
-        if (mine) {                                  // the normed row, from the rounded residual
-            typename U::View h, wt;
-            h.u = U::pack(acc);
-            wt.u = w[i];
-            float y[U::N];
-#pragma unroll
-            for (int j = 0; j < U::N; ++j) {
-                const float hn = Num<T>::load(h.e[j]) * rstd;
-                const float wj = Num<T>::load(wt.e[j]);
-                y[j] = zero_centred ? hn * (1.0f + wj) : Num<T>::load(Num<T>::store(hn)) * wj;
-            }
-            out[base + i] = U::pack(y);
-        }
+        if (mine) out[base + i] = normed_word<T>(U::pack(acc), w[i], rstd, zero_centred);
     }
     push_finish(a, call, s_last, (u32)split_units);
 }

@@ -49,6 +49,37 @@ __device__ __forceinline__ float block_sum(float v, float* s_part) {
     return t;
 }
 
+// The ranks' fp32 sum rounded, plus the residual word, rounded: the new residual in place in acc
+// (fp32 values of T); its squares added to ss in element order.
+template <typename T>
+__device__ __forceinline__ void add_residual(float (&acc)[Unit<T, true>::N], uint4 residual_word, float& ss) {
+    typename Unit<T, true>::View r;
+    r.u = residual_word;
+#pragma unroll
+    for (int j = 0; j < Unit<T, true>::N; ++j) {
+        const float sum = Num<T>::load(Num<T>::store(acc[j]));
+        const float h = Num<T>::load(Num<T>::store(sum + Num<T>::load(r.e[j])));
+        acc[j] = h;
+        ss += h * h;
+    }
+}
+
+// One word of the normed output from a word of the new residual and one of the weight.
+template <typename T>
+__device__ __forceinline__ uint4 normed_word(uint4 h_word, uint4 w_word, float rstd, int zero_centred) {
+    typename Unit<T, true>::View h, wt;
+    h.u = h_word;
+    wt.u = w_word;
+    float y[Unit<T, true>::N];
+#pragma unroll
+    for (int j = 0; j < Unit<T, true>::N; ++j) {
+        const float hn = Num<T>::load(h.e[j]) * rstd;
+        const float wj = Num<T>::load(wt.e[j]);
+        y[j] = zero_centred ? hn * (1.0f + wj) : Num<T>::load(Num<T>::store(hn)) * wj;
+    }
+    return Unit<T, true>::pack(y);
+}
+
 template <typename T>
 __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void* xp, const void* rp,
                                                   const void* wp, void* op, void* rop, int rows,
@@ -124,32 +155,13 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
             for (int s = 0; s < MAX_RANKS; ++s) {
                 if (s < a.world) U::add(acc, v[s], s == 0);
             }
-            typename U::View r;
-            r.u = res[base + i];
-#pragma unroll
-            for (int j = 0; j < U::N; ++j) {
-                const float sum = Num<T>::load(Num<T>::store(acc[j]));
-                const float h = Num<T>::load(Num<T>::store(sum + Num<T>::load(r.e[j])));
-                acc[j] = h;
-                ss += h * h;
-            }
+            add_residual<T>(acc, res[base + i], ss);
             res_out[base + i] = U::pack(acc);
         }
         // 4. The row's RMS, then the weighted output (each thread rereads its own residual words).
         const float rstd = rsqrtf(block_sum(ss, s_part) / n + eps);
-        for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x) {
-            typename U::View h, wt;
-            h.u = res_out[base + i];
-            wt.u = w[i];
-            float y[U::N];
-#pragma unroll
-            for (int j = 0; j < U::N; ++j) {
-                const float hn = Num<T>::load(h.e[j]) * rstd;
-                const float wj = Num<T>::load(wt.e[j]);
-                y[j] = zero_centred ? hn * (1.0f + wj) : Num<T>::load(Num<T>::store(hn)) * wj;
-            }
-            out[base + i] = U::pack(y);
-        }
+        for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x)
+            out[base + i] = normed_word<T>(res_out[base + i], w[i], rstd, zero_centred);
     }
 
     // 5. The last block to finish publishes the epoch for the next launch on this rank.

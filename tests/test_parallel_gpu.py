@@ -67,46 +67,47 @@ def test_gathered_to_last_dim_matches_cat():
     assert torch.equal(gathered_to_last_dim(torch.stack(flat)), torch.cat(flat, dim=-1))
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
-def test_kernel_source_compiles_for_sm90_without_spills(tmp_path):
-    src = tmp_path / "one_shot.cu"
-    src.write_text(KERNEL_SOURCE)
-    out = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
-                          "-o", str(tmp_path / "one_shot.cubin"), str(src)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stderr.count("Compiling entry function") == 6, out.stderr
-    spills = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert len(spills) == 6 and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
-def test_fused_add_norm_source_compiles_for_sm90_without_spills(tmp_path):
-    from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE
-    src = tmp_path / "one_shot_add_norm.cu"
-    src.write_text(KERNEL_SOURCE + ADD_NORM_SOURCE)            # as P2PCommunicator builds it
+def ptxas_report(tmp_path, source: str) -> tuple[str, list[str]]:
+    """nvcc's -Xptxas -v output for `source` built as P2PCommunicator builds it (sm_90), and its spill lines."""
+    src = tmp_path / "k.cu"
+    src.write_text(source)
     out = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
                           "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+    return out.stderr, [line for line in out.stderr.splitlines() if "spill stores" in line]
+
+
+def no_spills(spills: list[str]) -> bool:
+    return bool(spills) and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills)
+
+
+@needs_nvcc
+def test_kernel_source_compiles_for_sm90_without_spills(tmp_path):
+    report, spills = ptxas_report(tmp_path, KERNEL_SOURCE)
+    assert report.count("Compiling entry function") == 6, report
+    assert len(spills) == 6 and no_spills(spills), spills
+
+
+@needs_nvcc
+def test_fused_add_norm_source_compiles_for_sm90_without_spills(tmp_path):
+    from engine.parallel_fused import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE
+    report, spills = ptxas_report(tmp_path, KERNEL_SOURCE + ADD_NORM_SOURCE)
     for name in ADD_NORM_KERNEL_NAMES.values():
-        assert f"Compiling entry function '{name}'" in out.stderr, out.stderr
-    spills = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert len(spills) == 9 and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
+        assert f"Compiling entry function '{name}'" in report, report
+    assert len(spills) == 9 and no_spills(spills), spills
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc to compile the kernel source")
+@needs_nvcc
 def test_push_source_compiles_for_sm90_without_spills(tmp_path):
     from engine.p2p_push import PUSH_KERNEL_NAMES, PUSH_SOURCE
     from engine.parallel_fused import ADD_NORM_SOURCE
-    src = tmp_path / "push.cu"
-    src.write_text(KERNEL_SOURCE + ADD_NORM_SOURCE + PUSH_SOURCE)      # as P2PCommunicator builds it with push on
-    out = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
-                          "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    report, spills = ptxas_report(tmp_path, KERNEL_SOURCE + ADD_NORM_SOURCE + PUSH_SOURCE)
     for name in PUSH_KERNEL_NAMES.values():
-        assert f"Compiling entry function '{name}'" in out.stderr, out.stderr
-    spills = [line for line in out.stderr.splitlines() if "spill stores" in line]
-    assert spills and all(" 0 bytes spill stores, 0 bytes spill loads" in s for s in spills), spills
+        assert f"Compiling entry function '{name}'" in report, report
+    assert no_spills(spills), spills
 
 
 # --------------------------------------------------------------------------------- two GPUs
