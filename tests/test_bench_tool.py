@@ -90,8 +90,9 @@ def test_run_records_every_section_and_the_environment(cpu_run):
     out, proc, r = cpu_run
     assert r["schema"] == "ninfer-bench/1"
     run = r["run"]
-    for key in ("date", "device", "versions", "git", "run_id", "shape", "mode"):
+    for key in ("date", "device", "versions", "git", "run_id", "shape", "mode", "switches"):
         assert key in run
+    assert set(run["switches"]) >= {"NINFER_PDL", "NINFER_P2P_PUSH_MAX_BYTES"}
     assert {"torch", "triton", "transformers"} <= set(run["versions"])
     assert "commit" in run["git"]
     assert run["shape"] == "tiny" and run["mode"] == "cpu-quick"

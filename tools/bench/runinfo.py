@@ -15,6 +15,9 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+ENGINE_SWITCHES = ("NINFER_PDL", "NINFER_P2P_PUSH_MAX_BYTES", "NINFER_TP_FUSED_NORM", "NINFER_TP_K_SPLITS")
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -58,6 +61,8 @@ def collect(device: str) -> dict:
                      "ninfer": _version("ninfer")},
         "git": git_commit(),
         "host": platform.node(),
+        # the engine's performance switches as this run set them (unset: the engine's default)
+        "switches": {k: os.environ.get(k) for k in ENGINE_SWITCHES},
     }
 
 
