@@ -26,6 +26,7 @@ Grids depend on shapes only (CUDA-graph safe); the workspace and counters are ma
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,13 +64,19 @@ WORKSPACE_FLOATS = 1 << 20      # SPLIT * M * N fp32 partials at most (4 MiB)
 COUNTERS = 1 << 16              # output blocks at most
 
 
+# With programmatic dependent launch (engine/kernels/pdl.py) a prefetching GEMV loads its first weight
+# tile before it waits for the kernel ahead. Whether that beats the sweep's bf16 choice (no prefetch)
+# is not measured yet: NINFER_GEMV_PREFETCH=1 turns it on for the A/B.
+PREFETCH_BF16 = os.environ.get("NINFER_GEMV_PREFETCH", "0") == "1"
+
+
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
     if fmt == "fp8":
         cfg = GemvConfig(8, 1024 if M == 1 else 512)
     elif fmt == "nvfp4":
         cfg = GemvConfig(16, 1024) if M == 1 and N >= 10240 else GemvConfig(8, 2048 if M == 1 else 1024)
     else:
-        cfg = GemvConfig(4, 512) if M == 1 else GemvConfig(8, 256)
+        cfg = GemvConfig(4, 512, prefetch=PREFETCH_BF16) if M == 1 else GemvConfig(8, 256)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
         block_k //= 2
