@@ -151,7 +151,6 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
 
     The hidden pool's rows ([rows, k+1, hidden]) are updated in place with this round's target hidden
     states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
-    model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     if setup.last_tokens is not None:
         inp = carry_forward(inp, setup.last_tokens)
         tokens, num_accepted = _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)

@@ -10,7 +10,6 @@ import threading
 import time
 
 import grpc
-import pytest
 
 from gateway.client import GatewayClient, SamplingParams
 from ninfer.v1 import gateway_pb2

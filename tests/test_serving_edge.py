@@ -5,7 +5,6 @@ late streams UNAVAILABLE; an unready gateway that says why; lease expiries in th
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc

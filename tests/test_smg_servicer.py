@@ -20,7 +20,6 @@ from ninfer.v1 import common_pb2 as ninfer_common
 from services.client import EngineClient
 from services.engine_host import EngineHost
 from services.server import ServerOptions
-from services.smg.kv_events import block_hash
 from services.smg.vllm_servicer import STATS_TRAILER
 
 API_KEY = "smg-test-key"
