@@ -372,45 +372,53 @@ def time_graph(comm, kb: int, ops: int = 100, replays: int = 20) -> dict:
                 comm.all_reduce(rank, x)
         return _capture(many, barrier), x, pristine
 
-    captured = run_ranks(comm.devices, body)
+    us = replay_us(comm.devices, run_ranks(comm.devices, body), ops, replays)
+    return {"us": statistics.median(us), "us_all": us, "ops_per_graph": ops}
+
+
+def replay_us(devices: list[int], captured: list[tuple], ops: int, replays: int) -> list[float]:
+    """µs per op of each replay of every rank's graph of `ops` calls (captured: (graph, buffer, its
+    pristine copy) per device, the buffer reset before each replay), launched back to back from this
+    thread. The rank launched first also waits for the later launches, so each replay counts the
+    minimum over ranks; the first two replays (they upload the graphs) are dropped."""
     us = []
     for _ in range(replays + 2):
-        events = []
-        for d, (graph, x, pristine) in zip(comm.devices, captured):
+        for d, (_graph, x, pristine) in zip(devices, captured):
             with torch.cuda.device(d):
                 x.copy_(pristine)
-        _wait(comm.devices, 30)
-        for d, (graph, x, pristine) in zip(comm.devices, captured):
+        _wait(devices, 30)
+        events = []
+        for d, (graph, _x, _pristine) in zip(devices, captured):
             with torch.cuda.device(d):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 graph.replay()
                 end.record()
                 events.append((start, end))
-        _wait(comm.devices, 30)
+        _wait(devices, 30)
         us.append(min(s.elapsed_time(e) for s, e in events) * 1000 / ops)
-    us = us[2:]                                         # the first replays upload the graphs
-    return {"us": statistics.median(us), "us_all": us, "ops_per_graph": ops}
+    return us[2:]
+
+
+def graph_us(fn, ops: int, replays: int) -> float:
+    """Median µs per call of `fn` in a graph of `ops` calls on the current device (first two replays dropped)."""
+    graph = _capture(lambda: [fn() for _ in range(ops)])
+    us = []
+    for _ in range(replays + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        us.append(start.elapsed_time(end) * 1000 / ops)
+    return statistics.median(us[2:])
 
 
 def time_graph_floor(device: int, ops: int = 100, replays: int = 20) -> float:
     """Microseconds per tiny kernel (in-place add on 8 KB) in a graph: the cost of a graph node."""
     with torch.cuda.device(device):
         x = torch.randn(4096, device=f"cuda:{device}").to(torch.bfloat16)
-
-        def many():
-            for _ in range(ops):
-                x.add_(1.0)
-        graph = _capture(many)
-        us = []
-        for _ in range(replays + 2):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            us.append(start.elapsed_time(end) * 1000 / ops)
-        return statistics.median(us[2:])
+        return graph_us(lambda: x.add_(1.0), ops, replays)
 
 
 def peer_copy_bandwidth(devices: list[int], mib: int = 256, iters: int = 10) -> dict:

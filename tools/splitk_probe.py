@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -25,25 +24,8 @@ SHAPES = [("8b o_proj", 2048, 4096), ("8b down", 6144, 4096), ("32b o_proj", 409
 
 
 def _graph_us(fn, ops: int = 50, replays: int = 10) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(ops):
-            fn()
-    us = []
-    for _ in range(replays + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        us.append(a.elapsed_time(b) * 1000 / ops)
-    return statistics.median(us[2:])
+    from tools.comm_check import graph_us
+    return graph_us(fn, ops, replays)
 
 
 def _kernels(fn) -> list[str]:

@@ -15,7 +15,7 @@ The check helpers are reused by tests/test_parallel_gpu.py.
 
 import os
 
-from tools.comm_check import NVLS_OFF, _capture, _wait, run_ranks  # noqa: F401  (sets NVLS_OFF first)
+from tools.comm_check import NVLS_OFF, _capture, replay_us, run_ranks  # noqa: F401  (sets NVLS_OFF first)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -171,24 +171,7 @@ def time_fused(comm, rows: int, hidden: int, variant: str, ops: int = 50, replay
                     norm(comm.all_reduce(rank, x), res)
         return _capture(many, barrier), x, pristine
 
-    captured = run_ranks(comm.devices, body)
-    us = []
-    for _ in range(replays + 2):
-        for d, (g, x, pristine) in zip(comm.devices, captured):
-            with torch.cuda.device(d):
-                x.copy_(pristine)
-        _wait(comm.devices, 30)
-        events = []
-        for d, (g, x, pristine) in zip(comm.devices, captured):
-            with torch.cuda.device(d):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                events.append((start, end))
-        _wait(comm.devices, 30)
-        us.append(min(s.elapsed_time(e) for s, e in events) * 1000 / ops)
-    return statistics.median(us[2:])
+    return statistics.median(replay_us(comm.devices, run_ranks(comm.devices, body), ops, replays))
 
 
 def time_eager(comm, rows: int, hidden: int, variant: str, fast: bool, calls: int = 100, repeats: int = 5,
