@@ -105,14 +105,9 @@ __device__ __forceinline__ void push_finish(const RankArgs& a, u64 call, u32 las
             slot[i] = clean;
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        u32* done = (u32*)(a.state + 8ull);
-        if (atomicAdd(done, 1u) == gridDim.x - 1u) {
-            *(volatile u32*)done = 0u;
-            *(volatile u32*)(a.state + 12ull) = units;
-            *(volatile u64*)a.state = call;
-        }
+    if (threadIdx.x == 0 && last_block(a)) {
+        *(volatile u32*)(a.state + 12ull) = units;
+        *(volatile u64*)a.state = call;
     }
 }
 

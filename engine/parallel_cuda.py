@@ -245,15 +245,42 @@ __device__ __forceinline__ void allow_dependents() {
 #endif
 }
 
+// Step 1's epoch: the last finished call's on this rank plus one (read on the device, so that a graph
+// replays it unchanged), shared by the block's threads.
+__device__ __forceinline__ u64 next_epoch(const RankArgs& a, u64* s_epoch) {
+    if (threadIdx.x == 0) *s_epoch = *(volatile u64*)a.state + 1ull;
+    __syncthreads();
+    return *s_epoch;
+}
+
+// Step 3 for this block: thread q signals peer q (release) and waits for peer q's signal (acquire).
+__device__ __forceinline__ void exchange_flags(const RankArgs& a, int parity, u64 epoch) {
+    const int q = (int)threadIdx.x;
+    if (q < a.world && q != a.rank) {
+        __threadfence_system();
+        store_flag((u64*)a.flags[q] + slot(parity, (int)blockIdx.x, a.rank), epoch);
+        wait_for((const u64*)a.flags[a.rank] + slot(parity, (int)blockIdx.x, q), epoch, a, q);
+        fence_acquire_sys();
+    }
+    __syncthreads();
+}
+
+// Called by thread 0 of every block at the end: true in the call's last block to finish, which
+// re-arms the counter (u32 at state + 8) and may then publish the call.
+__device__ __forceinline__ bool last_block(const RankArgs& a) {
+    __threadfence();
+    u32* done = (u32*)(a.state + 8ull);
+    if (atomicAdd(done, 1u) != gridDim.x - 1u) return false;
+    *(volatile u32*)done = 0u;
+    return true;
+}
+
 template <typename T, bool VEC>
 __device__ __forceinline__ void one_shot(const RankArgs& a, void* xp, int units) {
     typedef Unit<T, VEC> U;
     typedef typename U::word word;
     __shared__ u64 s_epoch;
-    volatile u64* epoch_of_last = (volatile u64*)a.state;
-    if (threadIdx.x == 0) s_epoch = *epoch_of_last + 1ull;
-    __syncthreads();
-    const u64 epoch = s_epoch;
+    const u64 epoch = next_epoch(a, &s_epoch);
     const int parity = (int)(epoch & 1ull);
     const int per_block = (units + (int)gridDim.x - 1) / (int)gridDim.x;
     const int begin = (int)blockIdx.x * per_block;
@@ -266,14 +293,7 @@ __device__ __forceinline__ void one_shot(const RankArgs& a, void* xp, int units)
     __syncthreads();
 
     // 2. Thread q signals peer q (release) and waits for peer q's signal (acquire).
-    const int q = (int)threadIdx.x;
-    if (q < a.world && q != a.rank) {
-        __threadfence_system();
-        store_flag((u64*)a.flags[q] + slot(parity, (int)blockIdx.x, a.rank), epoch);
-        wait_for((const u64*)a.flags[a.rank] + slot(parity, (int)blockIdx.x, q), epoch, a, q);
-        fence_acquire_sys();
-    }
-    __syncthreads();
+    exchange_flags(a, parity, epoch);
 
     // 3. Sum every rank's slice in rank order (same order, same bits on every rank).
     for (int i = begin + (int)threadIdx.x; i < end; i += (int)blockDim.x) {
@@ -294,14 +314,7 @@ __device__ __forceinline__ void one_shot(const RankArgs& a, void* xp, int units)
     }
 
     // 4. The last block to finish publishes the epoch for the next launch on this rank.
-    if (threadIdx.x == 0) {
-        __threadfence();
-        u32* done = (u32*)(a.state + 8ull);
-        if (atomicAdd(done, 1u) == gridDim.x - 1u) {
-            *(volatile u32*)done = 0u;
-            *epoch_of_last = epoch;
-        }
-    }
+    if (threadIdx.x == 0 && last_block(a)) *(volatile u64*)a.state = epoch;
 }
 
 #define ENTRY(NAME, T, VEC)                                                                      \

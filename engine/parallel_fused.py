@@ -89,10 +89,7 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     typedef typename Num<T>::raw raw;
     __shared__ u64 s_epoch;
     __shared__ float s_part[32];
-    volatile u64* epoch_of_last = (volatile u64*)a.state;
-    if (threadIdx.x == 0) s_epoch = *epoch_of_last + 1ull;
-    __syncthreads();
-    const u64 epoch = s_epoch;
+    const u64 epoch = next_epoch(a, &s_epoch);
     const int parity = (int)(epoch & 1ull);
     const word* x = (const word*)xp;
     const word* res = (const word*)rp;
@@ -127,14 +124,7 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     __syncthreads();
 
     // 2. Thread q signals peer q (release) and waits for peer q's signal (acquire).
-    const int q = (int)threadIdx.x;
-    if (q < a.world && q != a.rank) {
-        __threadfence_system();
-        store_flag((u64*)a.flags[q] + slot(parity, (int)blockIdx.x, a.rank), epoch);
-        wait_for((const u64*)a.flags[a.rank] + slot(parity, (int)blockIdx.x, q), epoch, a, q);
-        fence_acquire_sys();
-    }
-    __syncthreads();
+    exchange_flags(a, parity, epoch);
 
     const float n = (float)(row_units * U::N);
     for (int row = (int)blockIdx.x; row < rows; row += (int)gridDim.x) {
@@ -165,14 +155,7 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     }
 
     // 5. The last block to finish publishes the epoch for the next launch on this rank.
-    if (threadIdx.x == 0) {
-        __threadfence();
-        u32* done = (u32*)(a.state + 8ull);
-        if (atomicAdd(done, 1u) == gridDim.x - 1u) {
-            *(volatile u32*)done = 0u;
-            *epoch_of_last = epoch;
-        }
-    }
+    if (threadIdx.x == 0 && last_block(a)) *(volatile u64*)a.state = epoch;
 }
 
 #define ADD_NORM_ENTRY(NAME, T)                                                                   \
