@@ -35,7 +35,8 @@ import triton
 from engine.kernels import pdl
 from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
 
-__all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "gemv", "linear", "use_gemv"]
+__all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gemv", "linear",
+           "takes", "use_gemv"]
 GEMV_MAX_ROWS = 8
 
 
@@ -139,6 +140,16 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                   **pdl.launch_options(x.device))
     return out
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether a bf16 dense layer's input x [..., K] goes to the GEMV (CUDA, decode rows: where it beat cuBLAS)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and use_gemv("bf16", x.numel() // x.shape[-1])
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x: [..., K]; weight: [N, K] -> x @ weight^T [..., N]: the GEMV where it takes x, else cuBLAS
+    return linear(x, weight) if takes(x) else torch.nn.functional.linear(x, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:

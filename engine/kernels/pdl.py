@@ -29,12 +29,12 @@ _ON: dict[int, bool] = {}
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on `device` use PDL (constant for the process)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _ON:
-        _ON[idx] = (os.environ.get("NINFER_PDL", "1") != "0" and _triton_launches_pdl()
-                    and torch.cuda.get_device_capability(idx)[0] >= 9)
+    if idx not in _ON:                 # the environment is read once per device, not per launch
+        _ON[idx] = (os.environ.get("NINFER_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+                    and _triton_launches_pdl() and torch.cuda.get_device_capability(idx)[0] >= 9)
     return _ON[idx]
 
 

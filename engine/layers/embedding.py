@@ -66,8 +66,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     @staticmethod
     def _project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden]; weight: [V, hidden] -> [N, V]; decode rows take the GEMV where it beat cuBLAS
-        if hidden.is_cuda and hidden.dtype == torch.bfloat16:
+        if hidden.is_cuda:
             from engine.kernels import gemv
-            if gemv.use_gemv("bf16", hidden.shape[0]):
-                return gemv.linear(hidden, weight)
+            return gemv.dense(hidden, weight)
         return F.linear(hidden, weight)

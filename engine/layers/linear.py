@@ -69,10 +69,9 @@ class _Linear(nn.Module):
         if self.quant is not None:
             from engine.quant.linear import apply
             return apply(self, x)
-        if x.is_cuda and x.dtype == torch.bfloat16:
+        if x.is_cuda:
             from engine.kernels import gemv
-            if gemv.use_gemv("bf16", x.numel() // x.shape[-1]):    # decode rows: the GEMV where it beat cuBLAS
-                return gemv.linear(x, self.weight)
+            return gemv.dense(x, self.weight)
         return F.linear(x, self.weight)
 
 
@@ -171,9 +170,9 @@ class RowParallelLinear(_Linear):
     def forward_swiglu(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
         """self(act(gate_up)) for act = SiluAndMul; gate_up: [T, 2 * in_features]. At decode rows on CUDA
         the bf16 GEMV computes silu(gate) * up as it reads its input: one launch, the same numbers."""
-        if self.quant is None and gate_up.is_cuda and gate_up.dtype == torch.bfloat16 and not self._k_split(gate_up):
+        if self.quant is None and gate_up.is_cuda and not self._k_split(gate_up):
             from engine.kernels import gemv
-            if gemv.use_gemv("bf16", gate_up.numel() // gate_up.shape[-1]):
+            if gemv.takes(gate_up):
                 y = gemv.linear(gate_up, self.weight, swiglu=True)
                 return self.tp.all_reduce(y) if self.reduce else y
         return self(act(gate_up))
