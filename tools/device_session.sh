@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, quant-tests, profile-pdl, profile-push, profile-gemv-prefetch, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, quant-tests, profile-ab, profile-pdl, profile-push, profile-gemv-prefetch, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,6 +27,9 @@ step() {
     profile-gemv-prefetch) for pf in 0 1; do   # the bf16 GEMV's first tile loaded before the PDL wait, off / on (27B TP=2, 8B TP=1)
                    NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. "
                    NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. " ; done ;;
+    profile-ab) for sw in NINFER_SWIGLU_GEMV=0 NINFER_SWIGLU_GEMV=1 NINFER_GEMV_PREFETCH=1; do   # defaults vs one switch flipped
+                  env $sw python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. "
+                  env $sw python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. " ; done ;;
     comm-push) NINFER_P2P_PUSH_MAX_BYTES=65536 python3 tools/comm_check.py --p2p-max-bytes 67108864 ;;
     profile-pdl) for pdl in 0 1; do   # programmatic dependent launch off / on (engine/kernels/pdl.py)
                    NINFER_PDL=$pdl python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync --label pdl$pdl 2>&1 | grep -v "^20..-..-.. "

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from tools.bench.runinfo import ENGINE_SWITCHES
 
 KINDS = (  # first match wins
     ("all-reduce+add+norm", ("ninfer_ar_add_norm",)),
@@ -165,11 +166,11 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
           f"({busy_ms / plain_ms:.0%}), idle {plain_ms - busy_ms:.3f} ms; {tokens_per_round:.2f} tokens per "
           f"request-round; busy by device: "
           + ", ".join(f"cuda:{d} {ms:.3f}" for d, ms in sorted(busy_by_device.items())))
+    switches = {k: os.environ.get(k) for k in ENGINE_SWITCHES}      # unset: the engine's default
     kernels_per_round = {d: n / args.steps for d, n in sorted(kernels_by_device.items())}
     print("  kernels per round: " + ", ".join(f"cuda:{d} {n:.0f}" for d, n in kernels_per_round.items())
-          + f"  (NINFER_TP_FUSED_NORM={os.environ.get('NINFER_TP_FUSED_NORM', '1')}, "
-            f"NINFER_PDL={os.environ.get('NINFER_PDL', '1')}, NINFER_P2P_PUSH_MAX_BYTES="
-            f"{os.environ.get('NINFER_P2P_PUSH_MAX_BYTES', '0')}, NINFER_GEMV_PREFETCH={os.environ.get('NINFER_GEMV_PREFETCH', '0')})")
+          + "  (switches set: " + (", ".join(f"{k}={v}" for k, v in switches.items() if v is not None) or "none")
+          + ")")
     # a rank that starts late makes the others wait in one collective; a rank that is slower throughout
     # spreads the wait over all of them
     for d, durations in sorted(reduce_us.items()):
@@ -189,7 +190,7 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
            "all_reduce_us_by_device": {d: sorted(v) for d, v in reduce_us.items()}, "kernels_per_round_by_device": kernels_per_round,
            "fused_norm": os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0",
            "pdl": os.environ.get("NINFER_PDL", "1") != "0",
-           "switches": {k: os.environ.get(k) for k in ("NINFER_P2P_PUSH_MAX_BYTES", "NINFER_GEMV_PREFETCH")},
+           "switches": switches,
            "per_kind_ms": {k: v / 1e3 / args.steps for k, v in per_kind.items()},
            "top": [(n, us / 1e3 / args.steps, c // args.steps) for n, (us, c) in top]}
     return row

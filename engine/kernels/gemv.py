@@ -107,6 +107,9 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     (rounded as engine.kernels.fused.silu_and_mul rounds) without writing it: the MLP's down projection
     in one launch instead of two."""
     M, K = x.shape
+    # With swiglu the activations load as a row ([BLOCK_K], not X2D's weight-tile shape): in the tile's
+    # shape every thread would compute silu for each weight element it multiplies, one exp and one divide
+    # per weight byte pair, which made the fused down projection compute-bound (+1.3 ms per 27B TP=2 round).
     if swiglu:
         if K % 2:
             raise ValueError(f"a SwiGLU input holds gate and up halves, got {K} columns")
@@ -136,7 +139,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
-                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
+                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d and not swiglu, PREFETCH=cfg.prefetch,
                                   SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                   **pdl.launch_options(x.device))
     return out
