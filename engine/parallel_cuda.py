@@ -72,7 +72,7 @@ Predictions for 2 x H200 (NV18), per all-reduce, median, before any measurement
   (two rank threads share the GIL), not by the link. The goal of issue #6 is <= 6 us for 8 KB
   in graphs. A push variant with flags inside the data words (NCCL's LL protocol) saves one more
   NVLink crossing and the system fence: engine.p2p_push, for 16-bit messages up to
-  `push_max_bytes` (opt-in, NINFER_P2P_PUSH_MAX_BYTES, until measured on the GPUs).
+  `push_max_bytes` (NINFER_P2P_PUSH_MAX_BYTES, default 64 KB; 0 turns it off).
 """
 
 from __future__ import annotations
@@ -99,9 +99,11 @@ SMALL_MESSAGE_BYTES = 32 * 1024
 # The fused all-reduce + add + RMSNorm (engine.parallel_fused) up to this size; larger ones run the
 # unfused ops (the plain kernel or NCCL, then the norm kernel). None: up to max_bytes.
 FUSED_MAX_BYTES: int | None = None
-# The push variant (engine.p2p_push) for 16-bit messages up to this many bytes; 0: pull only. Opt-in
-# until measured on the GPUs: NINFER_P2P_PUSH_MAX_BYTES=65536 turns it on for decode-size calls.
+# The push variant (engine.p2p_push) for 16-bit messages up to this many bytes; 0: pull only. On the
+# H200 pair it took a 27B hybrid TP=2 round from 9.94 to 9.63 ms (sync) and 9.45 to 9.20 (async), and a
+# qwen3-8b TP=2 round from 3.81 to 3.63 (bench/results/2026-12-01-h200-fold/).
 PUSH_MAX_BYTES_ENV = "NINFER_P2P_PUSH_MAX_BYTES"
+DEFAULT_PUSH_MAX_BYTES = 64 * 1024
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8
 _STATE_BYTES = 256
 _NCCL_SUM = 0                                # ncclSum
@@ -524,7 +526,7 @@ class P2PCommunicator(_CudaCommunicator):
             raise ValueError(f"max_bytes must be at least 16, got {max_bytes}")
         self.max_bytes, self.threads, self.max_blocks = int(max_bytes), int(threads), int(max_blocks)
         if push_max_bytes is None:
-            push_max_bytes = int(os.environ.get(PUSH_MAX_BYTES_ENV, "0"))
+            push_max_bytes = int(os.environ.get(PUSH_MAX_BYTES_ENV, DEFAULT_PUSH_MAX_BYTES))
         self.push_max_bytes = min(int(push_max_bytes), self.max_bytes)
         self.small_threads = int(small_threads)
         self.fast_launch = fast_launch      # engine.p2p_launch; False: CuPy's generic kernel call
