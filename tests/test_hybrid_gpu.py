@@ -125,15 +125,17 @@ def test_async_scheduling_equals_synchronous(eager_k0, tp):
     assert generate(tensor_parallel_size=tp, draft_tokens=3)[0] == sync
 
 
-def test_packed_prefill_equals_prompts_alone(eager_k0):
-    # every prompt's linear-attention layers run from its own slot inside one packed forward
-    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, prefill_chunk=256, prefix_reuse=False)
+def test_packed_prefill_equals_prompts_alone_fp32():
+    # every prompt's linear-attention layers run from its own slot inside one packed forward. In float32:
+    # in bf16 the packed prompts' GEMMs (other row counts, other cuBLAS kernels) round differently, and
+    # on the H200 pair 150 of 192 greedy tokens agreed, one prompt parting before its 16th token
+    llm = LLM(str(MODEL), device="cuda", dtype="float32", kv_capacity=8192, max_batch=8, prefill_chunk=256,
+              prefix_reuse=False)
     alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
     together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     llm.engine.executor.shutdown()
-    print(f"\npacked vs alone (bf16, graphs): {agreement(together, alone)} of {48 * len(PROMPTS)} tokens agree")
-    # bf16 GEMMs of other row counts round differently: demand the first 16 tokens of every prompt
-    assert all(t[:16] == a[:16] for t, a in zip(together, alone))
+    print(f"\npacked vs alone (fp32, graphs): {agreement(together, alone)} of {48 * len(PROMPTS)} tokens agree")
+    assert together == alone
 
 
 def test_prompt_logits_near_the_float32_cpu_engine():

@@ -115,17 +115,6 @@ def test_gemv_launch_variants_and_small_scale_blocks(qt, variant):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 5120, 8704), (1, 4096, 12288), (2, 640, 1536)] if CUDA else
-                         [(1, 40, 256), (2, 24, 384)], ids=lambda s: "x".join(map(str, s)))
-def test_gemv_reads_silu_gate_times_up(qt, shape):
-    # the MLP's down projection with the SwiGLU folded into the GEMV's activation loads
-    r = qt.check_gemv_swiglu(*shape, DEV, seed=shape[2])
-    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
-    if CUDA:                                      # the same numbers as the two launches it replaces
-        assert r["vs_unfused"] < 2 ** -10, r
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the interpreter's float32 -> e4m3 cast does not round to nearest")
 @pytest.mark.parametrize("rows", [1, 7, 300, 4096])
 def test_fused_activation_quantization_is_the_torch_one(rows):

@@ -27,7 +27,7 @@ step() {
     profile-gemv-prefetch) for pf in 0 1; do   # the bf16 GEMV's first tile loaded before the PDL wait, off / on (27B TP=2, 8B TP=1)
                    NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. "
                    NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. " ; done ;;
-    profile-ab) for sw in NINFER_SWIGLU_GEMV=0 NINFER_SWIGLU_GEMV=1 NINFER_GEMV_PREFETCH=1; do   # defaults vs one switch flipped
+    profile-ab) for sw in ${AB:-NINFER_GEMV_PREFETCH=0 NINFER_GEMV_PREFETCH=1}; do   # one engine switch per run (AB: VAR=VALUE ...)
                   env $sw python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. "
                   env $sw python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. " ; done ;;
     comm-push) NINFER_P2P_PUSH_MAX_BYTES=65536 python3 tools/comm_check.py --p2p-max-bytes 67108864 ;;

@@ -59,24 +59,6 @@ def check_gemv(fmt: str, M: int, N: int, K: int, device, seed: int = 0, config=N
     return _report(y, x.float() @ wt["ref"].T)
 
 
-def check_gemv_swiglu(M: int, N: int, K: int, device, seed: int = 0, config=None) -> dict:
-    """The bf16 GEMV reading a [M, 2K] gate | up row as silu(gate) * up (the MLP's down projection in one
-    launch) against x @ W^T of that product computed in torch, rounded where silu_and_mul rounds; on
-    CUDA also against the GEMV fed the fused silu_and_mul kernel's output."""
-    from engine.kernels.gemv import gemv
-    gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(N, K, generator=gen) * K ** -0.5).to(device=device, dtype=torch.bfloat16)
-    x = (2 * torch.randn(M, 2 * K, generator=gen)).to(device=device, dtype=torch.bfloat16)
-    g, u = x.float().chunk(2, dim=-1)
-    h = ((g / (1.0 + torch.exp(-g))).to(torch.bfloat16).float() * u).to(torch.bfloat16)
-    y = gemv(x, "bf16", w, config=config, swiglu=True)
-    r = _report(y, h.float() @ w.float().T)
-    if x.is_cuda:
-        from engine.kernels.fused import silu_and_mul
-        r["vs_unfused"] = _report(y, gemv(silu_and_mul(x), "bf16", w, config=config).float())["rel_err"]
-    return r
-
-
 def check_dequantize(fmt: str, N: int, K: int, device, seed: int = 0, block: tuple[int, int] = (128, 128)) -> dict:
     """The whole-weight dequantizer (prefill) against the reference: bf16 rounding of each value."""
     from engine.kernels.quant_gemm import dequantize

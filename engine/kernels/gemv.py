@@ -99,21 +99,10 @@ def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
          row_scale: torch.Tensor | None = None, out_features: int | None = None,
-         scale_block: tuple[int, int] = (128, 128), config: GemvConfig | None = None,
-         swiglu: bool = False) -> torch.Tensor:
+         scale_block: tuple[int, int] = (128, 128), config: GemvConfig | None = None) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride along K); weight: fp8 [N, K] (scale fp32 [N/br, K/bc]),
-    packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N].
-    swiglu: x is [M, 2K], a fused gate/up projection's output, and the GEMV multiplies silu(gate) * up
-    (rounded as engine.kernels.fused.silu_and_mul rounds) without writing it: the MLP's down projection
-    in one launch instead of two."""
+    packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N]."""
     M, K = x.shape
-    # With swiglu the activations load as a row ([BLOCK_K], not X2D's weight-tile shape): in the tile's
-    # shape every thread would compute silu for each weight element it multiplies, one exp and one divide
-    # per weight byte pair, which made the fused down projection compute-bound (+1.3 ms per 27B TP=2 round).
-    if swiglu:
-        if K % 2:
-            raise ValueError(f"a SwiGLU input holds gate and up halves, got {K} columns")
-        K //= 2
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {M}")
     N = out_features if out_features is not None else weight.shape[0]
@@ -139,9 +128,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
-                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d and not swiglu, PREFETCH=cfg.prefetch,
-                                  SWIGLU=swiglu, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                  **pdl.launch_options(x.device))
+                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
+                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
 
@@ -155,9 +143,9 @@ def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linear(x, weight) if takes(x) else torch.nn.functional.linear(x, weight)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-    # x: [..., K] bf16 ([..., 2K] gate | up with swiglu); weight: bf16 [N, K] -> [..., N] (a dense layer's decode rows)
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # x: [..., K] bf16; weight: bf16 [N, K] -> [..., N] (a dense layer's decode rows)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    return gemv(x2, "bf16", weight, swiglu=swiglu).view(*x.shape[:-1], weight.shape[0])
+    return gemv(x2, "bf16", weight).view(*x.shape[:-1], weight.shape[0])

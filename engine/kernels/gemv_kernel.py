@@ -35,23 +35,8 @@ def _e2m1_x2p14(c):
 
 
 @triton.jit
-def _act(x_ptrs, mask, up, SWIGLU: tl.constexpr):
-    """Activation values at x_ptrs (fp32). SWIGLU: the row holds [gate | up] (up `up` elements on) and the
-    value is silu(gate) * up, rounded where engine.kernels.fused.silu_and_mul rounds."""
-    if SWIGLU:
-        dt = x_ptrs.dtype.element_ty
-        g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(x_ptrs + up, mask=mask, other=0.0).to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        return (act * u).to(dt).to(tl.float32)
-    else:
-        return tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, up, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr,
-              SWIGLU: tl.constexpr):
+def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
     """One activation row's in-thread partial sums over a tile: [BLOCK_N, BLOCK_K // VEC] fp32."""
     offs_x = k0 + tl.arange(0, BLOCK_K)
     if FMT != 1 and X2D:
@@ -59,14 +44,14 @@ def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, up, FMT: tl.constexpr, BL
         # multiplies, from L1), so no layout conversion through shared memory is needed
         x_ptrs = x_ptr + offs_x[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
         if EVEN_K:
-            x2 = _act(x_ptrs, row_ok, up, SWIGLU)
+            x2 = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
         else:
-            x2 = _act(x_ptrs, (offs_x[None, :] < k_end) & row_ok, up, SWIGLU)
+            x2 = tl.load(x_ptrs, mask=(offs_x[None, :] < k_end) & row_ok, other=0.0).to(tl.float32)
     else:
         if EVEN_K:
-            x = _act(x_ptr + offs_x, row_ok, up, SWIGLU)
+            x = tl.load(x_ptr + offs_x, mask=row_ok, other=0.0).to(tl.float32)
         else:
-            x = _act(x_ptr + offs_x, (offs_x < k_end) & row_ok, up, SWIGLU)
+            x = tl.load(x_ptr + offs_x, mask=(offs_x < k_end) & row_ok, other=0.0).to(tl.float32)
         x2 = x[None, :]
     if FMT == 1:
         # activation columns 2j meet the low nibbles, 2j+1 the high ones
@@ -117,8 +102,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                  stride_om, k_per_split, scale_br,
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False,
-                 SWIGLU: tl.constexpr = False):
+                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -174,29 +158,29 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 w_lo = w_lo * s_raw[None, :]                                # [BK] block scales of this row block
             w_hi = w_lo
             s = 1.0
-        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end, K,
-                          FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
+                          FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 1:
-            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 2:
-            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 3:
-            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 4:
-            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 5:
-            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 6:
-            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 7:
-            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end, K,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, SWIGLU)
+            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end,
+                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if PREFETCH:
             raw, s_raw = raw_next, s_next
     if FMT == 1:

@@ -14,17 +14,12 @@ scales of a quantized layer (`engine.quant.linear`), whose rows and columns cove
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.parallel import SINGLE_RANK, TPGroup
-
-# The bf16 GEMV computes the down projection's silu(gate) * up itself at decode rows (one launch instead
-# of two per MLP); NINFER_SWIGLU_GEMV=0 runs silu_and_mul and the GEMV apart, for A/B runs.
-SWIGLU_IN_GEMV = os.environ.get("NINFER_SWIGLU_GEMV", "1") != "0"
 
 
 class _Linear(nn.Module):
@@ -171,16 +166,6 @@ class RowParallelLinear(_Linear):
             return torch.bmm(x.reshape(-1, s, k // s).transpose(0, 1), self.weight.view(n, s, k // s).permute(1, 2, 0))
         y = super().forward(x)
         return self.tp.all_reduce(y) if self.reduce else y
-
-    def forward_swiglu(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """self(act(gate_up)) for act = SiluAndMul; gate_up: [T, 2 * in_features]. At decode rows on CUDA
-        the bf16 GEMV computes silu(gate) * up as it reads its input: one launch, the same numbers."""
-        if SWIGLU_IN_GEMV and self.quant is None and gate_up.is_cuda and not self._k_split(gate_up):
-            from engine.kernels import gemv
-            if gemv.takes(gate_up):
-                y = gemv.linear(gate_up, self.weight, swiglu=True)
-                return self.tp.all_reduce(y) if self.reduce else y
-        return self(act(gate_up))
 
     def _k_split(self, x: torch.Tensor) -> bool:
         return (not self.reduce and self.k_splits > 1 and self.quant is None and x.dim() == 2

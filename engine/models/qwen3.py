@@ -69,7 +69,7 @@ class Qwen3MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_swiglu(self.gate_up_proj(x), self.act)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
