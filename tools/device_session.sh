@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, quant-tests, profile-ab, profile-pdl, profile-push, profile-gemv-prefetch, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, profile-gemv-prefetch, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,8 +28,13 @@ step() {
                    NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. "
                    NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. " ; done ;;
     profile-ab) for sw in ${AB:-NINFER_GEMV_PREFETCH=0 NINFER_GEMV_PREFETCH=1}; do   # one engine switch per run (AB: VAR=VALUE ...)
-                  env $sw python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. "
+                  env $sw python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. "
                   env $sw python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. " ; done ;;
+    hybrid-quant-tests) python3 -m pytest -q -p no:cacheprovider tests/test_hybrid_quant_gpu.py tests/test_hybrid_gpu.py -k "quantized or packed" -s -rA --durations=6 > "$OUT/hybrid-quant-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-quant-tests.full.log" | grep -E "rel|agree|PASS|FAIL|Error|passed|failed|s call" | tail -n 40 ;;
+    serve-hybrid) # `ninfer serve` of the trained hybrid at TP=2 with MTP, and a client streaming from its gateway
+                  python3 -m ninfer.cli.main serve --model .models/tiny-qwen3_5-mtp -tp 2 --num-speculative-tokens 3 --port 50151 --log-level warning > "$OUT/serve-hybrid.server.log" 2>&1 & pid=$!
+                  python3 -m ninfer.cli.main generate --gateway 127.0.0.1:50151 --wait-ready 240 --prompt 'def _parse_args(argv=None):' --max-tokens 48 --ignore-eos --json | tail -n 3
+                  kill -INT $pid; wait $pid; echo "server exit $?"; tail -n 5 "$OUT/serve-hybrid.server.log" ;;
     comm-push) NINFER_P2P_PUSH_MAX_BYTES=65536 python3 tools/comm_check.py --p2p-max-bytes 67108864 ;;
     profile-pdl) for pdl in 0 1; do   # programmatic dependent launch off / on (engine/kernels/pdl.py)
                    NINFER_PDL=$pdl python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync --label pdl$pdl 2>&1 | grep -v "^20..-..-.. "
