@@ -32,8 +32,8 @@ def test_quantized_hybrid_logits_equal_the_dequantized_reference(hybrid_pair):
     quant, plain = make_llm(str(q)), make_llm(str(ref))
     assert quant.engine.model_config.quant.format == fmt
     layer = quant.engine.executor.driver.model.model.layers[0]
-    for linear in (layer.linear_attn.in_proj_qkvz, layer.linear_attn.in_proj_ba, layer.linear_attn.out_proj,
-                   layer.mlp.gate_up_proj):
+    assert layer.linear_attn.in_proj_ba is None              # b and a share the one input projection
+    for linear in (layer.linear_attn.in_proj, layer.linear_attn.out_proj, layer.mlp.gate_up_proj):
         assert linear.quant == fmt
     full = quant.engine.executor.driver.model.model.layers[3]
     assert full.self_attn.qkv_proj.quant == fmt and full.self_attn.o_proj.quant == fmt
@@ -57,3 +57,16 @@ def test_quantized_hybrid_mtp_is_lossless(hybrid_pair):
     assert llm.engine.executor.driver.model.mtp.fc.quant is not None
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == k0
     assert_kv_idle(llm.engine)
+
+
+def test_unquantized_b_a_beside_quantized_qkv_z_load_as_their_own_layer(tmp_path):
+    # ModelOpt checkpoints may keep the small in_proj_b/a in bf16: then they are a layer of their own
+    model = Path(require_shared_hybrid())
+    scheme = quantize_checkpoint(model, tmp_path / "q", "nvfp4", exclude=("*.in_proj_b", "*.in_proj_a"))
+    assert not any(m.endswith((".in_proj_b", ".in_proj_a")) for m in scheme.modules)
+    ref = dequantize_dir(tmp_path / "q", tmp_path / "ref")
+    llm, plain = make_llm(str(tmp_path / "q")), make_llm(str(ref))
+    layer = llm.engine.executor.driver.model.model.layers[0].linear_attn
+    assert layer.in_proj.quant == "nvfp4" and layer.in_proj_ba is not None and layer.in_proj_ba.quant is None
+    for prompt in PROMPTS:
+        assert rel_diff(llm.prompt_logits(prompt), plain.prompt_logits(prompt)) < 1e-5

@@ -89,9 +89,17 @@ class GatedDeltaNet(nn.Module):
         self.conv_channels = sum(self.sections) // tp.size
         h = cfg.hidden_size
         hv = cfg.linear_num_value_heads
-        self.in_proj_qkvz = GatedDeltaInProj(h, {"qkv": self.sections, "z": [value_dim]}, tp,
-                                             quant(["in_proj_qkv", "in_proj_z"]))
-        self.in_proj_ba = GatedDeltaInProj(h, {"b": [hv], "a": [hv]}, tp, quant(["in_proj_b", "in_proj_a"]))
+        # One input projection: q k v z, and b a where they share its format. The b and a rows alone (2 Hv)
+        # made a GEMV of a few programs per layer at decode, one launch in five of a linear layer's.
+        # Checkpoints that keep in_proj_b/a unquantized beside quantized in_proj_qkv/z get two layers.
+        fmt, ba_fmt = quant(["in_proj_qkv", "in_proj_z"]), quant(["in_proj_b", "in_proj_a"])
+        parts = {"qkv": self.sections, "z": [value_dim]}
+        self.in_proj_ba = None
+        if ba_fmt == fmt:
+            parts.update(b=[hv], a=[hv])
+        else:
+            self.in_proj_ba = GatedDeltaInProj(h, {"b": [hv], "a": [hv]}, tp, ba_fmt)
+        self.in_proj = GatedDeltaInProj(h, parts, tp, fmt)
         self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, self.kernel), requires_grad=False)
         self.conv_weight.weight_loader = self._load_qkv
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -113,9 +121,13 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         ctx = get_forward_context()
-        mixed, z = self.in_proj_qkvz(x).split([self.conv_channels, self.num_v_heads * self.head_v_dim], dim=-1)
-        z = z.view(-1, self.num_v_heads, self.head_v_dim)                    # mixed: [T, C]
-        b, a = self.in_proj_ba(x).split([self.num_v_heads, self.num_v_heads], dim=-1)   # [T, Hv] each
+        sizes = [self.conv_channels, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads]
+        if self.in_proj_ba is None:
+            mixed, z, b, a = self.in_proj(x).split(sizes, dim=-1)            # mixed: [T, C]; b, a: [T, Hv]
+        else:
+            mixed, z = self.in_proj(x).split(sizes[:2], dim=-1)
+            b, a = self.in_proj_ba(x).split(sizes[2:], dim=-1)
+        z = z.view(-1, self.num_v_heads, self.head_v_dim)
         n = ctx.uniform_query_len
         if n is not None and x.is_cuda and n <= RECURRENT_MAX_TOKENS and self._fused_step_fits():
             o = self._step(mixed.view(-1, n, mixed.shape[-1]), a.view(-1, n, a.shape[-1]), b.view(-1, n, b.shape[-1]),

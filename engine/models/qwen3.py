@@ -215,6 +215,13 @@ class Qwen3ForCausalLM(nn.Module):
             shapes = quantized_shapes(shapes, cfg.quant)
         return shapes
 
+    def fused_name(self, name: str) -> tuple[str, object]:
+        """The parameter a checkpoint tensor loads into, and its shard id in that fused layer (or None)."""
+        for part, (fused, shard_id) in self.FUSED.items():
+            if part in name:
+                return name.replace(part, fused), shard_id
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (names already checked by the loader) into this rank's parameters."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -223,11 +230,8 @@ class Qwen3ForCausalLM(nn.Module):
                 continue
             if name.endswith(".input_scale"):         # NVFP4 activation scale: W4A16 does not use it
                 continue
-            shard_id, checkpoint_name = None, name
-            for part, (fused, sid) in self.FUSED.items():
-                if part in name:
-                    name, shard_id = name.replace(part, fused), sid
-                    break
+            checkpoint_name = name
+            name, shard_id = self.fused_name(name)
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if getattr(param, "quantized", False) and tensor.dtype != param.dtype:

@@ -89,9 +89,9 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     """Same interface as Qwen3ForCausalLM (forward, compute_logits, draft_hidden, attention_layers,
     checkpoint_shapes, load_weights), plus `linear_layers()` and `commit_linear_states`."""
 
+    # in_proj_b/a load into `in_proj` too, unless the layer keeps them apart (engine.layers.gated_delta)
     FUSED = {**Qwen3ForCausalLM.FUSED,
-             **{f".linear_attn.in_proj_{p}.": (f".linear_attn.in_proj_{fused}.", p)
-                for p, fused in (("qkv", "qkvz"), ("z", "qkvz"), ("b", "ba"), ("a", "ba"))}}
+             **{f".linear_attn.in_proj_{p}.": (".linear_attn.in_proj.", p) for p in ("qkv", "z", "b", "a")}}
 
     def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
                  max_position: int | None = None):
@@ -104,6 +104,14 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = HybridMTPModule(cfg, self.rotary, tp) if with_mtp and cfg.mtp_num_hidden_layers > 0 else None
+
+    def fused_name(self, name: str) -> tuple[str, object]:
+        fused, shard_id = super().fused_name(name)
+        if shard_id in ("b", "a"):
+            layer = self.get_submodule(name.split(".in_proj_")[0])
+            if layer.in_proj_ba is not None:
+                fused = fused.replace(".in_proj.", ".in_proj_ba.")
+        return fused, shard_id
 
     def attention_layers(self):
         """Full-attention layers, main then MTP: the index is the KV pool's layer index."""

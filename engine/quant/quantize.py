@@ -30,6 +30,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--model", required=True, help="bf16/fp32 Hugging Face checkpoint directory")
     parser.add_argument("--out", required=True, help="output directory (created; must be empty if it exists)")
     parser.add_argument("--keep-mtp", action="store_true", help="leave the MTP layer's linears unquantized")
+    parser.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                        help="also leave these modules unquantized (a name or an fnmatch pattern, e.g. "
+                             "'*.in_proj_b'; repeatable), as ModelOpt's exclude_modules")
     parser.add_argument("--scale-search", action="store_true",
                         help="NVFP4 calibration: per group of 16, also try the absmax scale x 0.95..0.75 and keep "
                              "the one with the smallest squared error (slower; off = plain round to nearest)")
@@ -41,7 +44,7 @@ SEARCH_FRACTIONS = (0.95, 0.9, 0.85, 0.8, 0.75)
 
 
 def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False,
-                        scale_search: bool = False) -> QuantScheme:
+                        scale_search: bool = False, exclude: tuple[str, ...] = ()) -> QuantScheme:
     """Write the quantized checkpoint of `model` to `out`; returns the scheme it used."""
     import torch
     from safetensors import safe_open
@@ -58,7 +61,7 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
     not_float = sorted(n for n, d in dtypes.items() if d not in FLOAT_DTYPES)
     if not_float:
         raise ModelLoadError(f"{model}: {not_float[0]} has dtype {dtypes[not_float[0]]}; the input must be bf16/fp16/fp32")
-    exclude = ("lm_head",) + (("mtp",) if keep_mtp else ())
+    exclude = ("lm_head",) + (("mtp",) if keep_mtp else ()) + tuple(exclude)
     scheme = QuantScheme(fmt, exclude=exclude).over_linears(weights.shapes())
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
@@ -103,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.scale_search and args.format != "nvfp4":
             raise ModelLoadError("--scale-search applies to --format nvfp4 only")
-        scheme = quantize_checkpoint(Path(args.model), Path(args.out), args.format, args.keep_mtp, args.scale_search)
+        scheme = quantize_checkpoint(Path(args.model), Path(args.out), args.format, args.keep_mtp, args.scale_search,
+                                     tuple(args.exclude))
     except ModelLoadError as e:
         print(f"ninfer quantize: {e}", file=sys.stderr)
         return 2
