@@ -10,9 +10,12 @@ import importlib.util
 import pytest
 import torch
 from test_hybrid_gpu import MODEL, PROMPTS
-from test_quant_gpu import GREEDY, _agreement, _clear_top1
-
-from engine import LLM
+from test_quant_gpu import (
+    GREEDY,
+    _agreement,
+    _llm,
+    assert_kernels_match_the_reference_path,
+)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -28,22 +31,8 @@ def quantized(request, tmp_path_factory) -> str:
     return str(out)
 
 
-def _llm(model: str, **kw) -> LLM:
-    return LLM(model, device="cuda", kv_capacity=8192, max_batch=8, **kw)
-
-
 def test_quantized_hybrid_logits_match_the_reference_path(quantized):
-    bf16, fp32 = _llm(quantized), _llm(quantized, dtype="float32")
-    assert bf16.engine.model_config.quant is not None
-    for prompt in PROMPTS:
-        a, b = bf16.prompt_logits(prompt).float(), fp32.prompt_logits(prompt)
-        rel = float((a - b).abs().max() / b.abs().max())
-        print(f"\n{prompt[:24]!r}: bf16 kernels vs float32 reference, max rel {rel:.3e}")
-        assert rel < 0.05, rel
-        clear = _clear_top1(b, float(b.max() - b.min()))
-        assert bool((a.argmax(-1) == b.argmax(-1))[clear].all()), (prompt, int(clear.sum()))
-    bf16.engine.executor.shutdown()
-    fp32.engine.executor.shutdown()
+    assert_kernels_match_the_reference_path(quantized, PROMPTS)
 
 
 def test_quantized_hybrid_mtp_and_tp2_agree_with_k0(quantized):

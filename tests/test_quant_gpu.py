@@ -75,16 +75,24 @@ def _clear_top1(logits: torch.Tensor, scale: float) -> torch.Tensor:
     return (top2[:, 0] - top2[:, 1]) > 0.05 * scale
 
 
-def test_kernels_logits_match_the_reference_path(quantized):
-    bf16, fp32 = _llm(quantized), _llm(quantized, dtype="float32")
-    for prompt in PROMPTS:
+def assert_kernels_match_the_reference_path(model: str, prompts: list[str]) -> None:
+    """The quantized checkpoint's bf16 kernels against its float32 reference path: prompt logits within
+    5 % of the largest, and the same top-1 wherever it is clear."""
+    bf16, fp32 = _llm(model), _llm(model, dtype="float32")
+    assert bf16.engine.model_config.quant is not None
+    for prompt in prompts:
         a, b = bf16.prompt_logits(prompt).float(), fp32.prompt_logits(prompt)
         rel = float((a - b).abs().max() / b.abs().max())
+        print(f"\n{prompt[:24]!r}: bf16 kernels vs float32 reference, max rel {rel:.3e}")
         assert rel < 0.05, rel
         clear = _clear_top1(b, float(b.max() - b.min()))
         assert bool((a.argmax(-1) == b.argmax(-1))[clear].all()), (prompt, int(clear.sum()))
     bf16.engine.executor.shutdown()
     fp32.engine.executor.shutdown()
+
+
+def test_kernels_logits_match_the_reference_path(quantized):
+    assert_kernels_match_the_reference_path(quantized, PROMPTS)
 
 
 def test_graphs_equal_eager(quantized):
