@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, profile-gemv-prefetch, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -24,10 +24,7 @@ step() {
     profile-push) for push in 0 65536; do   # the pull and the push all-reduce (engine/p2p_push.py), 27B and 8B at TP=2
                    NINFER_P2P_PUSH_MAX_BYTES=$push python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async --label push$push 2>&1 | grep -v "^20..-..-.. "
                    NINFER_P2P_PUSH_MAX_BYTES=$push python3 tools/profile_decode.py --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async --label push$push 2>&1 | grep -v "^20..-..-.. " ; done ;;
-    profile-gemv-prefetch) for pf in 0 1; do   # the bf16 GEMV's first tile loaded before the PDL wait, off / on (27B TP=2, 8B TP=1)
-                   NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. "
-                   NINFER_GEMV_PREFETCH=$pf python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label pf$pf 2>&1 | grep -v "^20..-..-.. " ; done ;;
-    profile-ab) for sw in ${AB:-NINFER_GEMV_PREFETCH=0 NINFER_GEMV_PREFETCH=1}; do   # one engine switch per run (AB: VAR=VALUE ...)
+    profile-ab) for sw in ${AB:-NINFER_PDL=0 NINFER_PDL=1}; do   # one engine switch per run (AB: VAR=VALUE ...)
                   env $sw python3 tools/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. "
                   env $sw python3 tools/profile_decode.py --context 512 --steps 10 --modes async --label "ab-${sw//=/}" 2>&1 | grep -v "^20..-..-.. " ; done ;;
     hybrid-quant-tests) python3 -m pytest -q -p no:cacheprovider tests/test_hybrid_quant_gpu.py tests/test_hybrid_gpu.py -k "quantized or packed" -s -rA --durations=6 > "$OUT/hybrid-quant-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-quant-tests.full.log" | grep -E "rel|agree|PASS|FAIL|Error|passed|failed|s call" | tail -n 40 ;;

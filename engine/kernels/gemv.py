@@ -26,7 +26,6 @@ Grids depend on shapes only (CUDA-graph safe); the workspace and counters are ma
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,10 +64,9 @@ WORKSPACE_FLOATS = 1 << 20      # SPLIT * M * N fp32 partials at most (4 MiB)
 COUNTERS = 1 << 16              # output blocks at most
 
 
-# With programmatic dependent launch (engine/kernels/pdl.py) a prefetching GEMV loads its first weight
-# tile before it waits for the kernel ahead. Whether that beats the sweep's bf16 choice (no prefetch)
-# is not measured yet: NINFER_GEMV_PREFETCH=1 turns it on for the A/B.
-PREFETCH_BF16 = os.environ.get("NINFER_GEMV_PREFETCH", "0") == "1"
+# With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
+# tile before it waits for the kernel ahead. For bf16 at one row that did not pay on 2 x H200: 8.33 ->
+# 8.36 ms per 27B TP=2 round, 4.46 -> 4.52 ms per qwen3-8b round (bench/results/2026-12-01-h200-fold/).
 
 
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
@@ -77,7 +75,7 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
     elif fmt == "nvfp4":
         cfg = GemvConfig(16, 1024) if M == 1 and N >= 10240 else GemvConfig(8, 2048 if M == 1 else 1024)
     else:
-        cfg = GemvConfig(4, 512, prefetch=PREFETCH_BF16) if M == 1 else GemvConfig(8, 256)
+        cfg = GemvConfig(4, 512) if M == 1 else GemvConfig(8, 256)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
         block_k //= 2
