@@ -193,18 +193,10 @@ __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp,
         allow_dependents();                                                                       \
         push_all_reduce<T>(a, x, units);                                                          \
     }
-#define PUSH_ADD_NORM_ENTRY(NAME, T)                                                              \
-    extern "C" __global__ void __launch_bounds__(1024) NAME(const RankArgs a, const void* x,      \
-            const void* residual, const void* weight, void* out, void* residual_out, int rows,    \
-            int row_units, float eps, int zero_centred, int splits) {                             \
-        allow_dependents();                                                                       \
-        push_add_norm<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps,         \
-                         zero_centred, splits);                                                   \
-    }
 PUSH_ENTRY(ninfer_push_ar_bf16, BF16)
 PUSH_ENTRY(ninfer_push_ar_f16, F16)
-PUSH_ADD_NORM_ENTRY(ninfer_push_ar_add_norm_bf16, BF16)
-PUSH_ADD_NORM_ENTRY(ninfer_push_ar_add_norm_f16, F16)
+ADD_NORM_ENTRY(ninfer_push_ar_add_norm_bf16, push_add_norm, BF16)
+ADD_NORM_ENTRY(ninfer_push_ar_add_norm_f16, push_add_norm, F16)
 """
 
 PUSH_KERNEL_NAMES = {("push", kind): f"ninfer_push_ar_{kind}" for kind in ("bf16", "f16")}

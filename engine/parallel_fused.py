@@ -158,17 +158,18 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     if (threadIdx.x == 0 && last_block(a)) *(volatile u64*)a.state = epoch;
 }
 
-#define ADD_NORM_ENTRY(NAME, T)                                                                   \
+// The kernel entry of a fused all-reduce + add + norm whose body is BODY<T> (this pull kernel, and
+// engine.p2p_push's push_add_norm).
+#define ADD_NORM_ENTRY(NAME, BODY, T)                                                             \
     extern "C" __global__ void __launch_bounds__(1024) NAME(const RankArgs a, const void* x,      \
             const void* residual, const void* weight, void* out, void* residual_out, int rows,    \
             int row_units, float eps, int zero_centred, int splits) {                             \
         allow_dependents();                                                                       \
-        one_shot_add_norm<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps,     \
-                             zero_centred, splits);                                               \
+        BODY<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps, zero_centred, splits); \
     }
-ADD_NORM_ENTRY(ninfer_ar_add_norm_f32, F32)
-ADD_NORM_ENTRY(ninfer_ar_add_norm_f16, F16)
-ADD_NORM_ENTRY(ninfer_ar_add_norm_bf16, BF16)
+ADD_NORM_ENTRY(ninfer_ar_add_norm_f32, one_shot_add_norm, F32)
+ADD_NORM_ENTRY(ninfer_ar_add_norm_f16, one_shot_add_norm, F16)
+ADD_NORM_ENTRY(ninfer_ar_add_norm_bf16, one_shot_add_norm, BF16)
 """ % {"max_splits": MAX_SPLITS}
 
 ADD_NORM_KERNEL_NAMES = {kind: f"ninfer_ar_add_norm_{kind}" for kind in ("f32", "f16", "bf16")}
