@@ -127,7 +127,7 @@ class EngineCore:
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
         # async scheduling (engine.overlap): the decode round enqueued and not read yet
-        self.sync_reason = why_synchronous(config, model_config)
+        self.sync_reason = why_synchronous(config)
         self.async_scheduling = not self.sync_reason
         self._inflight: InflightRound | None = None
         self._readback = TokenReadback(config.max_batch, k + 1, self.executor.driver.device)

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.request import Request
 from engine.scheduler import DecodeWork, ModelOutput, Scheduler, SchedulerOutput
 
 
-def why_synchronous(config: EngineConfig, model_config: ModelConfig) -> str:
+def why_synchronous(config: EngineConfig) -> str:
     """Why this engine schedules every round synchronously; "" when it overlaps decode rounds."""
     if not config.async_scheduling:
         return "--no-async-scheduling"

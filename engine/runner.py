@@ -106,7 +106,7 @@ class ModelRunner:
             max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
             scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0,
             last_tokens=(torch.zeros(self.max_batch, draft_tokens + 1, dtype=torch.int64, device=self.device)
-                         if not why_synchronous(config, model_config) else None))
+                         if not why_synchronous(config) else None))
         self.graphs = None                               # engine.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
