@@ -31,9 +31,7 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     dt = o_ptr.dtype.element_ty
-    if USE_PDL:                                          # engine/kernels/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         # the twin adds in the activation dtype: round the sum before it is stored and normed
@@ -184,9 +182,7 @@ def _silu_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr, U
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dt = o_ptr.dtype.element_ty
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + n + offs, mask=mask, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)    # F.silu rounds to the dtype, then the product

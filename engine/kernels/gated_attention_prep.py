@@ -64,9 +64,7 @@ def _prep_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, ko_ptr, 
                  D: tl.constexpr, R2: tl.constexpr, REST: tl.constexpr, HALF: tl.constexpr,
                  H_PAD: tl.constexpr, KVH_PAD: tl.constexpr, USE_PDL: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
-    if USE_PDL:                                  # engine/kernels/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cs_ptr + pos * stride_cs + tl.arange(0, R2))
     sin = tl.load(cs_ptr + pos * stride_cs + R2 + tl.arange(0, R2))
@@ -105,9 +103,7 @@ def _gate_kernel(o_ptr, g_ptr, out_ptr, H, stride_ot, stride_oh, stride_gt, stri
     offs = tl.arange(0, BLOCK)
     m = offs < D
     dt = out_ptr.dtype.element_ty
-    if USE_PDL:                                  # engine/kernels/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)
     g = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs, mask=m, other=0.0).to(tl.float32)
     s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     o = tl.load(o_ptr + t * stride_ot + h * stride_oh + offs, mask=m, other=0.0).to(tl.float32)

@@ -45,9 +45,7 @@ def _conv_qkv_kernel(x_ptr, win_ptr, w_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, n, Hk
     w1 = tl.load(w_ptr + ch * 4 + 1, mask=mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + ch * 4 + 2, mask=mask, other=0.0).to(tl.float32)
     w3 = tl.load(w_ptr + ch * 4 + 3, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:                                  # the weights above are read-only (engine/kernels/pdl.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)  # the weights above are read-only
     slot = tl.load(slot_ptr + b).to(tl.int64)
     wrow = win_ptr + slot * stride_ws + ch * stride_wc
     r0 = tl.load(wrow + 0, mask=mask, other=0.0).to(tl.float32)
@@ -107,9 +105,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, ssm_
     k_ok, v_ok = offs_k < DK, offs_v < DV
     decay_rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
-    if USE_PDL:                                  # A_log and dt_bias are weights
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)  # A_log and dt_bias are weights
     slot = tl.load(slot_ptr + b).to(tl.int64)
     s_ptrs = ssm_ptr + slot * stride_ss + h * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
     smask = k_ok[:, None] & v_ok[None, :]

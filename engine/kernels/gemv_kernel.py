@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engine.kernels import pdl
+
 FP8_CODE, NVFP4_CODE, BF16_CODE = 0, 1, 2
 
 # four packed bytes -> the eight values (x 2^-14) in fp32: low nibbles of bytes 0..3, then high nibbles
@@ -123,11 +125,9 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     if PREFETCH:
         raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
                                 EVEN_K and EVEN_N, SCALE_BC)
-    if USE_PDL:
-        # the first weight tile (with PREFETCH) is read before the kernel ahead has finished: weights are
-        # read-only; the activations, the split-K workspace and the output only after (engine/kernels/pdl.py)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    # the first weight tile (with PREFETCH) is read before the kernel ahead has finished; the activations,
+    # the split-K workspace and the output only after
+    pdl.wait_for_inputs(USE_PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)            # k_per_split is a multiple of BLOCK_K
         if PREFETCH:

@@ -18,9 +18,7 @@ def _gated_kernel(x_ptr, z_ptr, w_ptr, o_ptr, D, eps, BLOCK: tl.constexpr, USE_P
     offs = tl.arange(0, BLOCK)
     mask = offs < D
     dt = o_ptr.dtype.element_ty
-    if USE_PDL:                                  # engine/kernels/pdl.py
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl.wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
     xn = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(dt).to(tl.float32)
     normed = (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * xn).to(w_ptr.dtype.element_ty)

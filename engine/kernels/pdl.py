@@ -23,8 +23,19 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 _ON: dict[int, bool] = {}
+
+
+@triton.jit
+def wait_for_inputs(USE_PDL: tl.constexpr):
+    """Where a PDL kernel may start reading activations and storing: after the kernel before it has
+    finished; then the kernel after it may launch its programs. Only weight loads go above this."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def enabled(device: torch.device) -> bool:
