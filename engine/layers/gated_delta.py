@@ -100,6 +100,8 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_ba = GatedDeltaInProj(h, {"b": [hv], "a": [hv]}, tp, ba_fmt)
         self.in_proj = GatedDeltaInProj(h, parts, tp, fmt)
+        # this rank's columns of the projections' output: mixed q k v, z, b, a
+        self._split = [self.conv_channels, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads]
         self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, self.kernel), requires_grad=False)
         self.conv_weight.weight_loader = self._load_qkv
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
@@ -121,12 +123,11 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         ctx = get_forward_context()
-        sizes = [self.conv_channels, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads]
         if self.in_proj_ba is None:
-            mixed, z, b, a = self.in_proj(x).split(sizes, dim=-1)            # mixed: [T, C]; b, a: [T, Hv]
+            mixed, z, b, a = self.in_proj(x).split(self._split, dim=-1)      # mixed: [T, C]; b, a: [T, Hv]
         else:
-            mixed, z = self.in_proj(x).split(sizes[:2], dim=-1)
-            b, a = self.in_proj_ba(x).split(sizes[2:], dim=-1)
+            mixed, z = self.in_proj(x).split(self._split[:2], dim=-1)
+            b, a = self.in_proj_ba(x).split(self._split[2:], dim=-1)
         z = z.view(-1, self.num_v_heads, self.head_v_dim)
         n = ctx.uniform_query_len
         if n is not None and x.is_cuda and n <= RECURRENT_MAX_TOKENS and self._fused_step_fits():

@@ -68,7 +68,6 @@ class HybridModel(Qwen3Model):
         self.tp = tp
 
 
-
 class HybridMTPModule(MTPModule):
     """Qwen3's MTP module (its forward) with zero-centred norms and a gated full-attention layer:
     g_t = norm(layers(fc(concat(pre_fc_norm_embedding(embed(x_{t+1})), pre_fc_norm_hidden(h_t)))))."""
