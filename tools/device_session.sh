@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -64,6 +64,8 @@ step() {
     profile-prefill) python3 tools/profile_prefill.py --chunks "${PREFILL_CHUNKS:-1024,2048,4096}" --prompts "${PREFILL_PROMPTS:-4096,16384}" 2>&1 | grep -vE "^(20..-..-.. |USDT|.*UserWarning|  _warn_once|  self.profiler)" ;;   # issue 15: the chunk-1024 prefill anomaly
     profile-quant) for m in qwen3-8b qwen3-8b-fp8 qwen3-8b-nvfp4; do   # issue 14: where an FP8 / NVFP4 decode step goes (PDL off: kernel times do not overlap)
                      NINFER_PDL=0 python3 tools/profile_decode.py --model preset:$m --context 512 --steps 10 --modes async --label pdl0 2>&1 | grep -vE "^(20..-..-.. |/opt|  _warn_once)"; done ;;
+    profile-rows) # issue 15: what a second row costs (2 streams, or k=1's verify + draft), PDL off so kernel times add up
+                  NINFER_PDL=0 python3 tools/profile_decode.py --context 512 --steps 10 --modes async --batch 1,2 --draft-tokens 0,1 --draft-vocab 32768 --label pdl0 2>&1 | grep -vE "^(20..-..-.. |/opt|  _warn_once)" ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
