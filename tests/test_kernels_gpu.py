@@ -112,3 +112,68 @@ def test_silu_and_mul(rows):
     for ffn in (12288, 25600 // 2):
         r = testing.check_silu_and_mul(rows, ffn, BF16, DEV, rows + ffn)
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+# -- the decode switches of the attention kernel (AttnConfig.prefetch, fused_merge, max_regs), the
+# twins of tests/test_kernels_decode_variants.py at real shapes --------------------------------------
+
+def _decode_config(query_len: int, kv_dtype, **kw):
+    from engine.kernels.attention import AttnConfig
+    base = {"block_m": 16, "block_n": 64, "num_warps": 4, "num_stages": 1, "num_splits": 16, "min_tiles": 1,
+            "int8_upcast": kv_dtype == I8}
+    return AttnConfig(**{**base, **kw})
+
+
+DECODE_VARIANTS = {
+    "prefetch1": {"prefetch": 1},
+    "prefetch2": {"prefetch": 2},
+    "prefetch1_r128": {"prefetch": 1, "max_regs": 128},
+    "prefetch1_bn128": {"prefetch": 1, "block_n": 128},
+    "fused_merge": {"fused_merge": True, "num_stages": 2},
+    "prefetch1_fused_64_splits": {"prefetch": 1, "fused_merge": True, "num_splits": 64},
+    "fused_one_split": {"fused_merge": True, "num_splits": 1},          # no split: nothing to merge
+}
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("query_len", [1, 4])
+@pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
+def test_decode_variants(variant, query_len, kv_dtype):
+    """Batch 3 of unequal lengths, none a multiple of the key tile (qwen3-8b heads), and batch 1."""
+    for lens, seed in (([query_len, 1000, 33001], 51), ([8191], 52)):
+        q, kv, ctx = testing.attention_case([query_len] * len(lens), lens, 32, 8, 128, 16, kv_dtype, BF16, DEV,
+                                            seed + query_len)
+        cfg = _decode_config(query_len, kv_dtype, **DECODE_VARIANTS[variant])
+        r = testing.check_attention(q, kv, ctx, config=cfg)
+        assert r["unwritten"] == 0 and r["rel_err"] < TOL, (variant, lens, r)
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
+def test_fused_merge_graph_replays(kv_dtype):
+    """The fused merge captured once and replayed over changed seq_lens: each replay right, equal to an
+    eager run bit for bit, and the arrival counters back at zero after every replay."""
+    from engine.forward_context import build_forward_context
+    from engine.kernels import attention as A
+    from engine.layers.attention import paged_attention_reference
+    cap = 6000
+    q, kv, ctx = testing.attention_case([1] * 3, [cap] * 3, 32, 8, 128, 16, kv_dtype, BF16, DEV, 71)
+    tables = [row.tolist() for row in ctx.block_tables.cpu()]
+    cfg = _decode_config(1, kv_dtype, prefetch=1, fused_merge=True, num_splits=32)
+    scale = 128 ** -0.5
+    out = torch.full_like(q, float("nan"))
+    A.paged_attention(q, kv, ctx, scale, out=out, config=cfg)          # compiles; counters made outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        A.paged_attention(q, kv, ctx, scale, out=out, config=cfg)
+    for lens in ([cap, 300, 17], [17, cap - 1, 4097], [1, 1, 1], [cap, 300, 17]):
+        _, new = build_forward_context([1] * 3, lens, tables, 16, torch.device(DEV))
+        ctx.seq_lens.copy_(new.seq_lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(A._merge_counters(q.device).abs().sum()) == 0, lens
+        eager = A.paged_attention(q, kv, new, scale, config=cfg)
+        ref = paged_attention_reference(q.float(), kv, new, scale)
+        assert testing.unwritten(out) == 0 and testing.rel_err(out, ref) < TOL, lens
+        assert torch.equal(out, eager), lens

@@ -23,6 +23,17 @@ Phases, each bounded by --budget-s (what is cut is listed at the end):
   3. num_splits x2 and /2 around the three fastest shapes of each case.
 Prints the copy bandwidth, one line per timing, then the summary table (last). --out writes all of
 it as JSON (after each phase, so a crash keeps what was measured).
+
+--variants (under 150 s on one H200): the switches of the decode kernel instead of the grid, over
+--cases (default batch 1 at 32768, 512, 2048 and batch 8 at 8192; query_len 1; bf16 and int8):
+  A. named variants of each case's plan: `prefetch` 1 and 2 (software-pipelined whole-tile loop,
+     num_stages 1), prefetch 1 capped at 128 registers, prefetch 1 with 128-key tiles, the fused merge
+     (last-arriving split merges: one launch), fused + prefetch 1, fused over one-tile splits ("1t");
+  B. num_splits /2, x2, x4 (min_tiles 1, so short contexts get one-tile splits) around the two
+     fastest rows of A.
+Ends with a variant-by-case table (us) and the table "case | default us | best us | best config".
+--variants --dry-run prints the configs it would time (plans from shapes only; no device, no run);
+add --regs to compile each for sm_90 on the CPU and print registers, spills and programs per SM.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -93,7 +105,8 @@ class Case:
 
 def label(cfg: A.AttnConfig) -> str:
     return (f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} sp{cfg.num_splits} "
-            f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}")
+            f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}{f' pf{cfg.prefetch}' if cfg.prefetch else ''}"
+            f"{' fm' if cfg.fused_merge else ''}{f' r{cfg.max_regs}' if cfg.max_regs else ''}")
 
 
 # -- pages -------------------------------------------------------------------------------------------
@@ -233,7 +246,15 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=140.0,
                     help="wall-clock budget: the grid stops at 75%%, the split sweep at 100%%")
     ap.add_argument("--out", type=Path, default=None, help="write every result as JSON here")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the decode switches (prefetch, fused merge, splits) over --cases, not the grid")
+    ap.add_argument("--cases", default="1x32768,1x512,1x2048,8x8192",
+                    help="--variants: BATCHxCONTEXT list (run in this order: a budget cut loses the last)")
+    ap.add_argument("--dry-run", action="store_true", help="--variants: print the configs, run nothing (CPU)")
+    ap.add_argument("--regs", action="store_true", help="--dry-run: also compile each for sm_90, print registers")
     args = ap.parse_args()
+    if args.variants and args.dry_run:
+        return dry_run(args)
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -242,7 +263,6 @@ def main() -> int:
     def elapsed() -> float:
         return time.perf_counter() - started
 
-    import triton
     props = torch.cuda.get_device_properties(0)
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -261,10 +281,15 @@ def main() -> int:
 
     dtypes = [d for d in args.dtypes.split(",") if d in ("bf16", "int8")]
     cases: list[Case] = []
-    for seed, (ctx_len, batch) in enumerate(itertools.product(ints(args.contexts), ints(args.batches)), 1):
+    if args.variants:
+        shapes, qlens = variant_cases(args.cases), [1]
+    else:
+        shapes, qlens = [(b, c) for c, b in itertools.product(ints(args.contexts), ints(args.batches))], ints(args.qlens)
+    for seed, (batch, ctx_len) in enumerate(shapes, 1):
         pools, tables = build_pages(batch, ctx_len, seed, l2_bytes)
-        for q_len, dtype in itertools.product(ints(args.qlens), dtypes):
+        for q_len, dtype in itertools.product(qlens, dtypes):
             cases.append(make_case(dtype, pools[dtype], tables, batch, q_len, ctx_len, seed * 100 + q_len))
+        del pools
     print(f"{len(cases)} cases, pages built in {elapsed():.0f} s "
           f"({torch.cuda.memory_allocated() / 2**30:.1f} GiB on the device)", flush=True)
 
@@ -282,13 +307,15 @@ def main() -> int:
         args.out.write_text(json.dumps(state, indent=1))
 
     try:
-        run_phases(args, cases, elapsed, state, save)
+        (run_variants if args.variants else run_phases)(args, cases, elapsed, state, save)
     except Fatal as exc:
         state["fatal"] = str(exc)
         print(f"FATAL: {exc}", flush=True)
     finally:
         save()
     summary(cases, copy_Bps, state, elapsed())
+    if args.variants:
+        variant_summary(cases)
     if args.out is not None:
         print(f"results: {args.out}")
     return 1 if state["fatal"] else 0
@@ -347,6 +374,193 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
                     alt = dataclasses.replace(cfg, num_splits=splits)
                     if not any(x["config"] == dataclasses.asdict(alt) for x in case.rows):
                         measure(case, alt, "splits")
+
+
+# -- --variants: the decode switches ---------------------------------------------------------------
+
+VARIANT_TAGS = ["default", "pf1", "pf2", "pf1-r128", "pf1-bn128", "fused", "fused-pf1", "fused-1t", "splits"]
+
+
+def variant_cases(text: str) -> list[tuple[int, int]]:
+    """"1x512,8x8192" -> [(batch, context), ...]."""
+    out = []
+    for item in text.split(","):
+        if item.strip():
+            b, c = item.lower().split("x")
+            out.append((int(b), int(c)))
+    return out
+
+
+def named_variants(plan: A.AttnConfig, batch: int, ctx_len: int, sms: int) -> list[tuple[str, A.AttnConfig]]:
+    """The switches on top of a case's plan (the plan itself is timed as "default"). "fused-1t": the
+    fused merge over as many one-tile splits as the context has tiles, up to the plan's bound on
+    programs (4 per SM), the short-context shape of goal (b)."""
+    r = dataclasses.replace
+    pf1 = r(plan, prefetch=1, num_stages=1)
+    out = [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
+           ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
+    if plan.num_splits > 1:
+        out += [("fused", r(plan, fused_merge=True)), ("fused-pf1", r(pf1, fused_merge=True))]
+    tiles = -(-ctx_len // plan.block_n)
+    splits = 1
+    while splits * 2 <= min(A.MAX_DECODE_SPLITS, triton.next_power_of_2(tiles)) and batch * KVH * splits * 2 <= 4 * sms:
+        splits *= 2
+    if splits > 1:
+        # prefetch 1 here too: with one tile per split it issues the tile's K and V loads together
+        out.append(("fused-1t", r(pf1, num_splits=splits, min_tiles=1, fused_merge=True)))
+    return out
+
+
+def split_variants(cfg: A.AttnConfig) -> list[A.AttnConfig]:
+    """num_splits /2, x2, x4 with one-tile splits allowed (min_tiles 1)."""
+    out = []
+    for splits in (cfg.num_splits // 2, cfg.num_splits * 2, cfg.num_splits * 4):
+        if 1 <= splits <= A.MAX_DECODE_SPLITS:
+            alt = dataclasses.replace(cfg, num_splits=splits, min_tiles=1)
+            if splits == 1:
+                alt = dataclasses.replace(alt, fused_merge=False)
+            out.append(alt)
+    return out
+
+
+def run_variants(args, cases: list[Case], elapsed, state: dict, save) -> None:
+    # A. the plan and its named variants, every output against the twin
+    print("phase A: default plan and named variants", flush=True)
+    for case in cases:
+        if elapsed() > 0.8 * args.budget_s:
+            state["cut"].append(f"variants: {case.name} and later cases not run (budget)")
+            break
+        case.ref = paged_attention_reference(case.q.float(), case.kvs[0], case.ctx, case.scale)
+        row = measure(case, case.plan, "default")
+        if "ms" in row:
+            case.default_out = A.paged_attention(case.q, case.kvs[0], case.ctx, case.scale, config=case.plan).clone()
+        for tag, cfg in named_variants(case.plan, case.batch, case.ctx_len, A.sm_count(DEV)):
+            measure(case, cfg, tag)
+        save()
+    print(f"phase A done at {elapsed():.0f} s", flush=True)
+    # B. split counts around the two fastest rows of each case
+    print("phase B: num_splits /2, x2, x4 (min_tiles 1) around the two fastest rows", flush=True)
+    for case in cases:
+        if elapsed() > args.budget_s:
+            state["cut"].append(f"splits: {case.name} and later cases not run (budget)")
+            break
+        top = sorted((r for r in case.rows if r.get("ok") and "ms" in r), key=lambda r: r["ms"])[:2]
+        for r in top:
+            for alt in split_variants(A.AttnConfig(**r["config"])):
+                if not any(x["config"] == dataclasses.asdict(alt) for x in case.rows):
+                    measure(case, alt, "splits")
+    save()
+
+
+def variant_summary(cases: list[Case]) -> None:
+    """us per call: one row per case, one column per variant ("splits": the best of phase B); then the
+    final table."""
+    print("\nvariants, us per call (CUDA graph; '!' = output off the twin, '-' = not run):")
+    print(f"{'case':24s} " + " ".join(f"{t:>9s}" for t in VARIANT_TAGS))
+    for c in cases:
+        cells = []
+        for tag in VARIANT_TAGS:
+            rows = [r for r in c.rows if r["tag"] == tag and "ms" in r]
+            r = min(rows, key=lambda x: x["ms"]) if rows else None
+            cells.append(f"{r['ms'] * 1e3:8.2f}{'' if r['ok'] else '!'}" if r else "        -")
+        print(f"{c.name:24s} " + " ".join(f"{x:>9s}" for x in cells))
+    print("\ncase | default us | best us | best GB/s | best/default | best config")
+    for c in cases:
+        d = next((r for r in c.rows if r["tag"] == "default" and "ms" in r), None)
+        b = best(c)
+        print(f"{c.name} | {_us(d).strip()} | {_us(b).strip()} | {_gbps(b).strip()} | "
+              f"{(b['ms'] / d['ms']) if b and d else float('nan'):.2f} | {(b['tag'] + ': ' + b['label']) if b else '-'}")
+
+
+def sm90_resources(cfg: A.AttnConfig, dtype: str, group: int = H // KVH) -> str:
+    """Compile the decode kernel of `cfg` for sm_90 on this machine (no device) and read its registers,
+    stack (> 0: spills) and shared memory from the cubin. Specialized as a launch of these shapes
+    would be (16-aligned pointers, strides divisible by 16, scale head stride 1)."""
+    import triton.backends.nvidia as nv
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    fn = A._attn_kernel
+    quant = dtype == "int8"
+    sig = {}
+    for n in fn.arg_names:
+        if n in ("q_ptr", "o_ptr"):
+            sig[n] = "*bf16"
+        elif n in ("k_ptr", "v_ptr"):
+            sig[n] = "*i8" if quant else "*bf16"
+        elif n in ("ks_ptr", "vs_ptr", "pacc_ptr", "pm_ptr", "pl_ptr"):
+            sig[n] = "*fp32"
+        elif n.endswith("_ptr"):
+            sig[n] = "*i32"
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        elif n.isupper():
+            sig[n] = "constexpr"
+        else:
+            sig[n] = "i32"
+    fused = cfg.fused_merge and cfg.num_splits > 1
+    pad = (16 if cfg.num_splits <= 16 else 256) if fused else 2
+    consts = {"GROUP": group, "BLOCK_Q": cfg.block_m // group, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+              "HEAD_DIM": D, "PAGE": PAGE, "QUANT": quant, "SPLIT": cfg.num_splits > 1,
+              "UPCAST": quant and cfg.int8_upcast, "PREFETCH": int(cfg.prefetch), "FUSED_MERGE": fused,
+              "SPLITS_PAD": pad, "SPLIT_BLOCK": min(pad, 4096 // D) if fused else 2, "stride_sh": 1}
+    sig["stride_sh"] = "constexpr"
+    div16 = [n for n in fn.arg_names if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                                                                "stride_pb", "stride_pt", "stride_ph", "stride_sb",
+                                                                "stride_tab", "num_heads"]
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.max_regs} if cfg.max_regs else {}))
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"attn_{os.getpid()}.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    try:
+        usage = subprocess.run([str(Path(nv.__file__).parent / "bin" / "cuobjdump"), "--dump-resource-usage",
+                                str(cubin)], capture_output=True, text=True, check=False).stdout
+    finally:
+        cubin.unlink(missing_ok=True)
+    import re
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    if not regs:
+        return "resources unknown"
+    n = int(regs.group(1))
+    per_sm = min(65536 // (-(-n // 8) * 8 * 32 * cfg.num_warps), 228 * 1024 // (k.metadata.shared + 1024))
+    flag = "  SPILLS" if stack and int(stack.group(1)) else ""
+    return f"{n:3d} regs, stack {stack.group(1) if stack else '?'} B, smem {k.metadata.shared // 1024} KB, {per_sm}/SM{flag}"
+
+
+def dry_run(args) -> int:
+    """The configs --variants would time, from plans made on CPU tensors of the same shapes; with
+    --regs also each one's registers for sm_90 (compiled here, about a second each)."""
+    from engine.forward_context import build_forward_context
+    cpu = torch.device("cpu")
+    n = 0
+    seen: dict = {}                                  # one compile per kernel specialization
+    for batch, ctx_len in variant_cases(args.cases):
+        need = -(-ctx_len // PAGE)
+        tables = [list(range(i * need, (i + 1) * need)) for i in range(batch)]
+        _, ctx = build_forward_context([1] * batch, [ctx_len] * batch, tables, PAGE, cpu)
+        q = torch.empty(batch, H, D, dtype=torch.bfloat16)
+        for dtype in [d for d in args.dtypes.split(",") if d in ("bf16", "int8")]:
+            kv = (LayerKV(torch.empty(1, PAGE, KVH, D, dtype=torch.int8), torch.empty(1, PAGE, KVH, D, dtype=torch.int8),
+                          torch.empty(1, PAGE, KVH), torch.empty(1, PAGE, KVH)) if dtype == "int8"
+                  else LayerKV(torch.empty(1, PAGE, KVH, D, dtype=torch.bfloat16),
+                               torch.empty(1, PAGE, KVH, D, dtype=torch.bfloat16)))
+            plan = A.plan(q, kv, ctx)
+            print(f"{dtype} b{batch} q1 ctx{ctx_len}")
+            for tag, cfg in [("default", plan), *named_variants(plan, batch, ctx_len, A.sm_count(cpu))]:
+                res = ""
+                if args.regs:
+                    key = dataclasses.replace(cfg, num_splits=min(cfg.num_splits, 2) if not cfg.fused_merge
+                                              else cfg.num_splits, min_tiles=1)
+                    if (key, dtype) not in seen:
+                        seen[(key, dtype)] = sm90_resources(cfg, dtype)
+                    res = "  " + seen[(key, dtype)]
+                print(f"  A {tag:10s} {label(cfg):44s}{res}", flush=True)
+                n += 1
+            print(f"  B around the two fastest, e.g. the plan: {', '.join(label(c) for c in split_variants(plan))}")
+    print(f"{n} phase-A timings (+ up to 6 per case in phase B)")
+    return 0
 
 
 def _us(r: dict | None) -> str:
