@@ -96,10 +96,17 @@ def test_plan_converts_int8_in_registers_for_decode_and_verify_only():
         assert {k: getattr(cfg, k) for k in A.DECODE_INT8 if k != "num_warps"} == \
             {k: v for k, v in A.DECODE_INT8.items() if k != "num_warps"}
         assert A.upcast_int8(cfg, kv, q) == compiled               # the interpreter takes the float32 route
-    # bf16 pages: the decode defaults of before, unchanged
+    # bf16 pages: the decode defaults; 500 keys over 8 one-tile splits also load each tile's K and V together
     q, kv, ctx = _decode_inputs(BF16, BF16)
     cfg = A.plan(q, kv, ctx)
-    assert not cfg.int8_upcast and {k: getattr(cfg, k) for k in A.DECODE} == A.DECODE, cfg
+    assert not cfg.int8_upcast and {k: getattr(cfg, k) for k in A.DECODE if k != "num_stages"} == \
+        {k: v for k, v in A.DECODE.items() if k != "num_stages"}, cfg
+    assert (cfg.num_splits, cfg.prefetch, cfg.num_stages) == (8, 2, 1), cfg
+    # a long context: several tiles per split, the pipelined stages of DECODE and no prefetch
+    from engine.forward_context import build_forward_context
+    _, ctx = build_forward_context([1], [32768], [list(range(2048))], 16, torch.device("cpu"))
+    cfg = A.plan(q, kv, ctx)                                   # the plan reads shapes and lengths only
+    assert (cfg.prefetch, cfg.num_stages) == (0, A.DECODE["num_stages"]) and cfg.num_splits * 64 < 32768, cfg
     # fp16 q over int8 pages: the PTX makes bf16, so the old route and the old defaults
     q, kv, ctx = _decode_inputs(torch.float16, I8)
     cfg = A.plan(q, kv, ctx)

@@ -49,7 +49,7 @@ MAX_SPLITS = 64             # prefill-shaped calls
 # decode/verify: enough splits that one sequence over few KV heads (Qwen3.5-27B: 2 per TP=2 rank)
 # still fills the GPU at long contexts
 MAX_DECODE_SPLITS = 256
-DECODE_MIN_SPLIT_KEYS = 256
+DECODE_MIN_SPLIT_KEYS = 64    # one 64-key tile: short contexts split down to a tile per program
 
 
 # -- KV write ------------------------------------------------------------------------------------
@@ -512,7 +512,7 @@ class AttnConfig:
 # Picked from the sweep of tools/gpu_kernels_check.py on the H200 (NOTES.md, run of 2026-11-30):
 # prefill bn128/s3 was fastest at context 0 and after 28k; decode s2 at 32k.
 PREFILL = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
-DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=2)
+DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=1)
 # head_dim 256: half the tile sizes in both directions, two stages (see `plan`)
 PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # Decode over int8 pages with bf16 q: K/V converted in registers (int8_upcast), no cp.async stage
@@ -520,7 +520,7 @@ PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # int8 shape in 128 registers (4 programs per SM, so the 512 programs of a batch-1 step run in one
 # wave) at 44 warp-instructions per key against 65 before; NOTES.md, "int8 decode". Confirm or move
 # with tools/tune_decode_attention.py.
-DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 2, "int8_upcast": True}
+DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
 
 
 _COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -567,19 +567,30 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
     if q_len * group <= DECODE_MAX_ROWS:
         block_m = max(16, triton.next_power_of_2(q_len * group))
         ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
-        # ctx.max_seq_len bounds every sequence (exact when eager; a length class when graphed):
-        # a split below DECODE_MIN_SPLIT_KEYS keys would only add launch and merge work
+        # ctx.max_seq_len bounds every sequence (exact when eager; a length class when graphed).
+        # Splits go down to one tile each: a program's key loop is a chain of dependent loads, so at
+        # short contexts many one-tile programs beat a few that walk several tiles (H200, qwen3-8b, b1:
+        # ctx 512 10.7 -> 6.2 us per call with its merge, ctx 2048 13.1 -> 9.3; tools/tune_decode_attention.py)
         useful = max(1, -(-ctx.max_seq_len // DECODE_MIN_SPLIT_KEYS))
         splits = 1
         while splits * 2 <= min(MAX_DECODE_SPLITS, triton.next_power_of_2(useful)) and ctas * splits * 2 <= 4 * sms:
             splits *= 2
         # 128 rows in 4 warps spill registers (seen in ptxas for sm_90): 8 warps there
         base = DECODE_INT8 if kv.quantized and q.dtype == torch.bfloat16 else DECODE
-        return AttnConfig(block_m=block_m, num_splits=splits, **dict(base, num_warps=4 if block_m <= 64 else 8))
+        cfg = dict(base, num_warps=4 if block_m <= 64 else 8)
+        if splits * cfg["block_n"] >= ctx.max_seq_len and block_m <= 64 and d <= 128 and (
+                not kv.quantized or base is DECODE_INT8):
+            # every split is one tile: issue its K and V loads together rather than V after q.k (the
+            # pipelined loop's prologue). int8 carries K only (prefetch 1): 158 registers, 3 programs per SM;
+            # int8 pages without the in-register conversion (fp16 q) keep their old route
+            cfg.update(prefetch=1 if kv.quantized else 2, num_stages=1)
+        return AttnConfig(block_m=block_m, num_splits=splits, **cfg)
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
     ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
     splits, min_keys = 1, 2048
-    while splits * 2 <= MAX_SPLITS and ctas * splits < 2 * sms and ctx.max_seq_len >= splits * 2 * min_keys:
+    # split only when the tiles leave SMs idle: at 1-2 programs per SM a split adds a merge pass and a
+    # second wave (qwen3-8b chunk 1024 after 16k: the merge was 7 % of the prefill's attention)
+    while splits * 2 <= MAX_SPLITS and ctas * splits < sms and ctx.max_seq_len >= splits * 2 * min_keys:
         splits *= 2
     cfg = dict(PREFILL, block_m=block_m)
     if d >= 256:
