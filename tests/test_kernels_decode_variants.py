@@ -1,9 +1,9 @@
-"""The decode/verify switches of the attention kernel (`AttnConfig.prefetch`, `fused_merge`, split
-counts and key tiles off the plan) against the torch twin, under Triton's interpreter on the CPU.
+"""The decode/verify switches of the attention kernel (`AttnConfig.prefetch`, split counts and key
+tiles off the plan) against the torch twin, under Triton's interpreter on the CPU.
 
 Opt-in as tests/test_kernels_interpret.py (NINFER_TRITON_INTERPRET_TESTS=1; it sets TRITON_INTERPRET=1
-for the process). The same switches at real shapes, and the fused merge inside a replayed CUDA graph,
-are in tests/test_kernels_gpu.py.
+for the process). The same switches at real shapes, and the prefetching loop inside a replayed CUDA
+graph, are in tests/test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -72,14 +72,13 @@ VARIANTS = {
     "prefetch2": {"prefetch": 2},
     "prefetch1_splits4": {"prefetch": 1, "num_splits": 4},
     "prefetch2_splits4_bn32": {"prefetch": 2, "num_splits": 4, "block_n": 32},
-    "fused_merge_splits4": {"num_splits": 4, "fused_merge": True},
-    "prefetch1_fused_splits8": {"prefetch": 1, "num_splits": 8, "fused_merge": True},
+    "prefetch1_splits8": {"prefetch": 1, "num_splits": 8},
 }
 
 
 # every variant over batch 3 (decode and verify) in both page dtypes; batch 1 for a few
 CASES = [(shape, variant) for variant in VARIANTS for shape in ("decode_b3", "verify_q4_b3")] + \
-    [("decode_b1", "prefetch1_fused_splits8"), ("verify_q4_b1", "prefetch2")]
+    [("decode_b1", "prefetch1_splits8"), ("verify_q4_b1", "prefetch2")]
 
 
 @pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
@@ -93,32 +92,13 @@ def test_decode_variants_match_twin(interpreted_kernels, shape, variant, kv_dtyp
     assert r["unwritten"] == 0 and r["rel_err"] < TOL, (cfg, r)
 
 
-def test_prefetch_and_fused_merge_with_non_uniform_batch(interpreted_kernels):
+def test_prefetch_with_non_uniform_batch(interpreted_kernels):
     """Mixed query lengths take the bisection map (tiles_per_seq 0), where programs past a sequence's
-    tiles return early: their counters must stay untouched, the others merged and re-armed."""
-    from engine.kernels import attention as A
+    tiles return early."""
     q, kv, ctx = interpreted_kernels.attention_case([1, 3, 2], [50, 21, 90], 8, 2, 32, 8, I8, BF16, "cpu", seed=5)
-    cfg = dataclasses.replace(_config(3, 4), prefetch=1, num_splits=4, fused_merge=True)
+    cfg = dataclasses.replace(_config(3, 4), prefetch=1, num_splits=4)
     r = interpreted_kernels.check_attention(q, kv, ctx, config=cfg)
     assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
-    assert int(A._merge_counters(q.device).abs().sum()) == 0
-
-
-def test_fused_merge_rearms_its_counters(interpreted_kernels):
-    """Two calls in a row (as two replays of a graph) over different lengths: both right, the
-    counters back at zero after each, and the unfused merge gives the same output bit for bit
-    (the same partial sums in the same order)."""
-    from engine.kernels import attention as A
-    testing = interpreted_kernels
-    fused = _config(1, 4, num_splits=4, fused_merge=True)
-    for seed, seq_lens in ((1, [1, 60, 130]), (2, [100, 7, 64])):
-        q, kv, ctx = testing.attention_case([1] * 3, seq_lens, 8, 2, 32, 8, BF16, BF16, "cpu", seed=seed)
-        r = testing.check_attention(q, kv, ctx, config=fused)
-        assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
-        assert int(A._merge_counters(q.device).abs().sum()) == 0
-        one = A.paged_attention(q, kv, ctx, 32 ** -0.5, config=fused)
-        two = A.paged_attention(q, kv, ctx, 32 ** -0.5, config=dataclasses.replace(fused, fused_merge=False))
-        assert torch.equal(one, two)
 
 
 def test_prefetch_matches_the_plain_loop(interpreted_kernels):

@@ -27,8 +27,7 @@ it as JSON (after each phase, so a crash keeps what was measured).
 --variants (under 150 s on one H200): the switches of the decode kernel instead of the grid, over
 --cases (default batch 1 at 32768, 512, 2048 and batch 8 at 8192; query_len 1; bf16 and int8):
   A. named variants of each case's plan: `prefetch` 1 and 2 (software-pipelined whole-tile loop,
-     num_stages 1), prefetch 1 capped at 128 registers, prefetch 1 with 128-key tiles, the fused merge
-     (last-arriving split merges: one launch), fused + prefetch 1, fused over one-tile splits ("1t");
+     num_stages 1), prefetch 1 capped at 128 registers, prefetch 1 with 128-key tiles;
   B. num_splits /2, x2, x4 (min_tiles 1, so short contexts get one-tile splits) around the two
      fastest rows of A.
 Ends with a variant-by-case table (us) and the table "case | default us | best us | best config".
@@ -106,7 +105,7 @@ class Case:
 def label(cfg: A.AttnConfig) -> str:
     return (f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} sp{cfg.num_splits} "
             f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}{f' pf{cfg.prefetch}' if cfg.prefetch else ''}"
-            f"{' fm' if cfg.fused_merge else ''}{f' r{cfg.max_regs}' if cfg.max_regs else ''}")
+            f"{f' r{cfg.max_regs}' if cfg.max_regs else ''}")
 
 
 # -- pages -------------------------------------------------------------------------------------------
@@ -247,7 +246,7 @@ def main() -> int:
                     help="wall-clock budget: the grid stops at 75%%, the split sweep at 100%%")
     ap.add_argument("--out", type=Path, default=None, help="write every result as JSON here")
     ap.add_argument("--variants", action="store_true",
-                    help="time the decode switches (prefetch, fused merge, splits) over --cases, not the grid")
+                    help="time the decode switches (prefetch, register cap, splits) over --cases, not the grid")
     ap.add_argument("--cases", default="1x32768,1x512,1x2048,8x8192",
                     help="--variants: BATCHxCONTEXT list (run in this order: a budget cut loses the last)")
     ap.add_argument("--dry-run", action="store_true", help="--variants: print the configs, run nothing (CPU)")
@@ -378,7 +377,7 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
 
 # -- --variants: the decode switches ---------------------------------------------------------------
 
-VARIANT_TAGS = ["default", "pf1", "pf2", "pf1-r128", "pf1-bn128", "fused", "fused-pf1", "fused-1t", "splits"]
+VARIANT_TAGS = ["default", "pf1", "pf2", "pf1-r128", "pf1-bn128", "splits"]
 
 
 def variant_cases(text: str) -> list[tuple[int, int]]:
@@ -392,23 +391,11 @@ def variant_cases(text: str) -> list[tuple[int, int]]:
 
 
 def named_variants(plan: A.AttnConfig, batch: int, ctx_len: int, sms: int) -> list[tuple[str, A.AttnConfig]]:
-    """The switches on top of a case's plan (the plan itself is timed as "default"). "fused-1t": the
-    fused merge over as many one-tile splits as the context has tiles, up to the plan's bound on
-    programs (4 per SM), the short-context shape of goal (b)."""
+    """The switches on top of a case's plan (the plan itself is timed as "default")."""
     r = dataclasses.replace
     pf1 = r(plan, prefetch=1, num_stages=1)
-    out = [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
-           ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
-    if plan.num_splits > 1:
-        out += [("fused", r(plan, fused_merge=True)), ("fused-pf1", r(pf1, fused_merge=True))]
-    tiles = -(-ctx_len // plan.block_n)
-    splits = 1
-    while splits * 2 <= min(A.MAX_DECODE_SPLITS, triton.next_power_of_2(tiles)) and batch * KVH * splits * 2 <= 4 * sms:
-        splits *= 2
-    if splits > 1:
-        # prefetch 1 here too: with one tile per split it issues the tile's K and V loads together
-        out.append(("fused-1t", r(pf1, num_splits=splits, min_tiles=1, fused_merge=True)))
-    return out
+    return [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
+            ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
 
 
 def split_variants(cfg: A.AttnConfig) -> list[A.AttnConfig]:
@@ -416,10 +403,7 @@ def split_variants(cfg: A.AttnConfig) -> list[A.AttnConfig]:
     out = []
     for splits in (cfg.num_splits // 2, cfg.num_splits * 2, cfg.num_splits * 4):
         if 1 <= splits <= A.MAX_DECODE_SPLITS:
-            alt = dataclasses.replace(cfg, num_splits=splits, min_tiles=1)
-            if splits == 1:
-                alt = dataclasses.replace(alt, fused_merge=False)
-            out.append(alt)
+            out.append(dataclasses.replace(cfg, num_splits=splits, min_tiles=1))
     return out
 
 
@@ -497,12 +481,9 @@ def sm90_resources(cfg: A.AttnConfig, dtype: str, group: int = H // KVH) -> str:
             sig[n] = "constexpr"
         else:
             sig[n] = "i32"
-    fused = cfg.fused_merge and cfg.num_splits > 1
-    pad = (16 if cfg.num_splits <= 16 else 256) if fused else 2
     consts = {"GROUP": group, "BLOCK_Q": cfg.block_m // group, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
               "HEAD_DIM": D, "PAGE": PAGE, "QUANT": quant, "SPLIT": cfg.num_splits > 1,
-              "UPCAST": quant and cfg.int8_upcast, "PREFETCH": int(cfg.prefetch), "FUSED_MERGE": fused,
-              "SPLITS_PAD": pad, "SPLIT_BLOCK": min(pad, 4096 // D) if fused else 2, "stride_sh": 1}
+              "UPCAST": quant and cfg.int8_upcast, "PREFETCH": int(cfg.prefetch), "stride_sh": 1}
     sig["stride_sh"] = "constexpr"
     div16 = [n for n in fn.arg_names if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_ot", "stride_oh",
                                                                 "stride_pb", "stride_pt", "stride_ph", "stride_sb",
@@ -551,8 +532,7 @@ def dry_run(args) -> int:
             for tag, cfg in [("default", plan), *named_variants(plan, batch, ctx_len, A.sm_count(cpu))]:
                 res = ""
                 if args.regs:
-                    key = dataclasses.replace(cfg, num_splits=min(cfg.num_splits, 2) if not cfg.fused_merge
-                                              else cfg.num_splits, min_tiles=1)
+                    key = dataclasses.replace(cfg, num_splits=min(cfg.num_splits, 2), min_tiles=1)
                     if (key, dtype) not in seen:
                         seen[(key, dtype)] = sm90_resources(cfg, dtype)
                     res = "  " + seen[(key, dtype)]

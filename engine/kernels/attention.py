@@ -21,8 +21,7 @@ sequence find an empty range and only record that).
 
 Decode/verify switches (`AttnConfig`, off by default, swept by tools/tune_decode_attention.py --variants):
 `prefetch` software-pipelines the whole-tile loop (the next tile's loads issued before this tile's
-math), `fused_merge` lets the last split program of each (tile, KV head) merge the partial states
-(an atomic arrival counter it re-arms, as engine/kernels/gemv.py's split-K) instead of a second launch.
+math).
 
 int8 pages are read as int8 and converted in registers: K's per-token scale multiplies the score
 column after the q·k product, V's scale multiplies the probability column before p·v. Decode and
@@ -311,44 +310,15 @@ def _attend_loaded(acc, l_i, m_i, q, k, v, ks, vs, qk_scale, QUANT: tl.constexpr
     return acc, l_i, m_new
 
 
-@triton.jit
-def _merge_row(pacc_ptr, pm_ptr, pl_ptr, o_ptr, t, h, num_heads, num_splits, stride_ot, stride_oh,
-               SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-               CACHE: tl.constexpr):
-    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits, the
-    partial accumulators summed SPLIT_BLOCK splits at a time (256 splits x head_dim 256 would not fit
-    in registers at once). CACHE ".cg": read past L1 (the fused merge reads other programs' partials)."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = (t * num_heads + h) * num_splits
-    ok = offs_s < num_splits
-    m = tl.load(pm_ptr + base + offs_s, mask=ok, other=-1.0e30, cache_modifier=CACHE)
-    l = tl.load(pl_ptr + base + offs_s, mask=ok, other=0.0, cache_modifier=CACHE)
-    top = tl.max(m, 0)
-    denom = tl.sum(tl.exp2(m - top) * l, 0)
-    out = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_BLOCK):
-        sb = s0 + tl.arange(0, SPLIT_BLOCK)
-        okb = sb < num_splits
-        mb = tl.load(pm_ptr + base + sb, mask=okb, other=-1.0e30, cache_modifier=CACHE)
-        lb = tl.load(pl_ptr + base + sb, mask=okb, other=0.0, cache_modifier=CACHE)
-        acc = tl.load(pacc_ptr + (base + sb)[:, None] * HEAD_DIM + offs_d[None, :], mask=(okb & (lb > 0))[:, None],
-                      other=0.0, cache_modifier=CACHE)
-        out += tl.sum(acc * tl.exp2(mb - top)[:, None], 0)
-    out = out / denom
-    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
-
-
 @triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "num_splits", "min_tiles"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr,
                  qsl_ptr, seq_lens_ptr, tables_ptr, qk_scale, num_seqs, tiles_per_seq, num_heads,
                  num_splits, min_tiles,
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                 UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0, FUSED_MERGE: tl.constexpr = False,
-                 SPLITS_PAD: tl.constexpr = 2, SPLIT_BLOCK: tl.constexpr = 2):
+                 UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0):
     # grid: (kv_heads, tiles, num_splits); kv head fastest so the heads of one tile run together
     kvh = tl.program_id(0)
     pid = tl.program_id(1)
@@ -453,25 +423,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
         tl.store(pm_ptr + r, m_i, mask=row_ok)
         tl.store(pl_ptr + r, l_i, mask=row_ok)
         tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
-        if FUSED_MERGE:
-            # The last split of this (tile, kv head) to finish merges all of them (one launch instead of
-            # two; the pattern of engine/kernels/gemv_kernel.py's split-K). The barrier puts every
-            # thread's partial stores before the counter's release; the acquire of the last arrival
-            # makes them visible to it, and it reads them past L1. It re-arms the counter to 0, so the
-            # next launch or CUDA-graph replay starts from zero. Every split of one (tile, kv head)
-            # takes the same early-return decision above, so a counter is either fully counted or
-            # untouched. Concurrent launches on other streams must not share the counters.
-            tl.debug_barrier()
-            slot = pid * tl.num_programs(0) + kvh
-            arrived = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:
-                for j in range(BLOCK_Q * GROUP):
-                    tok_j = tile * BLOCK_Q + j // GROUP
-                    if tok_j < q_len:
-                        _merge_row(pacc_ptr, pm_ptr, pl_ptr, o_ptr, (q_start + tok_j).to(tl.int64),
-                                   kvh * GROUP + j % GROUP, num_heads, num_splits, stride_ot, stride_oh,
-                                   SPLITS_PAD, SPLIT_BLOCK, HEAD_DIM, ".cg")
-                tl.atomic_xchg(cnt_ptr + slot, 0, sem="relaxed", scope="gpu")
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -481,9 +432,30 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, num_heads, num_splits, stride_ot, stride_oh,
                   SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One program per (token, head): `_merge_row` of the partial states the split programs wrote."""
-    _merge_row(pacc_ptr, pm_ptr, pl_ptr, o_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), num_heads,
-               num_splits, stride_ot, stride_oh, SPLITS_PAD, SPLIT_BLOCK, HEAD_DIM, "")
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits, the
+    partial accumulators summed SPLIT_BLOCK splits at a time (256 splits x head_dim 256 would not fit
+    in registers at once)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (t * num_heads + h) * num_splits
+    ok = offs_s < num_splits
+    m = tl.load(pm_ptr + base + offs_s, mask=ok, other=-1.0e30)
+    l = tl.load(pl_ptr + base + offs_s, mask=ok, other=0.0)
+    top = tl.max(m, 0)
+    denom = tl.sum(tl.exp2(m - top) * l, 0)
+    out = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        sb = s0 + tl.arange(0, SPLIT_BLOCK)
+        okb = sb < num_splits
+        mb = tl.load(pm_ptr + base + sb, mask=okb, other=-1.0e30)
+        lb = tl.load(pl_ptr + base + sb, mask=okb, other=0.0)
+        acc = tl.load(pacc_ptr + (base + sb)[:, None] * HEAD_DIM + offs_d[None, :], mask=(okb & (lb > 0))[:, None],
+                      other=0.0)
+        out += tl.sum(acc * tl.exp2(mb - top)[:, None], 0)
+    out = out / denom
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -500,9 +472,6 @@ class AttnConfig:
     # software pipeline of the whole-tile loop (see the kernel): 0 off; 1 the next tile's K (and scales)
     # and this tile's V loaded before this tile's math; 2 the next tile's K and V. Meant for num_stages 1
     prefetch: int = 0
-    # num_splits > 1: the last split program of each (tile, kv head) merges (no `_merge_kernel` launch);
-    # counters from `_merge_counters`, re-armed by the kernel
-    fused_merge: bool = False
     # ptxas register cap per thread (0: the compiler's choice); e.g. 128 keeps 4 programs of 4 warps per SM
     # where a prefetching shape would take ~160 (3 per SM). CUDA only: the interpreter ignores it
     max_regs: int = 0
@@ -521,23 +490,6 @@ PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # wave) at 44 warp-instructions per key against 65 before; NOTES.md, "int8 decode". Confirm or move
 # with tools/tune_decode_attention.py.
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
-
-
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-MERGE_COUNTERS = 1 << 16        # (tile, kv head) pairs at most for the fused merge; more: the merge kernel
-
-
-def _merge_counters(device: torch.device) -> torch.Tensor:
-    """The fused merge's arrival counters [MERGE_COUNTERS] int32 of this device: zeroed once, outside
-    any CUDA-graph capture (a capture would own the memory and replay the zeroing); every launch that
-    counts re-arms its counters, so they are zero between launches."""
-    key = (device.type, device.index)
-    if key not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("fused-merge counters must be made before CUDA-graph capture: run the "
-                               "attention call once eagerly first (the engine's warm-up does)")
-        _COUNTERS[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 @functools.lru_cache(maxsize=None)
@@ -636,35 +588,27 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         raise ValueError(f"block_m {cfg.block_m} is smaller than the group {group}")
     tiles_per_seq, num_tiles = _num_tiles(T, ctx, block_q)
     split = cfg.num_splits > 1
-    fused = split and cfg.fused_merge and num_tiles * kvh <= MERGE_COUNTERS
     if split:
         pacc = torch.empty((T, H, cfg.num_splits, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((T, H, cfg.num_splits), dtype=torch.float32, device=q.device)
         pl = torch.empty_like(pm)
     else:
         pacc = pm = pl = out                        # placeholders, never touched
-    cnt = _merge_counters(q.device) if fused else out   # placeholder unless fused
-    splits_pad = max(2, triton.next_power_of_2(cfg.num_splits))
-    if fused:
-        # two buckets, so that a sweep of split counts (or a plan that moves with the context class)
-        # compiles the big attention kernel twice, not once per power of two
-        splits_pad = 16 if cfg.num_splits <= 16 else max(256, splits_pad)
-    split_block = max(2, min(splits_pad, 4096 // d))
     kp, vp, ks, vs, *strides = page_args(kv)
     _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
-        q, kp, vp, ks, vs, out, pacc, pm, pl, cnt, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+        q, kp, vp, ks, vs, out, pacc, pm, pl, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
         scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *strides, ctx.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
-        PREFETCH=int(cfg.prefetch), FUSED_MERGE=fused,
-        SPLITS_PAD=splits_pad if fused else 2, SPLIT_BLOCK=split_block if fused else 2,   # fixed when unused: one compile
+        PREFETCH=int(cfg.prefetch),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
-    if split and not fused:
+    if split:
         _merge_kernel[(T, H)](pacc, pm, pl, out, H, cfg.num_splits, out.stride(0), out.stride(1),
-                              SPLITS_PAD=splits_pad, SPLIT_BLOCK=split_block, HEAD_DIM=d,
+                              SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)),
+                              SPLIT_BLOCK=max(2, min(triton.next_power_of_2(cfg.num_splits), 4096 // d)), HEAD_DIM=d,
                               num_warps=4 if cfg.num_splits * d >= 4096 else 2)
     return out
 
