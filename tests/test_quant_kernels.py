@@ -137,3 +137,45 @@ def test_fused_activation_quantization_is_the_torch_one(rows):
     assert bool((same_sign | (q.float() == 0) | (qt_.float() == 0)).all())
     assert int(((codes & 0x7F) - (codes_t & 0x7F)).abs().max()) <= 1
     assert float((codes != codes_t).float().mean()) < 5e-3
+
+
+# the fp16x2 variants (GemvConfig.nvfp4_h2 / fp8_h2; their PTX emulated in tests/test_gemv_h2.py): one row takes
+# them, more rows fall back to the kernel above
+H2_VARIANTS = {"nvfp4_h2 8x512": ("nvfp4", {"block_n": 8, "block_k": 512, "nvfp4_h2": True}),
+               "nvfp4_h2 16x1024": ("nvfp4", {"block_n": 16, "block_k": 1024, "nvfp4_h2": True}),
+               "fp8_h2 chain1": ("fp8", {"block_n": 8, "block_k": 512, "fp8_h2": 1, "x_shift": 8}),
+               "fp8_h2 chain2": ("fp8", {"block_n": 16, "block_k": 512, "fp8_h2": 2, "x_shift": 8}),
+               "fp8_h2 chain4": ("fp8", {"block_n": 8, "block_k": 1024, "fp8_h2": 4, "x_shift": 8}),
+               "nvfp4_h2 prefetch": ("nvfp4", {"block_n": 8, "block_k": 256, "nvfp4_h2": True, "prefetch": True}),
+               "fp8_h2 prefetch": ("fp8", {"block_n": 8, "block_k": 256, "fp8_h2": 4, "x_shift": 8, "prefetch": True}),
+               "nvfp4_h2 prefetch r96": ("nvfp4", {"block_n": 8, "block_k": 2048, "nvfp4_h2": True, "prefetch": True,
+                                                   "maxnreg": 96}),
+               "fp8_h2 prefetch r96": ("fp8", {"block_n": 8, "block_k": 1024, "fp8_h2": 4, "x_shift": 8,
+                                               "prefetch": True, "maxnreg": 96})}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(H2_VARIANTS))
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GEMV_SHAPES])
+def test_gemv_h2_variants_match_the_reference(qt, variant, shape):
+    from engine.kernels.gemv import GemvConfig
+    fmt, kw = H2_VARIANTS[variant]
+    r = qt.check_gemv(fmt, *shape, DEV, seed=sum(shape), config=GemvConfig(**kw))
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_gemv_h2_split_ragged_and_small_scale_blocks(qt, fmt):
+    """K split over programs (run twice: the counters re-armed; with and without the next tile loaded ahead),
+    FP8 scale blocks of 64 x 32, a ragged N and K."""
+    from engine.kernels.gemv import GemvConfig
+    n, k = (512, 2048) if CUDA else (32, 512)
+    for prefetch in (False, True):
+        cfg = GemvConfig(8, 128, split=3, nvfp4_h2=True, fp8_h2=4, x_shift=8, prefetch=prefetch)
+        for _ in range(2):
+            r = qt.check_gemv(fmt, 1, n, k, DEV, seed=3, config=cfg, block=(64, 32))
+            assert r["unwritten"] == 0 and r["rel_err"] < TOL, (prefetch, r)
+    n, k = (1000, 1008) if CUDA else (20, 176)
+    r = qt.check_gemv(fmt, 1, n, k, DEV, seed=4, config=GemvConfig(8, 256, nvfp4_h2=True, fp8_h2=2, x_shift=8))
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
