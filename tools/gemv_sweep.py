@@ -2,8 +2,6 @@
 dequantizer, then a timing table at the qwen3-8b/32b layer shapes and their TP=2 shards.
 
     PYTHONUNBUFFERED=1 python3 -m tools.gemv_sweep [--budget-s 140] [--rows 1,4,8,2]
-    PYTHONUNBUFFERED=1 python3 -m tools.gemv_sweep --h2 [--budget-s 100]    # one row: the fp16x2 variants
-                                                                            # vs the defaults (gemv_h2.json)
 
 Each point is a CUDA graph of 20 calls that cycle through enough copies of the layer's weight to
 exceed the 60 MB L2 several times over (so every call streams its weight from HBM), timed by CUDA
@@ -15,8 +13,6 @@ the tensor-core `skinny` kernel of quant_gemm.py (before) and cuBLAS (bf16). JSO
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import os
 import sys
@@ -285,177 +281,6 @@ def fp8_prefill_winner(result: dict) -> None:
     print(f"FP8_PREFILL_WINNER={'triton' if best.startswith('triton') else best} {best}", flush=True)
 
 
-# -- the fp16x2 variants (GemvConfig.nvfp4_h2 / fp8_h2) against the M = 1 defaults: `--h2` ------------------
-
-H2_VARIANTS = {
-    "fp8": {"h2c4 8x1024": G.GemvConfig(8, 1024, fp8_h2=4, x_shift=8),
-            "h2c2 8x1024": G.GemvConfig(8, 1024, fp8_h2=2, x_shift=8),
-            "h2c1 8x1024": G.GemvConfig(8, 1024, fp8_h2=1, x_shift=8),
-            "h2c4 16x1024": G.GemvConfig(16, 1024, fp8_h2=4, x_shift=8),
-            "h2c4 8x2048": G.GemvConfig(8, 2048, fp8_h2=4, x_shift=8),
-            "h2c4 8x512": G.GemvConfig(8, 512, fp8_h2=4, x_shift=8),
-            "h2c4 4x1024": G.GemvConfig(4, 1024, fp8_h2=4, x_shift=8),
-            "h2c4 16x512w8": G.GemvConfig(16, 512, 8, fp8_h2=4, x_shift=8),
-            "h2c4pf 8x1024": G.GemvConfig(8, 1024, fp8_h2=4, x_shift=8, prefetch=True),
-            "h2c4pf 16x1024": G.GemvConfig(16, 1024, fp8_h2=4, x_shift=8, prefetch=True),
-            "h2c4pf 8x1024r96": G.GemvConfig(8, 1024, fp8_h2=4, x_shift=8, prefetch=True, maxnreg=96),
-            "h2c4pf 8x2048r128": G.GemvConfig(8, 2048, fp8_h2=4, x_shift=8, prefetch=True, maxnreg=128)},
-    "nvfp4": {"h2@default": None,                 # the default launch shape of each layer, nvfp4_h2 on
-              "h2 8x2048": G.GemvConfig(8, 2048, nvfp4_h2=True),
-              "h2 16x1024": G.GemvConfig(16, 1024, nvfp4_h2=True),
-              "h2 16x2048": G.GemvConfig(16, 2048, nvfp4_h2=True),
-              "h2 8x1024": G.GemvConfig(8, 1024, nvfp4_h2=True),
-              "h2 4x2048": G.GemvConfig(4, 2048, nvfp4_h2=True),
-              "h2 32x1024": G.GemvConfig(32, 1024, nvfp4_h2=True),
-              "h2 8x4096": G.GemvConfig(8, 4096, nvfp4_h2=True),
-              "h2 16x2048w8": G.GemvConfig(16, 2048, 8, nvfp4_h2=True),
-              "h2 32x1024w8": G.GemvConfig(32, 1024, 8, nvfp4_h2=True),
-              "h2pf 8x2048": G.GemvConfig(8, 2048, nvfp4_h2=True, prefetch=True),
-              "h2pf 16x1024": G.GemvConfig(16, 1024, nvfp4_h2=True, prefetch=True),
-              "h2pf 8x2048r96": G.GemvConfig(8, 2048, nvfp4_h2=True, prefetch=True, maxnreg=96),
-              "h2pf 16x1024r128": G.GemvConfig(16, 1024, nvfp4_h2=True, prefetch=True, maxnreg=128),
-              "h2 16x2048r128": G.GemvConfig(16, 2048, nvfp4_h2=True, maxnreg=128)},
-}
-H2_GROUPS = ("8b", "32b", "8b tp2")
-
-
-def _group(label: str) -> str:
-    # "8b qkv" -> "8b", "8b qkv tp2" -> "8b tp2"
-    parts = label.split()
-    return f"{parts[0]} tp2" if parts[-1] == "tp2" else parts[0]
-
-
-def _h2_config(fmt: str, variant: str, n: int, k: int):
-    """None for the default (the engine's choice per shape); `h2@default` is that shape with nvfp4_h2 on."""
-    if variant == "default":
-        return None
-    cfg = H2_VARIANTS[fmt][variant]
-    if cfg is None:
-        return dataclasses.replace(G.default_config(fmt, 1, n, k), nvfp4_h2=True)
-    block_k = cfg.block_k
-    while k % block_k and block_k > 256:        # default_config's rule: a tile that divides K keeps the loop unmasked
-        block_k //= 2
-    return dataclasses.replace(cfg, block_k=block_k)
-
-
-_H2_WEIGHTS: dict = {}
-
-
-def _h2_check(fmt: str, variant: str, n: int, k: int, seed: int, outliers: bool) -> dict:
-    """The variant against x @ dequantize(W)^T (the reference dequantizer), as a relative error of the largest
-    output; with `outliers`, a few activations of +-2000 (fp16 partial sums must not overflow)."""
-    key = (fmt, n, k, seed)
-    if key not in _H2_WEIGHTS:                  # the same layer for every variant (drawing it is the slow part)
-        _H2_WEIGHTS.clear()
-        _H2_WEIGHTS[key] = QC.make_weights(fmt, n, k, DEV, seed)
-    wt = _H2_WEIGHTS[key]
-    gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(1, k, generator=gen)
-    if outliers:
-        idx = torch.randperm(k, generator=gen)[:8]
-        x[0, idx] = 2000.0 * torch.sign(torch.randn(8, generator=gen))
-    x = x.to(DEV, torch.bfloat16)
-    y = G.gemv(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], n, wt["block"], _h2_config(fmt, variant, n, k))
-    ref = x.float() @ wt["ref"].T
-    return {"unwritten": int(torch.isnan(y).sum()) + int(torch.isinf(y).sum()),
-            "rel_err": float((y.float() - ref).abs().max() / ref.abs().max())}
-
-
-def h2_sweep(budget_s: float) -> int:
-    """Checks every variant (two shapes, one of them ragged, and outlier activations), then times the M = 1
-    layers of qwen3-8b, -32b and the 8b TP2 shard: the default vs each variant, GB/s and fraction of copy
-    summed over the 4 layers of each; a variant that failed a check is listed BAD and never ranked."""
-    result = {"device": torch.cuda.get_device_name() if not DRY else "cpu", "checks": [], "points": []}
-    bw = copy_bandwidth() if not DRY else 1e12
-    result["copy_Bps"] = bw
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s ({time.time() - T0:.0f} s)", flush=True)
-    bad: set = set()
-    checks = [(4096, 4096, False), (6144, 4096, True), (3000, 1008, False)] if not DRY else \
-        [(64, 512, False), (64, 512, True), (40, 160, False)]
-    for fmt in ("fp8", "nvfp4"):
-        names = ["default", *H2_VARIANTS[fmt]]
-        for j, (n, k, outl) in enumerate(checks):
-            # the ragged shape (masked loads: another compile) for the first three variants of each format only
-            for v in names if j < 2 else names[:3]:
-                try:
-                    r = _h2_check(fmt, v, n, k, seed=n + k, outliers=outl)
-                    ok = r["unwritten"] == 0 and r["rel_err"] < 2 ** -8
-                except Exception as e:  # noqa: BLE001 - a variant that fails to build is a result
-                    r, ok = {"error": str(e)[-300:]}, False
-                result["checks"].append({"fmt": fmt, "variant": v, "N": n, "K": k, "outliers": outl, "ok": ok, **r})
-                if not ok:
-                    bad.add((fmt, v))
-                    print(f"check BAD {fmt} {v} {n}x{k}{' outliers' if outl else ''}: {r}", flush=True)
-        for v in names:
-            errs = [c.get("rel_err", float("nan")) for c in result["checks"] if c["fmt"] == fmt and c["variant"] == v]
-            print(f"check {fmt:5s} {v:18s} {'BAD' if (fmt, v) in bad else 'OK '} rel err "
-                  + " ".join(f"{e:.2e}" for e in errs), flush=True)
-    print(f"checks done ({time.time() - T0:.0f} s)", flush=True)
-    shapes = [s for s in all_shapes() if _group(s[0]) in H2_GROUPS and "lm_head" not in s[0]]
-    if DRY:
-        shapes = [(f"8b {name}", 64, 512) for name in ("qkv", "o", "gate_up", "down")]
-    for label, n, k in shapes:
-        for fmt in ("fp8", "nvfp4"):
-            if time.time() - T0 > budget_s:
-                print(f"budget spent: skipped {label} {fmt}", flush=True)
-                continue
-            one = random_layer(fmt, n, k)
-            nbytes = layer_bytes(one)
-            copies = [one] + [random_layer(fmt, n, k) for _ in range(max(1, -(-200_000_000 // nbytes)) - 1)]
-            x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
-            for v in ["default", *H2_VARIANTS[fmt]]:
-                if (fmt, v) in bad:
-                    continue
-                cfg = _h2_config(fmt, v, n, k)
-                layers = [copies[i % len(copies)] for i in range(max(20, len(copies)))]
-                fns = [functools.partial(G.gemv, x, fmt, c["w"], c.get("s"), c.get("rs"), n, (128, 128), cfg)
-                       for c in layers]
-                try:
-                    s = graph_seconds(fns)
-                except Exception as e:  # noqa: BLE001
-                    print(f"{label} {fmt} {v}: ERROR {str(e)[-200:]}", flush=True)
-                    bad.add((fmt, v))
-                    continue
-                result["points"].append({"shape": label, "N": n, "K": k, "fmt": fmt, "variant": v, "us": s * 1e6,
-                                         "GBps": nbytes / s / 1e9, "of_copy": nbytes / s / bw})
-            del copies, one
-        (OUT / "gemv_h2.json").write_text(json.dumps(result, indent=1))
-    (OUT / "gemv_h2.json").write_text(json.dumps(result, indent=1))
-    h2_report(result, bad)
-    print(f"total {time.time() - T0:.0f} s")
-    return 0
-
-
-def h2_report(result: dict, bad: set = frozenset()) -> None:
-    """Per format: each variant's GB/s and fraction of copy summed over the 4 layers of each model
-    (bytes over time), the default first; the winner per model among the variants that passed."""
-    bw = result["copy_Bps"]
-    bad = set(bad) | {(c["fmt"], c["variant"]) for c in result.get("checks", []) if not c["ok"]}
-    print(f"\n== M = 1, fraction of copy ({bw / 1e12:.2f} TB/s) and GB/s, summed over qkv, o, gate_up, down ==")
-    for fmt in ("fp8", "nvfp4"):
-        print(f"{fmt:5s} {'variant':18s} " + " ".join(f"{g:>17s}" for g in H2_GROUPS) + "  check")
-        best: dict = {}
-        base: dict = {}
-        for v in ["default", *H2_VARIANTS[fmt]]:
-            cells = []
-            for g in H2_GROUPS:
-                ps = [p for p in result["points"] if p["fmt"] == fmt and p["variant"] == v and _group(p["shape"]) == g]
-                if len(ps) != 4:
-                    cells.append(f"{'-':>17s}")
-                    continue
-                nbytes = sum(p["GBps"] * p["us"] * 1e3 for p in ps)
-                secs = sum(p["us"] for p in ps) * 1e-6
-                frac = nbytes / secs / bw
-                cells.append(f"{frac:6.3f} {nbytes / secs / 1e9:6.0f} GB/s")
-                if v == "default":
-                    base[g] = frac
-                if (fmt, v) not in bad and frac > best.get(g, ("", 0))[1]:
-                    best[g] = (v, frac)
-            print(f"{fmt:5s} {v:18s} " + " ".join(cells) + ("  BAD" if (fmt, v) in bad else "  ok"))
-        print(f"{fmt:5s} best: " + ", ".join(f"{g} {v} {f:.3f} ({f / base[g]:.2f}x default)" if base.get(g) else
-                                            f"{g} {v} {f:.3f}" for g, (v, f) in best.items()), flush=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget-s", type=float, default=140)
@@ -464,13 +289,7 @@ def main() -> int:
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--prefill-layers", default=None, help="comma-separated subset of qkv,o,gate_up,down")
     ap.add_argument("--prefill-configs", default=None, help="comma-separated subset of " + ",".join(PREFILL_CONFIGS))
-    ap.add_argument("--h2", action="store_true", help="only the fp16x2 variants vs the M = 1 defaults (FP8, NVFP4)")
     args = ap.parse_args()
-    if args.h2:
-        if args.report:
-            h2_report(json.loads(Path(args.report).read_text()))
-            return 0
-        return h2_sweep(args.budget_s)
     if args.report:
         report(json.loads(Path(args.report).read_text()))
         return 0

@@ -22,11 +22,6 @@ output rows and a slice of K (all of K unless SPLIT > 1) and walks it BLOCK_K co
     output block to finish (an atomic counter per block) sums the partials in order, writes the
     output and re-arms the counter, so there is one launch and the sum is deterministic.
 Grids depend on shapes only (CUDA-graph safe); the workspace and counters are made once per device.
-
-Variants for one row, off by default (GemvConfig.nvfp4_h2 / fp8_h2; tools/gemv_sweep.py --h2 compares them):
-the weight decoded to fp16 pairs (NVFP4 by byte permutes over a table of the E2M1 values' fp16 high bytes,
-FP8 by `cvt.rn.f16x2.e4m3x2`), multiplied by fp16 activation pairs in HFMA2 over 4-16 columns, fp32 beyond
-(gemv_kernel.py says why and how; tests/test_gemv_h2.py emulates the PTX).
 """
 
 from __future__ import annotations
@@ -37,16 +32,7 @@ import torch
 import triton
 
 from engine.kernels import pdl
-from engine.kernels.gemv_kernel import (
-    BF16_CODE,
-    E2M1_ASM,
-    E2M1_F16_HI,
-    FP8_CODE,
-    NVFP4_CODE,
-    gemv_fp8_h2_kernel,
-    gemv_kernel,
-    gemv_nvfp4_h2_kernel,
-)
+from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
 
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gemv", "linear",
            "takes", "use_gemv"]
@@ -63,17 +49,6 @@ class GemvConfig:
     asm: bool = True       # NVFP4: decode nibbles by inline PTX (CUDA only; the interpreter takes Triton ops)
     x2d: bool = True       # FP8/bf16: load the activations in the weight tile's shape (no layout conversion)
     prefetch: bool = False  # load the next tile before this one's arithmetic
-    # NVFP4 at one row: byte-permute E2M1 decode and fp16x2 products summed per group of 16
-    # (gemv_kernel.gemv_nvfp4_h2_kernel); activations scaled by 2^-x_shift into fp16's range
-    nvfp4_h2: bool = False
-    x_shift: int = 6
-    # FP8 at one row: e4m3 pairs converted to fp16 pairs (cvt.rn.f16x2.e4m3x2) and multiplied in fp16x2,
-    # flushed to fp32 every fp8_h2 words (1, 2 or 4; 0 = off; gemv_kernel.gemv_fp8_h2_kernel)
-    fp8_h2: int = 0
-    # the fp16x2 kernels: a register limit for ptxas (0: its own choice). With prefetch, ptxas left to itself
-    # keeps 48 registers by issuing the next tile's loads after this tile's arithmetic (no overlap in the warp);
-    # a limit of 96 lets them go out first (SASS of the 8x2048 NVFP4 loop)
-    maxnreg: int = 0
 
 
 # Launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern/
@@ -84,7 +59,7 @@ class GemvConfig:
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
 #   M = 4 and 8: the tensor-core skinny kernel (and cuBLAS for bf16) win, so the GEMV stops at 2 rows.
 GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": 1}
-_WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor] | torch.Tensor] = {}
+_WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 WORKSPACE_FLOATS = 1 << 20      # SPLIT * M * N fp32 partials at most (4 MiB)
 COUNTERS = 1 << 16              # output blocks at most
 
@@ -109,15 +84,6 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
 
 def use_gemv(fmt: str, rows: int) -> bool:
     return rows <= GEMV_ROWS.get(fmt, 0)
-
-
-def _e2m1_table(device: torch.device) -> torch.Tensor:
-    # int32 [32]: copies of the low word of the fp16 E2M1 table (gemv_nvfp4_h2_kernel reads it from memory, each
-    # thread from its own address); made once per device
-    key = ("e2m1", device.type, device.index)
-    if key not in _WORK:
-        _WORK[key] = torch.full((32,), E2M1_F16_HI[0], dtype=torch.int32, device=device)
-    return _WORK[key]
 
 
 def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,24 +118,6 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     split = triton.cdiv(K, k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     ws, cnt = _workspace(x.device) if split > 1 else (out, out)
-    even_k, even_n = k_per_split * split == K, N % block_n == 0
-    launch = {"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT": split, "ASM": cfg.asm and x.is_cuda, "EVEN_K": even_k,
-              "EVEN_N": even_n, "X_SHIFT": cfg.x_shift, "PREFETCH": cfg.prefetch, "num_warps": cfg.num_warps,
-              "num_stages": cfg.num_stages, **pdl.launch_options(x.device)}
-    if cfg.maxnreg and x.is_cuda:
-        launch["maxnreg"] = cfg.maxnreg
-    if code == NVFP4_CODE and cfg.nvfp4_h2 and _h2_takes(x, weight, K, block_k):
-        ww = weight.view(torch.int32)                              # [N, K/8]: 8 codes per word
-        gemv_nvfp4_h2_kernel[(grid_n, split)](x.view(torch.int32), ww, scale, row_scale, out, ws, cnt,
-                                              _e2m1_table(x.device), N, K, ww.stride(0), scale.stride(0),
-                                              k_per_split, **launch)
-        return out
-    if code == FP8_CODE and cfg.fp8_h2 and _h2_takes(x, weight, K, block_k) and block_k % scale_block[1] == 0:
-        ww = weight.view(torch.uint8).view(torch.int32)            # [N, K/4]: 4 e4m3 bytes per word
-        gemv_fp8_h2_kernel[(grid_n, split)](x.view(torch.int32), ww, scale, out, ws, cnt, N, K, ww.stride(0),
-                                            scale.stride(0), k_per_split, scale_block[0], SCALE_BC=scale_block[1],
-                                            F8_CHAIN=cfg.fp8_h2, **launch)
-        return out
     s = scale if scale is not None else weight
     rs = row_scale if row_scale is not None else s
     asm = cfg.asm and x.is_cuda and code == NVFP4_CODE
@@ -181,14 +129,6 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
-
-
-def _h2_takes(x: torch.Tensor, weight: torch.Tensor, K: int, block_k: int) -> bool:
-    """Whether the fp16x2 kernels (GemvConfig.nvfp4_h2 / fp8_h2) can take this call: one bf16 row, whole
-    4-byte-aligned 32-bit words of weight bytes and of activation pairs, tiles of whole 16-column groups."""
-    return (x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.data_ptr() % 4 == 0
-            and weight.stride(-1) == 1 and weight.stride(0) % 4 == 0 and weight.data_ptr() % 4 == 0
-            and K % 16 == 0 and block_k % 16 == 0)
 
 
 def takes(x: torch.Tensor) -> bool:
