@@ -1,0 +1,387 @@
+"""Prefill attention over contiguous K/V: a Triton FlashAttention forward with TMA tile loads.
+
+Why a second attention kernel. `_attn_kernel` (engine/kernels/attention.py) reads K/V straight
+from the paged cache: each key row needs its block-table entry, so every K/V tile is a gather of
+BLOCK_N 256-byte rows by `cp.async` (LDGSTS), issued and waited for by the same warps that run the
+MMAs. On the H200 that route stays at 0.42-0.48 of the bf16 matmul rate for long prefill chunks
+(NOTES.md, "Measurements"). For a prefill chunk the gather is cheap to do once instead: all of a
+chunk's keys are copied into one contiguous buffer per layer (`gather_kv`: 2 x kv_heads x head_dim
+x 2 bytes per key, ~4 KB per key for K and V together at qwen3-8b, about 1% of the attention's
+time at 28k context), and the attention itself then reads rectangular tiles that the Hopper TMA
+unit fetches with one instruction each (`cp.async.bulk.tensor`), with no address arithmetic in the
+warps and no per-row block-table loads.
+
+Layout (FlashAttention's varlen convention, "packed"):
+  q   [total_q, heads, head_dim]       the new tokens of B sequences, one after another
+  k,v [total_k, kv_heads, head_dim]    each sequence's keys, positions 0 .. k_len-1, one after another
+  cu_seqlens_q, cu_seqlens_k [B + 1]   int32 prefix sums (sequence b: rows cu[b] .. cu[b+1])
+  out [total_q, heads, head_dim]
+Query i of sequence b (q_len = its query count, k_len = its key count) sits at position
+k_len - q_len + i and sees keys 0 .. k_len - q_len + i (causal, aligned to the bottom right: a chunk
+after earlier context). head_dim is contiguous everywhere; q/out may have any token stride.
+
+The program: one per (query head, sequence, BLOCK_M-query tile). Grid (heads, B, max tiles), heads
+fastest, so the GROUP query heads that share a KV head run side by side and read each K/V tile from
+L2 right after the first of them brought it in (how FlashAttention-3 handles GQA). Option
+`pack_gqa`: one program per (KV head, sequence, BLOCK_M / GROUP queries), its BLOCK_M rows being
+those queries x the GROUP heads (vLLM's packing, as `_attn_kernel` does): each K/V tile then
+crosses L2 -> SM once per group instead of GROUP times (at 600 TFLOP/s, 128-row tiles, one head per
+program, that stream is ~4.6 TB/s, near what L2 delivers), at the price of q held in registers
+(Triton reshapes the 3-D [queries, heads, D] TMA box there: ~246 registers instead of ~199).
+Tiles are issued longest first (the last query tile of a causal chunk sees the most keys). The
+loop over keys is FlashAttention-2's online softmax in the log2 domain with the 1/sqrt(d)·log2(e)
+scale folded into one FMA per score (`qk * scale - m`), in two parts:
+  1. key tiles every row of the query tile sees whole: no mask at all;
+  2. the tiles that straddle the causal diagonal: masked by position (for the rows of the
+     sequence that also drops keys past its end; rows past q_len are never stored).
+Tiles past the tile's last query are never loaded. Float32 softmax state and accumulator, output
+in q's dtype.
+
+Hopper features and why:
+- TMA (tensor descriptors): Q, K, V tiles (and O, for tiles that lie wholly inside their
+  sequence) move by `cp.async.bulk.tensor`, with completion on an mbarrier, straight into the
+  swizzled shared-memory layout that `wgmma` reads: no register staging, no LDGSTS issue slots.
+  Host-side descriptors (`triton.tools.tensor_descriptor.TensorDescriptor`), built once per call
+  and passed as kernel parameters: no device-side descriptor writes and no global scratch.
+  Tiles that run past a sequence's keys read the next sequence's rows (or TMA's zero fill past
+  the tensor's end); the mask of loop 2 drops them. The last query tile of a sequence, which may
+  reach into the next sequence's rows, stores with a masked `tl.store` instead of TMA.
+- `wgmma` for both products (q·k with q and k from shared memory, p·v with p from registers).
+- `tl.range(..., num_stages=S)`: the unmasked loop, which is nearly all of the work at long
+  contexts, is software-pipelined S deep (S K/V buffers, loads of the next steps in flight).
+- What Triton 3.6 does NOT give on sm_90 (checked in its PTX/TTGIR, compiled on a CPU):
+  * `warp_specialize=True` on this loop compiles to the same PTX as without (no setmaxnreg, no
+    producer warp): the Hopper warp-specialization pass does not take this loop (it does take a
+    plain TMA GEMM loop). Kept as a flag so the GPU sweep shows it, default off.
+  * FA3's intra-warpgroup overlap: `pipeline_qk` issues the next tile's q·k before this tile's
+    softmax (`_attend_pipelined`), but Triton waits on that wgmma at once (it keeps a wgmma in
+    flight only when its result feeds the next iteration's MMA as accumulator), so the softmax
+    still runs with the tensor cores idle. Kept as an option for the sweep.
+  The overlap Triton can give is between programs: configurations with two resident programs per
+  SM (`bm64 bn64 w4 s2`: 146 registers, 81 KB; `bm128 bn64 w8 s2` capped at 128 registers:
+  96 KB) let one program's exp2/max/sum run while the other's MMAs do, with no schedule enforced.
+  tools/prefill_attention_check.py sweeps these against the one-per-SM 128 x 128 tiles.
+
+The interpreter (TRITON_INTERPRET=1) runs the same kernel on the CPU, descriptors included
+(tests/test_kernels_prefill_tma.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+try:                                            # Triton >= 3.4: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:                             # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, desc_k, desc_v, k_row0, kv_col, lo, hi, q_pos, qk_scale,
+            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """Keys [lo, hi) of one sequence (lo a multiple of BLOCK_N), BLOCK_N at a time, online softmax in
+    log2 units. MASKED: drop keys after each row's position q_pos [BLOCK_M]."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+        start = tl.multiple_of(start, BLOCK_N)
+        k = desc_k.load([k_row0 + start, kv_col])                  # [BLOCK_N, D]
+        s = tl.dot(q, k.T)                                          # [BLOCK_M, BLOCK_N] float32, unscaled
+        if MASKED:
+            # keys after each row's position: for the rows of the sequence (q_pos < k_len) this also
+            # drops every key past the sequence's end; rows past q_len are never stored
+            keys = start + offs_n
+            visible = keys[None, :] <= q_pos[:, None]
+            s = tl.where(visible, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            # scale folded into the subtraction: one FMA per score
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = desc_v.load([k_row0 + start, kv_col])                  # [BLOCK_N, D]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_pipelined(acc, l_i, m_i, q, desc_k, desc_v, k_row0, kv_col, lo, hi, qk_scale,
+                      BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The unmasked loop of `_attend` with q·k of the next tile issued before this tile's softmax
+    (FlashAttention-3's intra-warpgroup overlap, written as software pipelining): the score MMA
+    of step j + 1 is in flight on the tensor cores while the warps run step j's exp2/max/sum.
+    The last step recomputes the last tile's scores (index clamped) and drops them: one wasted
+    q·k per program, against one overlap per step. Costs the registers of a second score tile.
+    Triton 3.6 for sm_90 waits on the early q·k right after issuing it (wgmma.wait_group 0; seen
+    in the PTX), so as compiled today there is no overlap: an experiment for the sweep only."""
+    if lo < hi:
+        k = desc_k.load([k_row0 + lo, kv_col])
+        s = tl.dot(q, k.T)
+        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+            start = tl.multiple_of(start, BLOCK_N)
+            nxt = tl.minimum(start + BLOCK_N, hi - BLOCK_N)
+            k_next = desc_k.load([k_row0 + nxt, kv_col])
+            s_next = tl.dot(q, k_next.T)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            p = tl.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = desc_v.load([k_row0 + start, kv_col])
+            acc = tl.dot(p.to(v.dtype), v, acc)
+            m_i = m_new
+            s = s_next
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_rows(out, o_ptr, q_start, m0, q_len, head0, stride_ot, stride_oh, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HG: tl.constexpr):
+    # row r = (query m0 + r // HG, head head0 + r % HG), those with query < q_len only: the sequence's
+    # last tile may reach into the next sequence's rows, which a TMA store would overwrite
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if HG == 1:
+        tok = m0 + offs_m
+        ptrs = o_ptr + head0 * stride_oh + (q_start + tok).to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
+    else:
+        tok = m0 + offs_m // HG
+        heads = head0 + offs_m % HG
+        ptrs = o_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(ptrs, out, mask=(tok < q_len)[:, None])
+
+
+@triton.jit
+def _prefill_attn_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale, stride_ot, stride_oh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_STORE: tl.constexpr,
+                         PIPE_QK: tl.constexpr, PACK_GQA: tl.constexpr):
+    # grid (heads, sequences, max query tiles), heads fastest: the GQA siblings of one tile run side
+    # by side and share K/V tiles in L2. PACK_GQA: grid (kv heads, ...), and a program's BLOCK_M rows
+    # are BLOCK_Q queries x the GROUP heads of its KV head (row r: query r // GROUP, head r % GROUP),
+    # so each K/V tile crosses L2 -> SM once per group instead of GROUP times; q and out then move
+    # as 3-D [BLOCK_Q, GROUP, D] boxes of [tokens, heads, D].
+    HG: tl.constexpr = GROUP if PACK_GQA else 1              # heads per program
+    BLOCK_Q: tl.constexpr = BLOCK_M // HG                    # queries per program
+    pid_h = tl.program_id(0)
+    seq = tl.program_id(1)
+    t = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    n_tiles = tl.cdiv(q_len, BLOCK_Q)
+    if t >= n_tiles:
+        return
+    tile = n_tiles - 1 - t                                  # longest (latest) tiles first
+    k_start = tl.load(cu_k_ptr + seq)
+    k_len = tl.load(cu_k_ptr + seq + 1) - k_start
+    m0 = tile * BLOCK_Q                                     # the tile's first query within the sequence
+    first_pos = k_len - q_len + m0                          # its position
+    offs_m = tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        q_pos = first_pos + offs_m // HG                    # [BLOCK_M]; rows past q_len: dropped at the store
+    else:
+        q_pos = first_pos + offs_m
+    head0 = pid_h * HG                                      # first query head of the program
+
+    if PACK_GQA:
+        q = desc_q.load([q_start + m0, head0, 0]).reshape([BLOCK_M, HEAD_DIM])     # [BLOCK_Q, GROUP, D] box
+        kv_col = pid_h * HEAD_DIM
+    else:
+        q = desc_q.load([q_start + m0, head0 * HEAD_DIM])   # [BLOCK_M, D]
+        kv_col = (head0 // GROUP) * HEAD_DIM
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)           # finite: no inf - inf on a fully masked tile
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+
+    # keys <= first_pos are visible to every row of the tile: whole tiles below need no mask
+    mid = (first_pos + 1) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(k_len, first_pos + BLOCK_Q)              # keys after the tile's last query: never seen
+    if PIPE_QK:
+        acc, l_i, m_i = _attend_pipelined(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, 0, mid, qk_scale,
+                                          BLOCK_N, NUM_STAGES)
+    else:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, 0, mid, q_pos, qk_scale,
+                                BLOCK_N, False, NUM_STAGES, WARP_SPEC)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, mid, hi, q_pos, qk_scale,
+                            BLOCK_N, True, NUM_STAGES, False)
+
+    out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    if TMA_STORE:
+        if m0 + BLOCK_Q <= q_len:
+            if PACK_GQA:
+                desc_o.store([q_start + m0, head0, 0], out.reshape([BLOCK_Q, HG, HEAD_DIM]))
+            else:
+                desc_o.store([q_start + m0, head0 * HEAD_DIM], out)
+        else:
+            _store_rows(out, o_ptr, q_start, m0, q_len, head0, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, HG)
+    else:
+        _store_rows(out, o_ptr, q_start, m0, q_len, head0, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, HG)
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape. BLOCK_N <= BLOCK_M keeps the diagonal to at most BLOCK_M / BLOCK_N + 1 masked tiles."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 2
+    warp_specialize: bool = False
+    tma_store: bool = True
+    pipeline_qk: bool = False       # `_attend_pipelined`: next tile's q·k overlaps this tile's softmax
+    # GQA heads packed into a program's rows (group a power of two dividing block_m; else ignored)
+    pack_gqa: bool = False
+    # a register cap (ptxas): 128 lets two 8-warp programs share an SM (bm128 bn64 s2: 96 KB shared
+    # each, no spills in ptxas for sm_90), so one program's softmax can run beside the other's MMAs
+    maxnreg: int | None = None
+
+
+# head_dim 128: 128 x 128 tiles, 8 warps (two consumer warp groups of 64 rows, as FA3 splits them).
+# head_dim 256: a 128 x 256 float32 accumulator is 128 registers a thread over 8 warps; 64-key tiles
+# keep the score tile and the K/V stages inside 227 KB of shared memory.
+DEFAULT = {128: PrefillConfig(), 256: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)}
+
+
+def default_config(head_dim: int) -> PrefillConfig:
+    return DEFAULT.get(head_dim, PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2))
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, D] with contiguous (heads, D) rows -> a [T, heads * D] view (TMA wants a 2-D matrix
+    with unit last stride and 16-byte aligned row stride)."""
+    T, n, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d:
+        raise ValueError(f"need [T, heads, head_dim] with contiguous heads and head_dim, got strides {x.stride()}")
+    if (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        raise ValueError("TMA needs a 16-byte aligned base and row stride")
+    return x.as_strided((T, n * d), (x.stride(0), 1))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, scale: float, *,
+                      out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' contiguous keys.
+
+    q: [total_q, heads, D]; k, v: [total_k, kv_heads, D] (bf16/fp16, D a power of two >= 16);
+    cu_seqlens_q, cu_seqlens_k: [B + 1] int32 on q's device; every sequence needs q_len <= k_len
+    (query i at position k_len - q_len + i). max_seqlen_q: a host bound of the query counts (sizes
+    the grid; no device read). Returns out [total_q, heads, D] in q's dtype.
+    """
+    T, H, d = q.shape
+    _, kvh, dk = k.shape
+    if v.shape != k.shape or dk != d:
+        raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if H % kvh:
+        raise ValueError(f"{H} query heads do not group over {kvh} KV heads")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError("q, k, v must share one 16-bit float dtype")
+    if TensorDescriptor is None:
+        raise RuntimeError("this Triton has no triton.tools.tensor_descriptor (needs >= 3.4)")
+    out = torch.empty_like(q) if out is None else out
+    B = cu_seqlens_q.shape[0] - 1
+    if T == 0 or B == 0 or max_seqlen_q == 0:
+        return out
+    cfg = default_config(d) if config is None else config
+    bm, bn = cfg.block_m, cfg.block_n
+    group = H // kvh
+    pack = cfg.pack_gqa and group > 1 and group & (group - 1) == 0 and bm % group == 0
+    k2, v2 = _as_2d(k), _as_2d(v)
+    desc_k = TensorDescriptor.from_tensor(k2, [bn, d])
+    desc_v = TensorDescriptor.from_tensor(v2, [bn, d])
+    if pack:
+        # [T, heads, D] as a 3-D tensor: a box of bm // group tokens x the group's heads x D
+        _as_2d(q), _as_2d(out)                              # the same layout checks
+        desc_q = TensorDescriptor(q, list(q.shape), list(q.stride()), [bm // group, group, d])
+        desc_o = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm // group, group, d])
+        grid = (kvh, B, triton.cdiv(max_seqlen_q, bm // group))
+    else:
+        desc_q = TensorDescriptor.from_tensor(_as_2d(q), [bm, d])
+        desc_o = TensorDescriptor.from_tensor(_as_2d(out), [bm, d])
+        grid = (H, B, triton.cdiv(max_seqlen_q, bm))
+    _prefill_attn_kernel[grid](
+        desc_q, desc_k, desc_v, desc_o, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
+        out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg.num_stages,
+        WARP_SPEC=cfg.warp_specialize, TMA_STORE=cfg.tma_store, PIPE_QK=cfg.pipeline_qk, PACK_GQA=pack,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    return out
+
+
+# -- gather from the paged cache ----------------------------------------------------------------
+
+def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.Tensor,
+              seq_lens: list[int], *, scales_k: torch.Tensor | None = None, scales_v: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each sequence's keys out of the page pool into contiguous K/V.
+
+    pages_k, pages_v: [num_blocks, page, kv_heads, D] (bf16/fp16, or int8 with scales_k/scales_v
+    [num_blocks, page, kv_heads] float32: dequantized here, as `_gather_pages` does, into `dtype`);
+    block_tables: [B, max_blocks] int (row b: sequence b's pages in position order);
+    seq_lens: host ints, keys of each sequence (the engine knows them on the host when eager).
+    Returns (k [sum(seq_lens), kv_heads, D], v [same], cu_seqlens_k [B + 1] int32 on the device).
+
+    One index_select over whole pages per tensor (a page is page * kv_heads * D contiguous elements,
+    32 KB at qwen3-8b), then the tail of each sequence's last page is cut off. With a single
+    sequence the result is a view of the gathered pages; with several, one more copy packs them
+    (small next to the attention it feeds). `out`: buffers to receive k and v (their first rows).
+    """
+    dev = pages_k.device
+    page = pages_k.shape[1]
+    dtype = dtype or (torch.bfloat16 if pages_k.dtype == torch.int8 else pages_k.dtype)
+    n_pages = [-(-s // page) for s in seq_lens]
+    # page ids in sequence order, sliced from the table on the device (no host read of the table)
+    idx = (torch.cat([block_tables[b, :n].long() for b, n in enumerate(n_pages)]) if seq_lens
+           else torch.empty(0, dtype=torch.long, device=dev))
+    keep = None
+    if any(s != n * page for s, n in zip(seq_lens, n_pages)) and len(seq_lens) > 1:
+        keep = torch.cat([torch.arange(s, device=dev) + sum(n_pages[:b]) * page for b, s in enumerate(seq_lens)])
+    total = sum(seq_lens)
+
+    def one(pages, scales):
+        x = pages.index_select(0, idx).flatten(0, 1)                # [sum(n_pages) * page, kv_heads, D]
+        if scales is not None:
+            x = x.float() * scales.index_select(0, idx).flatten(0, 1).unsqueeze(-1)
+        x = x.index_select(0, keep) if keep is not None else x[:total]
+        return x.to(dtype)
+
+    k, v = one(pages_k, scales_k), one(pages_v, scales_v)
+    if out is not None:
+        out[0][:total].copy_(k)
+        out[1][:total].copy_(v)
+        k, v = out[0][:total], out[1][:total]
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0).to(torch.int32)
+    return k, v, cu.to(dev, non_blocking=True)
+
+
+def prefill_from_pages(q: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.Tensor,
+                       query_lens: list[int], seq_lens: list[int], scale: float, *,
+                       scales_k: torch.Tensor | None = None, scales_v: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+    """gather_kv + prefill_attention for a prefill batch (host lengths, as the engine's eager prefill
+    has them in ctx.host_query_lens / the scheduler). q: [sum(query_lens), heads, D] -> same shape."""
+    k, v, cu_k = gather_kv(pages_k, pages_v, block_tables, seq_lens, scales_k=scales_k, scales_v=scales_v,
+                           dtype=q.dtype)
+    cu_q = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    cu_q[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int64), 0).to(torch.int32)
+    return prefill_attention(q, k, v, cu_q.to(q.device, non_blocking=True), cu_k, max(query_lens, default=0),
+                             scale, out=out, config=config)
+
+
+def attention_flops(query_lens: list[int], seq_lens: list[int], heads: int, head_dim: int) -> int:
+    """Useful FLOPs (q·k and p·v, causal aligned to the bottom right): 4 * heads * head_dim per
+    visible (query, key) pair."""
+    pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens))
+    return 4 * heads * head_dim * pairs
