@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -68,6 +68,8 @@ step() {
                   NINFER_PDL=0 python3 tools/profile_decode.py --context 512 --steps 10 --modes async --batch 1,2 --draft-tokens 0,1 --draft-vocab 32768 --label pdl0 2>&1 | grep -vE "^(20..-..-.. |/opt|  _warn_once)" ;;
     tune-variants) python3 tools/tune_decode_attention.py --variants --budget-s "${TUNE_BUDGET_S:-100}" --out "$OUT/tune_decode_variants.json" ;;
     decode-variant-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py -k "decode_variants" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
+    prefill-attn) python3 tools/prefill_attention_check.py ;;   # issue 15 item 5: the TMA prefill kernel against the paged one and SDPA
+    prefill-attn-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
