@@ -36,6 +36,9 @@ class ForwardContext:
     defer_state_commit: bool = False
     # Each sequence's new tokens, on the host (eager prefill): a varlen layer splits by it without a read.
     host_query_lens: tuple[int, ...] | None = None
+    # Each sequence's keys once this forward has written its new ones, on the host (eager prefill):
+    # prefill attention gathers the pages into contiguous K/V by it (engine/kernels/attention_prefill.py).
+    host_seq_lens: tuple[int, ...] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -95,5 +98,6 @@ def build_forward_context(query_lens: list[int], seq_lens: list[int], block_tabl
         state_slots=(None if state_slots is None
                      else torch.tensor(state_slots, dtype=torch.int64).to(device, non_blocking=True)),
         host_query_lens=tuple(query_lens),
+        host_seq_lens=tuple(seq_lens),
     )
     return positions.to(device, non_blocking=True), ctx

@@ -228,10 +228,26 @@ def test_gpu_head_dim_256(P):
 
 
 @needs_cuda
-def test_gpu_from_pages_vs_paged(P):
-    from engine.kernels.attention import paged_attention
+def test_gpu_paged_attention_routes_prefill_to_tma(P, monkeypatch):
+    """The engine's entry (`paged_attention`) sends a bf16 prefill with host lengths to gather + the
+    TMA kernel; its output matches the paged kernel (forced by an explicit plan) and the twin. Decode
+    shapes, int8 pages, a context without host lengths and NINFER_PREFILL_TMA=0 stay on the paged kernel."""
+    import dataclasses
+    from engine.kernels import attention as A
+    from engine.layers.attention import paged_attention_reference
     from tools.kernel_checks import attention_case, rel_err
+    scale = 128 ** -0.5
     q, kv, ctx = attention_case([500, 64], [3000, 64], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=6)
-    ours = P.prefill_from_pages(q, kv.k, kv.v, ctx.block_tables, [500, 64], [3000, 64], 128 ** -0.5)
-    paged = paged_attention(q, kv, ctx, 128 ** -0.5)
-    assert rel_err(ours, paged) < TOL
+    assert A.takes_tma_prefill(q, kv, ctx)
+    routed = A.paged_attention(q, kv, ctx, scale)
+    paged = A.paged_attention(q, kv, ctx, scale, config=A.plan(q, kv, ctx))
+    twin = paged_attention_reference(q.float(), kv, ctx, scale)
+    assert rel_err(routed, paged) < TOL and rel_err(routed, twin) < TOL
+    assert not A.takes_tma_prefill(q, kv, dataclasses.replace(ctx, host_seq_lens=None))
+    monkeypatch.setenv("NINFER_PREFILL_TMA", "0")
+    assert not A.takes_tma_prefill(q, kv, ctx)
+    monkeypatch.delenv("NINFER_PREFILL_TMA")
+    q8, kv8, ctx8 = attention_case([500], [3000], 32, 8, 128, 16, torch.int8, torch.bfloat16, "cuda", seed=7)
+    assert not A.takes_tma_prefill(q8, kv8, ctx8)
+    qd, kvd, ctxd = attention_case([1, 1], [3000, 64], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=8)
+    assert not A.takes_tma_prefill(qd, kvd, ctxd)

@@ -33,6 +33,7 @@ rather than Triton's 8-bit ones (engine/kernels/NOTES.md, "int8 decode").
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -582,6 +583,10 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     if T == 0 or ctx.num_seqs == 0:
         return out
     group = H // kvh
+    if config is None and takes_tma_prefill(q, kv, ctx):
+        from engine.kernels.attention_prefill import prefill_from_pages
+        return prefill_from_pages(q, kv.k, kv.v, ctx.block_tables, list(ctx.host_query_lens),
+                                  list(ctx.host_seq_lens), scale, out=out)
     cfg = plan(q, kv, ctx) if config is None else config
     block_q = cfg.block_m // group
     if block_q < 1:
@@ -611,6 +616,29 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
                               SPLIT_BLOCK=max(2, min(triton.next_power_of_2(cfg.num_splits), 4096 // d)), HEAD_DIM=d,
                               num_warps=4 if cfg.num_splits * d >= 4096 else 2)
     return out
+
+
+# Prefill over 16-bit pages takes the TMA kernel of attention_prefill.py on gathered K/V: 1.2-1.7x this
+# file's kernel on the H200 (qwen3-8b, chunk 4096 at context 0 / 8k / 28k; session 13's prefill-attn.log).
+# The gather is a transient copy of every key of the chunk's sequences, so it is bounded; longer
+# contexts and int8 pages (whose gather would dequantize in float32) stay on the paged kernel.
+PREFILL_GATHER_MAX_BYTES = 256 << 20
+
+
+def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
+    """Whether a call goes to the TMA prefill kernel: a prefill shape (more rows than the decode plan
+    takes) on an sm90+ GPU with host lengths in the context, 16-bit pages, head_dim 128 (measured;
+    256 is not), the gathered K/V within PREFILL_GATHER_MAX_BYTES. `NINFER_PREFILL_TMA=0` turns it off."""
+    if not q.is_cuda or ctx.host_seq_lens is None or ctx.host_query_lens is None or kv.quantized:
+        return False
+    T, H, d = q.shape
+    kvh = kv.k.shape[2]
+    q_len = ctx.uniform_query_len if ctx.uniform_query_len is not None else ctx.max_query_len
+    if q_len * (H // kvh) <= DECODE_MAX_ROWS or d != 128 or q.dtype != kv.k.dtype:
+        return False
+    if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    return 2 * sum(ctx.host_seq_lens) * kvh * d * kv.k.element_size() <= PREFILL_GATHER_MAX_BYTES
 
 
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
