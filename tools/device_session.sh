@@ -71,7 +71,7 @@ step() {
     prefill-attn) python3 tools/prefill_attention_check.py ;;   # issue 15 item 5: the TMA prefill kernel against the paged one and SDPA
     prefill-attn-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     skinny-sweep) python3 -m tools.skinny_bf16_sweep ;;   # issue 15: bf16 decode rows 2-8 on tensor cores against cuBLAS
-    skinny-tests) python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_skinny_bf16.py tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
+    skinny-tests) python3 -m pytest -q -p no:cacheprovider tests/test_skinny_bf16.py tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
