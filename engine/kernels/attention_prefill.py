@@ -248,7 +248,7 @@ class PrefillConfig:
 # head_dim 128: 128 x 64 tiles, 8 warps, capped at 128 registers so that two programs share an SM --
 # the fastest row of tools/prefill_attention_check.py on the H200 after 28k keys (3.94 ms, 524 TFLOP/s,
 # against 4.75 for 128 x 128 at one per SM) and within 1 % of the fastest at context 0
-# (bench/results/2026-12-01-h200-s13/d-…/prefill-attn.log).
+# (bench/results/2026-12-01-h200-s13/d-6893c60-prefill-tma/prefill-attn.log).
 # head_dim 256: a 128 x 256 float32 accumulator is 128 registers a thread over 8 warps; 64-key tiles
 # keep the score tile and the K/V stages inside 227 KB of shared memory.
 DEFAULT = {128: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128),

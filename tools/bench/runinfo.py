@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 ENGINE_SWITCHES = ("NINFER_PDL", "NINFER_P2P_PUSH_MAX_BYTES", "NINFER_TP_FUSED_NORM", "NINFER_TP_K_SPLITS",
-                   "NINFER_PREFILL_TMA")
+                   "NINFER_PREFILL_TMA", "NINFER_SKINNY_DENSE")
 
 
 def _version(dist: str) -> str | None:
