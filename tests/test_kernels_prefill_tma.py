@@ -128,23 +128,12 @@ def test_interpreted(P, case):
 
 
 @needs_triton
-@pytest.mark.parametrize("shape", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=16, pipeline_qk=True),
-                                   dict(block_m=32, block_n=16, tma_store=False),
-                                   dict(block_m=32, block_n=16, pack_gqa=True),
-                                   dict(block_m=16, block_n=16, pack_gqa=True, tma_store=False)],
-                         ids=["bm32_bn16", "pipeline_qk", "masked_store", "pack_gqa", "pack_gqa_masked_store"])
+@pytest.mark.parametrize("shape", [dict(block_m=32, block_n=16), dict(block_m=32, block_n=16, tma_store=False)],
+                         ids=["bm32_bn16", "masked_store"])
 def test_interpreted_shapes(P, shape):
-    """BLOCK_M > BLOCK_N (several diagonal tiles), the pipelined q·k loop, the pointer store, GQA
-    heads packed into the rows (3-D q/out boxes)."""
+    """BLOCK_M > BLOCK_N (several diagonal tiles), the pointer store."""
     _cpu_only()
     _run(P, [45, 16, 29], [110, 16, 79], 4, 2, 32, "cpu", seed=5, config=_small(P, **shape))
-
-
-@needs_triton
-@pytest.mark.parametrize("case", ["chunk_after_context_g8", "packed_with_single_queries", "head_dim_128"])
-def test_interpreted_pack_gqa(P, case):
-    _cpu_only()
-    _run(P, *CASES[case], "cpu", seed=sum(map(ord, case)), config=_small(P, block_m=32, pack_gqa=True))
 
 
 @needs_triton

@@ -16,7 +16,7 @@ qwen3-8b shapes (32 q heads, 8 KV heads, head_dim 128, pages of 16), one layer:
      tma        prefill_attention on K/V already contiguous
      sdpa-*     torch SDPA on contiguous K/V (flash, cuDNN, efficient; each where it runs)
    with TFLOP/s = 4 * heads * head_dim per visible (query, key) pair / time;
-3. a sweep of launch shapes (BLOCK_M/BLOCK_N/stages/warps/maxnreg/pipeline_qk/warp_specialize) at
+3. a sweep of launch shapes (BLOCK_M/BLOCK_N/stages/warps/maxnreg/TMA store) at
    chunk 4096 after 28k and at context 0, then the whole prompt P=32768 in chunks of 4096 (sum over
    the 8 chunks) for paged and gather+tma, and the matmul ceiling.
 Prints a compact table last; $OUT/prefill_attention.json gets everything when OUT is set.
@@ -50,19 +50,13 @@ def sz(n: int) -> int:
 def sweep_configs():
     from engine.kernels.attention_prefill import PrefillConfig as C
     return {
-        "bm128 bn128 w8 s2 (default)": C(),
+        "bm128 bn128 w8 s2": C(),
         "bm128 bn128 w8 s3": C(num_stages=3),
         "bm128 bn64 w8 s3": C(block_n=64, num_stages=3),
-        "bm128 bn64 w8 s2 reg128 (2/SM)": C(block_n=64, num_stages=2, maxnreg=128),
+        "bm128 bn64 w8 s2 reg128 (2/SM, default)": C(block_n=64, num_stages=2, maxnreg=128),
         "bm64 bn64 w4 s2 (2/SM)": C(block_m=64, block_n=64, num_warps=4, num_stages=2),
         "bm64 bn64 w4 s3": C(block_m=64, block_n=64, num_warps=4, num_stages=3),
         "bm64 bn128 w4 s2": C(block_m=64, block_n=128, num_warps=4, num_stages=2),
-        "bm128 bn128 w8 s2 pipeQK": C(pipeline_qk=True),
-        "bm64 bn64 w4 s2 pipeQK": C(block_m=64, block_n=64, num_warps=4, num_stages=2, pipeline_qk=True),
-        "bm128 bn128 w8 s2 packGQA": C(pack_gqa=True),
-        "bm128 bn64 w8 s3 packGQA": C(block_n=64, num_stages=3, pack_gqa=True),
-        "bm64 bn64 w4 s2 packGQA": C(block_m=64, block_n=64, num_warps=4, num_stages=2, pack_gqa=True),
-        "bm128 bn128 w8 s2 ws": C(warp_specialize=True),
         "bm128 bn128 w8 s2 no-tma-store": C(tma_store=False),
     }
 
@@ -79,20 +73,18 @@ def compile_only() -> None:
     from engine.kernels.attention_prefill import PrefillConfig
     from engine.kernels.attention_prefill import _prefill_attn_kernel as K
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    consts = ("GROUP", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "NUM_STAGES", "WARP_SPEC", "TMA_STORE", "PIPE_QK", "PACK_GQA")
+    consts = ("GROUP", "HEAD_DIM", "BLOCK_M", "BLOCK_N", "NUM_STAGES", "TMA_STORE")
     shapes = dict(sweep_configs())
     shapes["head_dim 256 default"] = PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
     print(f"triton {triton.__version__}, target sm_90")
     for name, cfg in shapes.items():
         d = 256 if "256" in name else D
         sig = {n: ("constexpr" if n in consts else "i32") for n in K.arg_names}
-        qbox = f"{cfg.block_m // 4}, 4, {d}" if cfg.pack_gqa else f"{cfg.block_m}, {d}"      # group 4 (qwen3-8b)
-        sig.update(desc_q=f"tensordesc<bf16[{qbox}]>", desc_o=f"tensordesc<bf16[{qbox}]>",
+        sig.update(desc_q=f"tensordesc<bf16[{cfg.block_m}, {d}]>", desc_o=f"tensordesc<bf16[{cfg.block_m}, {d}]>",
                    desc_k=f"tensordesc<bf16[{cfg.block_n}, {d}]>", desc_v=f"tensordesc<bf16[{cfg.block_n}, {d}]>",
                    o_ptr="*bf16", cu_q_ptr="*i32", cu_k_ptr="*i32", qk_scale="fp32")
         cx = dict(GROUP=4, HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-                  WARP_SPEC=cfg.warp_specialize, TMA_STORE=cfg.tma_store, PIPE_QK=cfg.pipeline_qk,
-                  PACK_GQA=cfg.pack_gqa)
+                  TMA_STORE=cfg.tma_store)                                                      # group 4 (qwen3-8b)
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.maxnreg:
             opts["maxnreg"] = cfg.maxnreg

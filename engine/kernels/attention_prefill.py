@@ -22,15 +22,10 @@ after earlier context). head_dim is contiguous everywhere; q/out may have any to
 
 The program: one per (query head, sequence, BLOCK_M-query tile). Grid (heads, B, max tiles), heads
 fastest, so the GROUP query heads that share a KV head run side by side and read each K/V tile from
-L2 right after the first of them brought it in (how FlashAttention-3 handles GQA). Option
-`pack_gqa`: one program per (KV head, sequence, BLOCK_M / GROUP queries), its BLOCK_M rows being
-those queries x the GROUP heads (vLLM's packing, as `_attn_kernel` does): each K/V tile then
-crosses L2 -> SM once per group instead of GROUP times (at 600 TFLOP/s, 128-row tiles, one head per
-program, that stream is ~4.6 TB/s, near what L2 delivers), at the price of q held in registers
-(Triton reshapes the 3-D [queries, heads, D] TMA box there: ~246 registers instead of ~199).
-Tiles are issued longest first (the last query tile of a causal chunk sees the most keys). The
-loop over keys is FlashAttention-2's online softmax in the log2 domain with the 1/sqrt(d)·log2(e)
-scale folded into one FMA per score (`qk * scale - m`), in two parts:
+L2 right after the first of them brought it in (how FlashAttention-3 handles GQA). Tiles are issued
+longest first (the last query tile of a causal chunk sees the most keys). The loop over keys is
+FlashAttention-2's online softmax in the log2 domain with the 1/sqrt(d)·log2(e) scale folded into
+one FMA per score (`qk * scale - m`), in two parts:
   1. key tiles every row of the query tile sees whole: no mask at all;
   2. the tiles that straddle the causal diagonal: masked by position (for the rows of the
      sequence that also drops keys past its end; rows past q_len are never stored).
@@ -49,18 +44,18 @@ Hopper features and why:
 - `wgmma` for both products (q·k with q and k from shared memory, p·v with p from registers).
 - `tl.range(..., num_stages=S)`: the unmasked loop, which is nearly all of the work at long
   contexts, is software-pipelined S deep (S K/V buffers, loads of the next steps in flight).
-- What Triton 3.6 does NOT give on sm_90 (checked in its PTX/TTGIR, compiled on a CPU):
-  * `warp_specialize=True` on this loop compiles to the same PTX as without (no setmaxnreg, no
-    producer warp): the Hopper warp-specialization pass does not take this loop (it does take a
-    plain TMA GEMM loop). Kept as a flag so the GPU sweep shows it, default off.
-  * FA3's intra-warpgroup overlap: `pipeline_qk` issues the next tile's q·k before this tile's
-    softmax (`_attend_pipelined`), but Triton waits on that wgmma at once (it keeps a wgmma in
-    flight only when its result feeds the next iteration's MMA as accumulator), so the softmax
-    still runs with the tensor cores idle. Kept as an option for the sweep.
-  The overlap Triton can give is between programs: configurations with two resident programs per
-  SM (`bm64 bn64 w4 s2`: 146 registers, 81 KB; `bm128 bn64 w8 s2` capped at 128 registers:
-  96 KB) let one program's exp2/max/sum run while the other's MMAs do, with no schedule enforced.
-  tools/prefill_attention_check.py sweeps these against the one-per-SM 128 x 128 tiles.
+- Softmax beside the MMAs: Triton 3.6 gives that overlap between programs, not inside one.
+  Configurations with two resident programs per SM (`bm64 bn64 w4 s2`: 146 registers, 81 KB;
+  `bm128 bn64 w8 s2` capped at 128 registers: 96 KB) let one program's exp2/max/sum run while the
+  other's MMAs do, with no schedule enforced. tools/prefill_attention_check.py sweeps these against
+  the one-per-SM 128 x 128 tiles.
+Tried and dropped, measured on the H200 at chunk 4096
+(bench/results/2026-12-01-h200-s13/d-6893c60-prefill-tma/prefill-attn.log): Triton's warp
+specialization of the key loop compiles to the same PTX as without (Triton 3.6, sm_90). FA3's
+intra-warpgroup overlap (the next tile's q·k issued before this tile's softmax) was slower, 4.84
+against 4.75 ms after 28k keys and 0.365 against 0.350 ms at context 0, as Triton waits on that
+wgmma at once. Packing a KV head's GQA group into a program's rows (vLLM's layout, 3-D q/out boxes)
+took 4.29-4.73 ms after 28k, against 3.94 ms for the default `bm128 bn64 w8 s2 maxnreg 128`.
 
 The interpreter (TRITON_INTERPRET=1) runs the same kernel on the CPU, descriptors included
 (tests/test_kernels_prefill_tma.py).
@@ -84,11 +79,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, desc_k, desc_v, k_row0, kv_col, lo, hi, q_pos, qk_scale,
-            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr):
+            BLOCK_N: tl.constexpr, MASKED: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Keys [lo, hi) of one sequence (lo a multiple of BLOCK_N), BLOCK_N at a time, online softmax in
     log2 units. MASKED: drop keys after each row's position q_pos [BLOCK_M]."""
     offs_n = tl.arange(0, BLOCK_N)
-    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
+    for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
         start = tl.multiple_of(start, BLOCK_N)
         k = desc_k.load([k_row0 + start, kv_col])                  # [BLOCK_N, D]
         s = tl.dot(q, k.T)                                          # [BLOCK_M, BLOCK_N] float32, unscaled
@@ -114,117 +109,60 @@ def _attend(acc, l_i, m_i, q, desc_k, desc_v, k_row0, kv_col, lo, hi, q_pos, qk_
 
 
 @triton.jit
-def _attend_pipelined(acc, l_i, m_i, q, desc_k, desc_v, k_row0, kv_col, lo, hi, qk_scale,
-                      BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The unmasked loop of `_attend` with q·k of the next tile issued before this tile's softmax
-    (FlashAttention-3's intra-warpgroup overlap, written as software pipelining): the score MMA
-    of step j + 1 is in flight on the tensor cores while the warps run step j's exp2/max/sum.
-    The last step recomputes the last tile's scores (index clamped) and drops them: one wasted
-    q·k per program, against one overlap per step. Costs the registers of a second score tile.
-    Triton 3.6 for sm_90 waits on the early q·k right after issuing it (wgmma.wait_group 0; seen
-    in the PTX), so as compiled today there is no overlap: an experiment for the sweep only."""
-    if lo < hi:
-        k = desc_k.load([k_row0 + lo, kv_col])
-        s = tl.dot(q, k.T)
-        for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
-            start = tl.multiple_of(start, BLOCK_N)
-            nxt = tl.minimum(start + BLOCK_N, hi - BLOCK_N)
-            k_next = desc_k.load([k_row0 + nxt, kv_col])
-            s_next = tl.dot(q, k_next.T)
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            p = tl.exp2(s * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = desc_v.load([k_row0 + start, kv_col])
-            acc = tl.dot(p.to(v.dtype), v, acc)
-            m_i = m_new
-            s = s_next
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _store_rows(out, o_ptr, q_start, m0, q_len, head0, stride_ot, stride_oh, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, HG: tl.constexpr):
-    # row r = (query m0 + r // HG, head head0 + r % HG), those with query < q_len only: the sequence's
-    # last tile may reach into the next sequence's rows, which a TMA store would overwrite
+def _store_rows(out, o_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    # the rows with query < q_len only: the sequence's last tile may reach into the next sequence's
+    # rows, which a TMA store would overwrite
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    if HG == 1:
-        tok = m0 + offs_m
-        ptrs = o_ptr + head0 * stride_oh + (q_start + tok).to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
-    else:
-        tok = m0 + offs_m // HG
-        heads = head0 + offs_m % HG
-        ptrs = o_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tok = m0 + offs_m
+    ptrs = o_ptr + head * stride_oh + (q_start + tok).to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
     tl.store(ptrs, out, mask=(tok < q_len)[:, None])
 
 
 @triton.jit
 def _prefill_attn_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale, stride_ot, stride_oh,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, WARP_SPEC: tl.constexpr, TMA_STORE: tl.constexpr,
-                         PIPE_QK: tl.constexpr, PACK_GQA: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
     # grid (heads, sequences, max query tiles), heads fastest: the GQA siblings of one tile run side
-    # by side and share K/V tiles in L2. PACK_GQA: grid (kv heads, ...), and a program's BLOCK_M rows
-    # are BLOCK_Q queries x the GROUP heads of its KV head (row r: query r // GROUP, head r % GROUP),
-    # so each K/V tile crosses L2 -> SM once per group instead of GROUP times; q and out then move
-    # as 3-D [BLOCK_Q, GROUP, D] boxes of [tokens, heads, D].
-    HG: tl.constexpr = GROUP if PACK_GQA else 1              # heads per program
-    BLOCK_Q: tl.constexpr = BLOCK_M // HG                    # queries per program
-    pid_h = tl.program_id(0)
+    # by side and share K/V tiles in L2
+    head = tl.program_id(0)
     seq = tl.program_id(1)
     t = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
-    n_tiles = tl.cdiv(q_len, BLOCK_Q)
+    n_tiles = tl.cdiv(q_len, BLOCK_M)
     if t >= n_tiles:
         return
     tile = n_tiles - 1 - t                                  # longest (latest) tiles first
     k_start = tl.load(cu_k_ptr + seq)
     k_len = tl.load(cu_k_ptr + seq + 1) - k_start
-    m0 = tile * BLOCK_Q                                     # the tile's first query within the sequence
+    m0 = tile * BLOCK_M                                     # the tile's first query within the sequence
     first_pos = k_len - q_len + m0                          # its position
-    offs_m = tl.arange(0, BLOCK_M)
-    if PACK_GQA:
-        q_pos = first_pos + offs_m // HG                    # [BLOCK_M]; rows past q_len: dropped at the store
-    else:
-        q_pos = first_pos + offs_m
-    head0 = pid_h * HG                                      # first query head of the program
+    q_pos = first_pos + tl.arange(0, BLOCK_M)               # [BLOCK_M]; rows past q_len: dropped at the store
 
-    if PACK_GQA:
-        q = desc_q.load([q_start + m0, head0, 0]).reshape([BLOCK_M, HEAD_DIM])     # [BLOCK_Q, GROUP, D] box
-        kv_col = pid_h * HEAD_DIM
-    else:
-        q = desc_q.load([q_start + m0, head0 * HEAD_DIM])   # [BLOCK_M, D]
-        kv_col = (head0 // GROUP) * HEAD_DIM
+    q = desc_q.load([q_start + m0, head * HEAD_DIM])        # [BLOCK_M, D]
+    kv_col = (head // GROUP) * HEAD_DIM
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)           # finite: no inf - inf on a fully masked tile
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # keys <= first_pos are visible to every row of the tile: whole tiles below need no mask
     mid = (first_pos + 1) // BLOCK_N * BLOCK_N
-    hi = tl.minimum(k_len, first_pos + BLOCK_Q)              # keys after the tile's last query: never seen
-    if PIPE_QK:
-        acc, l_i, m_i = _attend_pipelined(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, 0, mid, qk_scale,
-                                          BLOCK_N, NUM_STAGES)
-    else:
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, 0, mid, q_pos, qk_scale,
-                                BLOCK_N, False, NUM_STAGES, WARP_SPEC)
+    hi = tl.minimum(k_len, first_pos + BLOCK_M)              # keys after the tile's last query: never seen
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, 0, mid, q_pos, qk_scale,
+                            BLOCK_N, False, NUM_STAGES)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, mid, hi, q_pos, qk_scale,
-                            BLOCK_N, True, NUM_STAGES, False)
+                            BLOCK_N, True, NUM_STAGES)
 
     out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
     if TMA_STORE:
-        if m0 + BLOCK_Q <= q_len:
-            if PACK_GQA:
-                desc_o.store([q_start + m0, head0, 0], out.reshape([BLOCK_Q, HG, HEAD_DIM]))
-            else:
-                desc_o.store([q_start + m0, head0 * HEAD_DIM], out)
+        if m0 + BLOCK_M <= q_len:
+            desc_o.store([q_start + m0, head * HEAD_DIM], out)
         else:
-            _store_rows(out, o_ptr, q_start, m0, q_len, head0, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, HG)
+            _store_rows(out, o_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, BLOCK_M, HEAD_DIM)
     else:
-        _store_rows(out, o_ptr, q_start, m0, q_len, head0, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, HG)
+        _store_rows(out, o_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, BLOCK_M, HEAD_DIM)
 
 
 @dataclass(frozen=True)
@@ -235,11 +173,7 @@ class PrefillConfig:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 2
-    warp_specialize: bool = False
     tma_store: bool = True
-    pipeline_qk: bool = False       # `_attend_pipelined`: next tile's q·k overlaps this tile's softmax
-    # GQA heads packed into a program's rows (group a power of two dividing block_m; else ignored)
-    pack_gqa: bool = False
     # a register cap (ptxas): 128 lets two 8-warp programs share an SM (bm128 bn64 s2: 96 KB shared
     # each, no spills in ptxas for sm_90), so one program's softmax can run beside the other's MMAs
     maxnreg: int | None = None
@@ -298,26 +232,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
         return out
     cfg = default_config(d) if config is None else config
     bm, bn = cfg.block_m, cfg.block_n
-    group = H // kvh
-    pack = cfg.pack_gqa and group > 1 and group & (group - 1) == 0 and bm % group == 0
-    k2, v2 = _as_2d(k), _as_2d(v)
-    desc_k = TensorDescriptor.from_tensor(k2, [bn, d])
-    desc_v = TensorDescriptor.from_tensor(v2, [bn, d])
-    if pack:
-        # [T, heads, D] as a 3-D tensor: a box of bm // group tokens x the group's heads x D
-        _as_2d(q), _as_2d(out)                              # the same layout checks
-        desc_q = TensorDescriptor(q, list(q.shape), list(q.stride()), [bm // group, group, d])
-        desc_o = TensorDescriptor(out, list(out.shape), list(out.stride()), [bm // group, group, d])
-        grid = (kvh, B, triton.cdiv(max_seqlen_q, bm // group))
-    else:
-        desc_q = TensorDescriptor.from_tensor(_as_2d(q), [bm, d])
-        desc_o = TensorDescriptor.from_tensor(_as_2d(out), [bm, d])
-        grid = (H, B, triton.cdiv(max_seqlen_q, bm))
+    desc_k = TensorDescriptor.from_tensor(_as_2d(k), [bn, d])
+    desc_v = TensorDescriptor.from_tensor(_as_2d(v), [bn, d])
+    desc_q = TensorDescriptor.from_tensor(_as_2d(q), [bm, d])
+    desc_o = TensorDescriptor.from_tensor(_as_2d(out), [bm, d])
+    grid = (H, B, triton.cdiv(max_seqlen_q, bm))
     _prefill_attn_kernel[grid](
         desc_q, desc_k, desc_v, desc_o, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg.num_stages,
-        WARP_SPEC=cfg.warp_specialize, TMA_STORE=cfg.tma_store, PIPE_QK=cfg.pipeline_qk, PACK_GQA=pack,
+        GROUP=H // kvh, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg.num_stages, TMA_STORE=cfg.tma_store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
