@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from engine.kernels import gemv as G          # noqa: E402
 from engine.kernels import quant_gemm as Q    # noqa: E402
 from tools import quant_kernel_checks as QC    # noqa: E402
-from tools.bench.timing import time_fn         # noqa: E402
+from tools.bench.timing import copy_bandwidth_Bps, graph_seconds, time_fn  # noqa: E402
 
 DRY = os.environ.get("GEMV_SWEEP_CPU") == "1"        # a dry run of the script's logic on a CPU (interpreter)
 DEV = torch.device("cpu" if DRY else "cuda")
@@ -72,12 +72,6 @@ MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d"), "nvfp4": ("g
              "bf16": ("g8x256", "g16x256", "g8x256pf", "g8x256x1d")}
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), "cuda", warmup=2, repeats=10)
-    del src, dst
-    return 2 * (1 << 30) / sorted(t)[len(t) // 2]
 
 
 def random_layer(fmt: str, n: int, k: int) -> dict:
@@ -110,20 +104,6 @@ def call(fmt: str, variant: str, layer: dict, x: torch.Tensor, n: int):
     return lambda: G.gemv(x, fmt, layer["w"], layer.get("s"), layer.get("rs"), n, (128, 128), cfg)
 
 
-def graph_seconds(fns: list) -> float:
-    """Seconds per call: one CUDA graph of every fn in turn, median of replays."""
-    if DRY:
-        fns[0]()
-        return 1e-3
-    for fn in fns[:2]:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    t = time_fn(g.replay, "cuda", warmup=2, repeats=7)
-    return sorted(t)[len(t) // 2] / len(fns)
 
 
 def correctness(results: list) -> None:
@@ -294,7 +274,7 @@ def main() -> int:
         report(json.loads(Path(args.report).read_text()))
         return 0
     result = {"device": torch.cuda.get_device_name() if not DRY else "cpu", "torch": torch.__version__, "checks": [], "points": []}
-    bw = copy_bandwidth() if not DRY else 1e12
+    bw = copy_bandwidth_Bps() if not DRY else 1e12
     result["copy_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s ({time.time() - T0:.0f} s)", flush=True)
     if not args.no_checks:
@@ -328,7 +308,7 @@ def main() -> int:
                 for v in names:
                     fns = [call(fmt, v, copies[i % len(copies)], x, n) for i in range(max(20, len(copies)))]
                     try:
-                        s = graph_seconds(fns)
+                        s = graph_seconds(fns, dry=DRY)
                     except Exception as e:  # noqa: BLE001
                         result["points"].append({"shape": label, "fmt": fmt, "M": m, "variant": v, "error": str(e)[-300:]})
                         print(f"{label} {fmt} M={m} {v}: ERROR {str(e)[-200:]}", flush=True)

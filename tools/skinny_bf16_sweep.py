@@ -36,7 +36,7 @@ if DRY:
 from engine.kernels import gemv as G
 from engine.kernels import pdl
 from engine.kernels import quant_gemm as Q
-from tools.bench.timing import time_fn
+from tools.bench.timing import copy_bandwidth_Bps, graph_seconds
 
 DEV = torch.device("cpu" if DRY else "cuda")
 OUT = Path(os.environ.get("OUT", "/tmp"))
@@ -68,28 +68,8 @@ CONFIGS = {
 }
 
 
-def copy_bandwidth() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), "cuda", warmup=2, repeats=10)
-    return 2 * (1 << 30) / sorted(t)[len(t) // 2]
 
 
-def graph_seconds(fns: list) -> float:
-    """Seconds per call: one CUDA graph of every fn in turn, median of replays."""
-    if DRY:
-        fns[0]()
-        return 1e-3
-    for fn in fns[:2]:
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in fns:
-            fn()
-    t = time_fn(g.replay, "cuda", warmup=2, repeats=7)
-    del g
-    return sorted(t)[len(t) // 2] / len(fns)
 
 
 def variants(M: int, configs: dict) -> dict:
@@ -130,7 +110,7 @@ def main() -> int:
     result = {"rows": rows, "configs": {k: dataclasses.asdict(c) for k, c in configs.items()}, "checks": [],
               "points": [], "pdl": pdl.enabled(DEV), "sms": sms,
               "device": "cpu" if DRY else torch.cuda.get_device_name()}
-    bw = 1e12 if DRY else copy_bandwidth()
+    bw = 1e12 if DRY else copy_bandwidth_Bps()
     result["copy_Bps"] = bw
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s, pdl={result['pdl']} ({time.time() - T0:.0f} s)", flush=True)
     bad: set[str] = set()
@@ -161,7 +141,7 @@ def main() -> int:
                     continue
                 calls = max(20, n_copies)
                 fns = [lambda w=copies[i % n_copies], fn=fn, x=x: fn(x, w) for i in range(calls)]
-                s = graph_seconds(fns)
+                s = graph_seconds(fns, dry=DRY)
                 result["points"].append({"shape": label, "N": n, "K": k, "M": M, "variant": v, "split": split,
                                          "us": s * 1e6, "GBps": nbytes / s / 1e9, "of_copy": nbytes / s / bw})
             if out_of_time:

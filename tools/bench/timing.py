@@ -45,6 +45,32 @@ def wall(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - t0
 
 
+def graph_seconds(fns: list[Callable[[], object]], dry: bool = False) -> float:
+    """Seconds per call of a kernel sweep's point: one CUDA graph of every fn in turn, median of 7 replays.
+    dry (a CPU run of a sweep's logic): one call, a nominal millisecond."""
+    if dry:
+        fns[0]()
+        return 1e-3
+    for fn in fns[:2]:
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fns:
+            fn()
+    t = time_fn(g.replay, "cuda", warmup=2, repeats=7)
+    del g
+    return sorted(t)[len(t) // 2] / len(fns)
+
+
+def copy_bandwidth_Bps(device: str = "cuda") -> float:
+    """Bytes per second (read + write) of a 1 GiB device-to-device copy, median of 10."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), device, warmup=2, repeats=10)
+    return 2 * (1 << 30) / sorted(t)[len(t) // 2]
+
+
 def summary(values: list[float], higher_is_better: bool = True) -> dict:
     """Peak (the best repeat) and median of a list of figures."""
     if not values:
