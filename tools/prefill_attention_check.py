@@ -135,14 +135,9 @@ def main() -> None:
     dev = torch.device(args.device)
     G.DEV = dev
     started = time.perf_counter()
-    props = torch.cuda.get_device_properties(0) if dev.type == "cuda" else None
-    info = {"device": props.name if props else str(dev), "sms": props.multi_processor_count if props else 0, "torch": torch.__version__,
-            "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
-    try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                        text=True).stdout.strip()
-    except OSError:
-        pass
+    from tools.bench.runinfo import device_info, git_commit
+    info = {"device": device_info(dev.type), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), **git_commit()}
     print(info, flush=True)
     scale = D ** -0.5
 
@@ -322,7 +317,7 @@ def main() -> None:
              "sweep": {k: dataclasses.asdict(v) for k, v in (sweep or {}).items()}}, indent=1))
 
     # compact table ---------------------------------------------------------------------------------
-    print(f"\n=== prefill attention on {info['device']} (torch {info['torch']}, triton {info['triton']}), "
+    print(f"\n=== prefill attention on {info['device']['name']} (torch {info['torch']}, triton {info['triton']}), "
           f"{seconds:.0f} s; matmul {mm / 1e12:.0f} TFLOP/s; correctness {'OK' if ok else 'FAILED'} ===")
     print(f"{'case':24s} {'route':36s} {'ms':>8s} {'TF/s':>6s} {'of mm':>6s} {'vs paged':>8s}")
     for r in ROWS:
