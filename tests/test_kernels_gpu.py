@@ -115,7 +115,7 @@ def test_silu_and_mul(rows):
 
 
 # -- the decode switches of the attention kernel (AttnConfig.prefetch, max_regs), the
-# twins of tests/test_kernels_decode_variants.py at real shapes --------------------------------------
+# twins of tests/test_kernels_interpret.py's at real shapes -----------------------------------------------
 
 def _decode_config(query_len: int, kv_dtype, **kw):
     from engine.kernels.attention import AttnConfig

@@ -9,6 +9,7 @@ defined (Triton reads it when a kernel is decorated), so run it apart from GPU t
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -145,3 +146,66 @@ def test_silu_and_mul(interpreted_kernels):
     for ffn in (100, 256):
         r = interpreted_kernels.check_silu_and_mul(4, ffn, BF16, "cpu", 9)
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+# -- the decode/verify switches of the attention kernel (AttnConfig.prefetch, split counts and key tiles
+# off the plan); their twins at real shapes, and inside a replayed CUDA graph, are in test_kernels_gpu.py
+
+def _decode_config(query_len: int, group: int, **kw):
+    from engine.kernels.attention import AttnConfig
+    block_m = max(16, 1 << (query_len * group - 1).bit_length())
+    base = {"block_m": block_m, "block_n": 16, "num_warps": 4, "num_stages": 1, "num_splits": 1, "min_tiles": 1}
+    return AttnConfig(**{**base, **kw})
+
+
+# (query_lens, seq_lens): batch 1 and 3, unequal lengths, none a multiple of the 16-key tile but one;
+# 8 heads over 2 KV heads (group 4), head_dim 32, pages of 8 (a tile spans two pages)
+DECODE_SHAPES = {
+    "decode_b1": ([1], [83]),
+    "decode_b3": ([1] * 3, [1, 40, 117]),
+    "verify_q4_b1": ([4], [70]),
+    "verify_q4_b3": ([4] * 3, [4, 33, 96]),
+}
+DECODE_VARIANTS = {
+    "prefetch1": {"prefetch": 1},
+    "prefetch2": {"prefetch": 2},
+    "prefetch1_splits4": {"prefetch": 1, "num_splits": 4},
+    "prefetch2_splits4_bn32": {"prefetch": 2, "num_splits": 4, "block_n": 32},
+    "prefetch1_splits8": {"prefetch": 1, "num_splits": 8},
+}
+
+
+# every variant over batch 3 (decode and verify) in both page dtypes; batch 1 for a few
+DECODE_CASES = [(shape, variant) for variant in DECODE_VARIANTS for shape in ("decode_b3", "verify_q4_b3")] + \
+    [("decode_b1", "prefetch1_splits8"), ("verify_q4_b1", "prefetch2")]
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("shape,variant", DECODE_CASES, ids=[f"{a}-{b}" for a, b in DECODE_CASES])
+def test_decode_variants_match_twin(interpreted_kernels, shape, variant, kv_dtype):
+    query_lens, seq_lens = DECODE_SHAPES[shape]
+    q, kv, ctx = interpreted_kernels.attention_case(query_lens, seq_lens, 8, 2, 32, 8, kv_dtype, BF16, "cpu",
+                                                    seed=sum(map(ord, shape + variant)))
+    cfg = _decode_config(query_lens[0], 4, **DECODE_VARIANTS[variant])
+    r = interpreted_kernels.check_attention(q, kv, ctx, config=cfg)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, (cfg, r)
+
+
+def test_prefetch_with_non_uniform_batch(interpreted_kernels):
+    """Mixed query lengths take the bisection map (tiles_per_seq 0), where programs past a sequence's
+    tiles return early."""
+    q, kv, ctx = interpreted_kernels.attention_case([1, 3, 2], [50, 21, 90], 8, 2, 32, 8, I8, BF16, "cpu", seed=5)
+    cfg = dataclasses.replace(_decode_config(3, 4), prefetch=1, num_splits=4)
+    r = interpreted_kernels.check_attention(q, kv, ctx, config=cfg)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
+def test_prefetch_matches_the_plain_loop(interpreted_kernels):
+    """The pipelined loop does the same arithmetic as the plain one, tile by tile."""
+    from engine.kernels import attention as A
+    q, kv, ctx = interpreted_kernels.attention_case([1, 1], [75, 200], 8, 2, 32, 8, I8, BF16, "cpu", seed=9)
+    plain = _decode_config(1, 4, num_splits=2)
+    a = A.paged_attention(q, kv, ctx, 0.2, config=plain)
+    for depth in (1, 2):
+        b = A.paged_attention(q, kv, ctx, 0.2, config=dataclasses.replace(plain, prefetch=depth))
+        assert torch.equal(a, b), depth
