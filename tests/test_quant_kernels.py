@@ -5,19 +5,14 @@ rounding (2^-8 of the largest output); tools.quant_kernel_checks holds the check
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1" and importlib.util.find_spec("triton") is not None
-pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET),
-                                reason="needs a CUDA device, or triton with NINFER_TRITON_INTERPRET_TESTS=1")
-if INTERPRET and not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-DEV = "cuda" if CUDA else "cpu"
+from kernel_backend import CUDA, DEV, INTERPRET, needs_a_backend  # noqa: F401 (sets TRITON_INTERPRET first)
+
+pytestmark = needs_a_backend
 TOL = 2 ** -8
 
 # (M, N, K): decode rows 1/4/8/32 and prefill; GPU: qwen3-8b qkv/o/gate_up/down, 32b down, TP2 shards

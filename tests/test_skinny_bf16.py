@@ -5,19 +5,13 @@ bound is bf16 output rounding: 2^-8 of the largest output."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1" and importlib.util.find_spec("triton") is not None
-pytestmark = pytest.mark.skipif(not (CUDA or INTERPRET),
-                                reason="needs a CUDA device, or triton with NINFER_TRITON_INTERPRET_TESTS=1")
-if INTERPRET and not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-DEV = "cuda" if CUDA else "cpu"
+from kernel_backend import CUDA, DEV, INTERPRET, needs_a_backend  # noqa: F401 (sets TRITON_INTERPRET first)
+
+pytestmark = needs_a_backend
 TOL = 2 ** -8
 
 
