@@ -203,6 +203,25 @@ def _int8_operand(x, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(s, m_i, l_i):
+    """Scores s [BLOCK_M, BLOCK_N] (log2 domain, scaled) into the running max and sum: -> (p, alpha, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _accumulate_pv(acc, alpha, p, v, vs, q, QUANT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc * alpha + p @ v, V's int8 scale (vs [BLOCK_N]) folded into p's columns."""
+    if QUANT:
+        p = p * vs[None, :]
+        v = _int8_operand(v, UPCAST)
+    acc = acc * alpha[:, None]
+    return tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+
+
+@triton.jit
 def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr,
                  head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st, qk_scale,
                  offs_n, offs_d, PAGE: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr,
@@ -234,23 +253,16 @@ def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * qk_scale
+        vs = qk_scale                                             # a placeholder, never read
     if MASKED:
         visible = (keys[None, :] <= q_pos[:, None]) & kmask[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_new = _online_softmax(s, m_i, l_i)
     if MASKED:
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=kmask[:, None], other=0.0)   # [BLOCK_N, D]
     else:
         v = tl.load(v_ptr + row[:, None] + offs_d[None, :])
-    if QUANT:
-        p = p * vs[None, :]
-        v = _int8_operand(v, UPCAST)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
-    return acc, l_i, m_new
+    return _accumulate_pv(acc, alpha, p, v, vs, q, QUANT, UPCAST), l_i, m_new
 
 
 @triton.jit
@@ -299,16 +311,8 @@ def _attend_loaded(acc, l_i, m_i, q, k, v, ks, vs, qk_scale, QUANT: tl.constexpr
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * qk_scale
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if QUANT:
-        p = p * vs[None, :]
-        v = _int8_operand(v, UPCAST)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
-    return acc, l_i, m_new
+    p, alpha, l_i, m_new = _online_softmax(s, m_i, l_i)
+    return _accumulate_pv(acc, alpha, p, v, vs, q, QUANT, UPCAST), l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "num_splits", "min_tiles"])
