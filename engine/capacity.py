@@ -25,6 +25,9 @@ CPU_AUTO_KV_TOKENS = 32768
 # the plan counting a rank's vocabulary rows at 1/tp of their size, since fixed), hence these.
 CUDA_RESERVE_BYTES = 3 * GiB
 CUDA_TP_RESERVE_BYTES = 2 * GiB
+# The TMA prefill attention's gathered K/V (engine/kernels/attention_prefill.py) is bounded by this per call;
+# a packed gather holds a page-rounded copy beside the packed one, so the plan counts 1.5 times it
+PREFILL_GATHER_MAX_BYTES = 256 << 20
 
 
 def dtype_bytes(name: str) -> int:
@@ -103,6 +106,8 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
     logit_rows = cfg.max_batch * (draft_tokens + 1)
     activations += logit_rows * model.vocab_size * 4 * (4 if draft_tokens else 2)
+    if cfg.device != "cpu" and kv_elt == 2 and model.head_dim == 128:
+        activations += PREFILL_GATHER_MAX_BYTES * 3 // 2
     reserve = 0 if cfg.device == "cpu" else CUDA_RESERVE_BYTES + (CUDA_TP_RESERVE_BYTES if tp > 1 else 0)
     avail = available_memory(cfg) if available is None else available
     state_slots, state_per_slot = 0, 0

@@ -38,6 +38,7 @@ class ForwardContext:
     host_query_lens: tuple[int, ...] | None = None
     # Each sequence's keys once this forward has written its new ones, on the host (eager prefill):
     # prefill attention gathers the pages into contiguous K/V by it (engine/kernels/attention_prefill.py).
+    # Both host fields stay None in any context a CUDA graph captures: they are baked in, not replayed.
     host_seq_lens: tuple[int, ...] | None = None
 
     @property

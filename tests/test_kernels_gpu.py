@@ -49,8 +49,11 @@ ATTENTION = {
 }
 
 
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma_route", "paged_only"])
 @pytest.mark.parametrize("case", list(ATTENTION), ids=list(ATTENTION))
-def test_paged_attention(case):
+def test_paged_attention(case, tma, monkeypatch):
+    # prefill shapes over 16-bit pages take the TMA kernel unless NINFER_PREFILL_TMA=0: both routes held to the twin
+    monkeypatch.setenv("NINFER_PREFILL_TMA", tma)
     q, kv, ctx = testing.attention_case(*ATTENTION[case], BF16, DEV, sum(map(ord, case)))
     r = testing.check_attention(q, kv, ctx)
     assert r["unwritten"] == 0, r

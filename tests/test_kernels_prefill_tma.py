@@ -240,3 +240,10 @@ def test_gpu_paged_attention_routes_prefill_to_tma(P, monkeypatch):
     assert not A.takes_tma_prefill(q8, kv8, ctx8)
     qd, kvd, ctxd = attention_case([1, 1], [3000, 64], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=8)
     assert not A.takes_tma_prefill(qd, kvd, ctxd)
+    # float32 (the engine allows it on CUDA): the paged kernel, not an error
+    q32, kv32, ctx32 = attention_case([300], [300], 32, 8, 128, 16, torch.float32, torch.float32, "cuda", seed=10)
+    assert not A.takes_tma_prefill(q32, kv32, ctx32)
+    assert rel_err(A.paged_attention(q32, kv32, ctx32, scale), paged_attention_reference(q32, kv32, ctx32, scale)) < TOL
+    # a short chunk after a long context (a new turn over a cached prefix): too little attention for the gather
+    qs, kvs, ctxs = attention_case([64], [30000], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=11)
+    assert not A.takes_tma_prefill(qs, kvs, ctxs)

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.capacity import PREFILL_GATHER_MAX_BYTES
 from engine.forward_context import ForwardContext
 from engine.kv_pages import LayerKV
 
@@ -623,26 +624,38 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
 
 
 # Prefill over 16-bit pages takes the TMA kernel of attention_prefill.py on gathered K/V: 1.2-1.7x this
-# file's kernel on the H200 (qwen3-8b, chunk 4096 at context 0 / 8k / 28k; session 13's prefill-attn.log).
-# The gather is a transient copy of every key of the chunk's sequences, so it is bounded; longer
-# contexts and int8 pages (whose gather would dequantize in float32) stay on the paged kernel.
-PREFILL_GATHER_MAX_BYTES = 256 << 20
+# file's kernel on the H200 (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; session 13's
+# prefill-attn.log). The gather is a transient copy of every key of the chunk's sequences, so it is bounded,
+# and it must be paid for by the chunk's attention: a short chunk after a long context (a new turn over a
+# cached prefix) reads the pages in place. Longer contexts and int8 pages (whose gather would dequantize in
+# float32) stay on the paged kernel too.
+PREFILL_GATHER_MIN_QUERIES_PER_KEY = 1 / 32     # the measured win at chunk 1024 after 28k keys is 1 / 29
 
 
 def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
-    """Whether a call goes to the TMA prefill kernel: a prefill shape (more rows than the decode plan
-    takes) on an sm90+ GPU with host lengths in the context, 16-bit pages, head_dim 128 (measured;
-    256 is not), the gathered K/V within PREFILL_GATHER_MAX_BYTES. `NINFER_PREFILL_TMA=0` turns it off."""
+    """Whether a call goes to the TMA prefill kernel: a prefill shape (more rows than the decode plan takes)
+    on an sm90 GPU, outside any CUDA-graph capture, with host lengths in the context; bf16/fp16 q and pages of
+    its dtype; head_dim 128 (measured; 256 is not); q laid out as TMA needs it; the gathered K/V within
+    PREFILL_GATHER_MAX_BYTES and at least PREFILL_GATHER_MIN_QUERIES_PER_KEY new tokens per key.
+    `NINFER_PREFILL_TMA=0` turns it off."""
     if not q.is_cuda or ctx.host_seq_lens is None or ctx.host_query_lens is None or kv.quantized:
         return False
     T, H, d = q.shape
     kvh = kv.k.shape[2]
     q_len = ctx.uniform_query_len if ctx.uniform_query_len is not None else ctx.max_query_len
-    if q_len * (H // kvh) <= DECODE_MAX_ROWS or d != 128 or q.dtype != kv.k.dtype:
+    if q_len * (H // kvh) <= DECODE_MAX_ROWS or d != 128:
         return False
-    if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or torch.cuda.get_device_capability(q.device)[0] < 9:
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv.k.dtype != q.dtype:
         return False
-    return 2 * sum(ctx.host_seq_lens) * kvh * d * kv.k.element_size() <= PREFILL_GATHER_MAX_BYTES
+    if q.stride(2) != 1 or q.stride(1) != d or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
+        return False
+    if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if torch.cuda.is_current_stream_capturing():      # host lengths and descriptors must not be baked in
+        return False
+    keys = sum(ctx.host_seq_lens)
+    return (2 * keys * kvh * d * kv.k.element_size() <= PREFILL_GATHER_MAX_BYTES
+            and sum(ctx.host_query_lens) >= keys * PREFILL_GATHER_MIN_QUERIES_PER_KEY)
 
 
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
