@@ -13,6 +13,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import CapacityError
+from engine.kv_pages import PREFILL_GATHER_MAX_BYTES
 
 GiB = 1 << 30
 # On the CPU an automatic capacity stops here: memory there is shared with everything else.
@@ -25,9 +26,6 @@ CPU_AUTO_KV_TOKENS = 32768
 # the plan counting a rank's vocabulary rows at 1/tp of their size, since fixed), hence these.
 CUDA_RESERVE_BYTES = 3 * GiB
 CUDA_TP_RESERVE_BYTES = 2 * GiB
-# The TMA prefill attention's gathered K/V (engine/kernels/attention_prefill.py) is bounded by this per call;
-# a packed gather holds a page-rounded copy beside the packed one, so the plan counts 1.5 times it
-PREFILL_GATHER_MAX_BYTES = 256 << 20
 
 
 def dtype_bytes(name: str) -> int:

@@ -1,10 +1,16 @@
-"""One layer's paged KV cache: the tensors the attention layer writes and the kernels read."""
+"""One layer's paged KV cache: the tensors the attention layer writes and the kernels read, and the gather of
+a batch's pages into contiguous K/V (the TMA prefill kernel's input, engine/kernels/attention_prefill.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# A gather's output (K and V together) is bounded by this per call (engine.kernels.attention routes past it to
+# the paged kernel); a packed gather holds a page-rounded copy beside the packed one, so the memory plan
+# (engine/capacity.py) counts 1.5 times it
+PREFILL_GATHER_MAX_BYTES = 256 << 20
 
 
 @dataclass
@@ -19,3 +25,49 @@ class LayerKV:
     @property
     def quantized(self) -> bool:
         return self.k.dtype == torch.int8
+
+
+def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.Tensor,
+              seq_lens: list[int], *, scales_k: torch.Tensor | None = None, scales_v: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Copy each sequence's keys out of the page pool into contiguous K/V.
+
+    pages_k, pages_v: [num_blocks, page, kv_heads, D] (bf16/fp16, or int8 with scales_k/scales_v
+    [num_blocks, page, kv_heads] float32: dequantized here, as engine.layers.attention._gather_pages does, into `dtype`);
+    block_tables: [B, max_blocks] int (row b: sequence b's pages in position order);
+    seq_lens: host ints, keys of each sequence (the engine knows them on the host when eager).
+    Returns (k [sum(seq_lens), kv_heads, D], v [same], cu_seqlens_k [B + 1] int32 on the device).
+
+    One index_select over whole pages per tensor (a page is page * kv_heads * D contiguous elements,
+    32 KB at qwen3-8b), then the tail of each sequence's last page is cut off. With a single
+    sequence the result is a view of the gathered pages; with several, one more copy packs them
+    (small next to the attention it feeds). `out`: buffers to receive k and v (their first rows).
+    """
+    dev = pages_k.device
+    page = pages_k.shape[1]
+    dtype = dtype or (torch.bfloat16 if pages_k.dtype == torch.int8 else pages_k.dtype)
+    n_pages = [-(-s // page) for s in seq_lens]
+    # page ids in sequence order, sliced from the table on the device (no host read of the table)
+    idx = (torch.cat([block_tables[b, :n].long() for b, n in enumerate(n_pages)]) if seq_lens
+           else torch.empty(0, dtype=torch.long, device=dev))
+    keep = None
+    if any(s != n * page for s, n in zip(seq_lens, n_pages)) and len(seq_lens) > 1:
+        keep = torch.cat([torch.arange(s, device=dev) + sum(n_pages[:b]) * page for b, s in enumerate(seq_lens)])
+    total = sum(seq_lens)
+
+    def one(pages, scales):
+        x = pages.index_select(0, idx).flatten(0, 1)                # [sum(n_pages) * page, kv_heads, D]
+        if scales is not None:
+            x = x.float() * scales.index_select(0, idx).flatten(0, 1).unsqueeze(-1)
+        x = x.index_select(0, keep) if keep is not None else x[:total]
+        return x.to(dtype)
+
+    k, v = one(pages_k, scales_k), one(pages_v, scales_v)
+    if out is not None:
+        out[0][:total].copy_(k)
+        out[1][:total].copy_(v)
+        k, v = out[0][:total], out[1][:total]
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0).to(torch.int32)
+    return k, v, cu.to(dev, non_blocking=True)

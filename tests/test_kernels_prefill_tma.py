@@ -156,7 +156,7 @@ def test_interpreted_from_pages(P):
 
 def test_gather_kv():
     """Plain torch: whole pages, a cut last page, several sequences, into a preallocated buffer."""
-    from engine.kernels.attention_prefill import gather_kv
+    from engine.kv_pages import gather_kv
     gen = torch.Generator().manual_seed(1)
     page, kvh, d = 4, 2, 8
     lens = [9, 4, 1]

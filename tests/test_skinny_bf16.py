@@ -1,4 +1,4 @@
-"""The bf16/fp16 tensor-core skinny GEMM (quant_gemm.skinny_dense) against torch in fp32: under Triton's
+"""The bf16/fp16 tensor-core skinny GEMM (engine/kernels/skinny_dense.py) against torch in fp32: under Triton's
 interpreter on the CPU at tiny shapes (opt-in like tests/test_quant_kernels.py:
 NINFER_TRITON_INTERPRET_TESTS=1), or on a CUDA device at the qwen3-8b decode shapes (marked gpu). The
 bound is bf16 output rounding: 2^-8 of the largest output."""
@@ -17,12 +17,12 @@ TOL = 2 ** -8
 
 @pytest.fixture(scope="module")
 def Q():
-    from engine.kernels import quant_gemm
+    from engine.kernels import skinny_dense
     if not CUDA:
         from tools import kernel_checks
         kernel_checks.patch_interpreter()
         _descriptor_loads_through_the_patch()
-    return quant_gemm
+    return skinny_dense
 
 
 def _descriptor_loads_through_the_patch() -> None:
@@ -84,14 +84,14 @@ def test_tma_descriptor_path_interpreted(Q, split):
 def test_counters_rearmed_two_calls(Q):
     """A split call leaves its counters zero (the next launch, or a graph replay, finds them armed): two calls
     in a row give the same bits, and a different input after them is right too."""
-    from engine.kernels import gemv
+    from engine.kernels.splitk import workspace
     n, k = (1000, 4160) if CUDA else (130, 328)
     cfg = Q.DenseConfig(64, 64, split=3)
     x, w = _case(4, n, k, seed=11)
     y1 = Q.skinny_dense(x, w, cfg)
     y2 = Q.skinny_dense(x, w, cfg)
     assert torch.equal(y1, y2) and _rel_err(x, w, y1) < TOL
-    cnt = gemv._workspace(x.device)[1]
+    cnt = workspace(x.device)[1]
     assert int(cnt[: -(-n // 64)].abs().sum()) == 0
     x3, _ = _case(2, n, k, seed=12)
     assert _rel_err(x3, w, Q.skinny_dense(x3, w, cfg)) < TOL

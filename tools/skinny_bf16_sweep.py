@@ -1,4 +1,4 @@
-"""One GPU run for the bf16 tensor-core skinny GEMM (quant_gemm.skinny_dense) at decode rows: correctness
+"""One GPU run for the bf16 tensor-core skinny GEMM (engine/kernels/skinny_dense.py) at decode rows: correctness
 of every launch config against F.linear in fp32, then a timing table against cuBLAS and the M = 1 GEMV at
 the qwen3-8b layer shapes and their TP=2 shards.
 
@@ -35,7 +35,8 @@ if DRY:
 
 from engine.kernels import gemv as G
 from engine.kernels import pdl
-from engine.kernels import quant_gemm as Q
+from engine.kernels import skinny_dense as Q
+from engine.kernels.splitk import num_sms
 from tools.bench.timing import copy_bandwidth_Bps, graph_seconds
 
 DEV = torch.device("cpu" if DRY else "cuda")
@@ -106,7 +107,7 @@ def main() -> int:
         from tools import kernel_checks
         kernel_checks.patch_interpreter()
         configs = {k: dataclasses.replace(c, block_k=min(c.block_k, 64), tma=False) for k, c in configs.items()}
-    sms = Q._sms(DEV)
+    sms = num_sms(DEV)
     result = {"rows": rows, "configs": {k: dataclasses.asdict(c) for k, c in configs.items()}, "checks": [],
               "points": [], "pdl": pdl.enabled(DEV), "sms": sms,
               "device": "cpu" if DRY else torch.cuda.get_device_name()}

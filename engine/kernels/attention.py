@@ -40,9 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.capacity import PREFILL_GATHER_MAX_BYTES
 from engine.forward_context import ForwardContext
-from engine.kv_pages import LayerKV
+from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, LayerKV
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan

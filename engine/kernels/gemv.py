@@ -34,6 +34,7 @@ import triton
 
 from engine.kernels import pdl
 from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
+from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gemv", "linear",
            "takes", "use_gemv"]
@@ -60,9 +61,6 @@ class GemvConfig:
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
 #   M = 4 and 8: the tensor-core skinny kernel (and cuBLAS for bf16) win, so the GEMV stops at 2 rows.
 GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": 1}
-_WORK: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-WORKSPACE_FLOATS = 1 << 20      # SPLIT * M * N fp32 partials at most (4 MiB)
-COUNTERS = 1 << 16              # output blocks at most
 
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
@@ -87,15 +85,6 @@ def use_gemv(fmt: str, rows: int) -> bool:
     return rows <= GEMV_ROWS.get(fmt, 0)
 
 
-def _workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (device.type, device.index)
-    if key not in _WORK:
-        # zeroed once; every launch that counts re-arms its counters, so they stay zero between launches
-        _WORK[key] = (torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
-                      torch.zeros(COUNTERS, dtype=torch.int32, device=device))
-    return _WORK[key]
-
-
 def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
          row_scale: torch.Tensor | None = None, out_features: int | None = None,
          scale_block: tuple[int, int] = (128, 128), config: GemvConfig | None = None) -> torch.Tensor:
@@ -118,7 +107,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_per_split)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    ws, cnt = _workspace(x.device) if split > 1 else (out, out)
+    ws, cnt = workspace(x.device) if split > 1 else (out, out)
     s = scale if scale is not None else weight
     rs = row_scale if row_scale is not None else s
     asm = cfg.asm and x.is_cuda and code == NVFP4_CODE
@@ -140,7 +129,7 @@ def takes(x: torch.Tensor) -> bool:
 def takes_skinny(x: torch.Tensor) -> bool:
     """Whether x [..., K] (bf16, CUDA) goes to the tensor-core skinny GEMM: 2..16 rows (two streams, an MTP
     verify), where it beat cuBLAS on the H200 (qwen3-8b layer 0.89 vs 0.86 of copy, lm_head 1.06 vs 0.99)."""
-    from engine.kernels.quant_gemm import DENSE_MAX_ROWS
+    from engine.kernels.skinny_dense import DENSE_MAX_ROWS
     rows = x.numel() // x.shape[-1]
     return (x.is_cuda and x.dtype == torch.bfloat16 and GEMV_ROWS["bf16"] < rows <= DENSE_MAX_ROWS
             and x.shape[-1] % 8 == 0 and os.environ.get("NINFER_SKINNY_DENSE", "1") != "0")
@@ -152,7 +141,7 @@ def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if takes(x):
         return linear(x, weight)
     if takes_skinny(x) and weight.stride(-1) == 1:
-        from engine.kernels.quant_gemm import skinny_dense
+        from engine.kernels.skinny_dense import skinny_dense
         x2 = x.reshape(-1, x.shape[-1])
         return skinny_dense(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight)
