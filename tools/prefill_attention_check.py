@@ -129,6 +129,7 @@ def main() -> None:
     from engine.forward_context import build_forward_context
     from engine.kernels import attention as A
     from engine.kernels import attention_prefill as P
+    from engine.kv_pages import gather_kv
     from tools import gpu_kernels_check as G
     G.SHRINK = SHRINK
 
@@ -198,8 +199,8 @@ def main() -> None:
         _, ctx = build_forward_context(ql, kl, tables, PAGE, dev)
         q = torch.randn(sum(ql), H, D, device=dev).bfloat16()
         ours = P.prefill_from_pages(q, kvs[0].k, kvs[0].v, ctx.block_tables, ql, kl, scale)
-        paged = A.paged_attention(q, kvs[0], ctx, scale)
-        kk, vv, _ = P.gather_kv(kvs[0].k, kvs[0].v, ctx.block_tables, kl)
+        paged = A.paged_attention(q, kvs[0], ctx, scale, config=A.plan(q, kvs[0], ctx))   # the paged kernel itself
+        kk, vv, _ = gather_kv(kvs[0].k, kvs[0].v, ctx.block_tables, kl)
         ref = sdpa_ref(q, kk, vv, ql, kl, scale)
         correct["pages: gather+tma vs paged"] = {"rel_err": rel(ours, ref), "paged_rel_err": rel(paged, ref)}
     except Exception as exc:
@@ -221,8 +222,8 @@ def main() -> None:
         kv = kvs[0]
         _, ctx = build_forward_context([chunk], [S], tables, PAGE, dev)
         q = torch.randn(chunk, H, D, device=dev).bfloat16()
-        flops = P.attention_flops([chunk], [S], H, D)
-        kk, vv, cuk = P.gather_kv(kv.k, kv.v, ctx.block_tables, [S])
+        flops = A.attention_flops([S], [chunk], H, D)
+        kk, vv, cuk = gather_kv(kv.k, kv.v, ctx.block_tables, [S])
         kk, vv = kk.contiguous(), vv.contiguous()
         cuq = cu([chunk])
         row = {"case": label, "chunk": chunk, "context": context, "flops": flops, "ms": {}}
@@ -238,8 +239,9 @@ def main() -> None:
             print(f"  {label:26s} {name:34s} {t:8.3f} ms  {rate}", flush=True)
             return t
 
-        add("paged", lambda: A.paged_attention(q, kv, ctx, scale))
-        add("gather", lambda: P.gather_kv(kv.k, kv.v, ctx.block_tables, [S]))
+        # the paged kernel itself: without a config, paged_attention routes bf16 prefill to the TMA kernel
+        add("paged", lambda: A.paged_attention(q, kv, ctx, scale, config=A.plan(q, kv, ctx)))
+        add("gather", lambda: gather_kv(kv.k, kv.v, ctx.block_tables, [S]))
         add("gath+tma", lambda: P.prefill_from_pages(q, kv.k, kv.v, ctx.block_tables, [chunk], [S], scale))
         add("tma", lambda: P.prefill_attention(q, kk, vv, cuq, cuk, chunk, scale))
         for cname, cfg in (configs or {}).items():
@@ -295,10 +297,11 @@ def main() -> None:
             for S in range(n, 8 * n + 1, n):
                 _, ctx = build_forward_context([n], [S], tables, PAGE, dev)
                 q = torch.randn(n, H, D, device=dev).bfloat16()
-                tot["paged"] += G.bench(lambda: A.paged_attention(q, kvs[0], ctx, scale), budget_ms=40)["ms"]
+                tot["paged"] += G.bench(lambda: A.paged_attention(q, kvs[0], ctx, scale, config=A.plan(q, kvs[0], ctx)),
+                                        budget_ms=40)["ms"]
                 tot["gath+tma"] += G.bench(lambda: P.prefill_from_pages(q, kvs[0].k, kvs[0].v, ctx.block_tables,
                                                                         [n], [S], scale), budget_ms=40)["ms"]
-                flops += P.attention_flops([n], [S], H, D)
+                flops += A.attention_flops([S], [n], H, D)
             prompt = {"flops": flops, "ms": tot}
             for k, v in tot.items():
                 print(f"  P=32768 in 8 chunks of 4096, sum {k:10s} {v:8.3f} ms  {flops / v / 1e9:6.0f} TFLOP/s  "

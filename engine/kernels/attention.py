@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, LayerKV
+from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, LayerKV, gather_kv
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan
@@ -588,9 +588,10 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         return out
     group = H // kvh
     if config is None and takes_tma_prefill(q, kv, ctx):
-        from engine.kernels.attention_prefill import prefill_from_pages
-        return prefill_from_pages(q, kv.k, kv.v, ctx.block_tables, list(ctx.host_query_lens),
-                                  list(ctx.host_seq_lens), scale, out=out)
+        from engine.kernels.attention_prefill import prefill_attention
+        k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens), dtype=q.dtype)
+        # the queries' offsets are the context's own query_start_loc (int32 [B + 1], on the device)
+        return prefill_attention(q, k, v, ctx.query_start_loc, cu_seqlens_k, ctx.max_query_len, scale, out=out)
     cfg = plan(q, kv, ctx) if config is None else config
     block_q = cfg.block_m // group
     if block_q < 1:

@@ -259,10 +259,3 @@ def prefill_from_pages(q: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Te
     cu_q[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int64), 0).to(torch.int32)
     return prefill_attention(q, k, v, cu_q.to(q.device, non_blocking=True), cu_k, max(query_lens, default=0),
                              scale, out=out, config=config)
-
-
-def attention_flops(query_lens: list[int], seq_lens: list[int], heads: int, head_dim: int) -> int:
-    """Useful FLOPs (q·k and p·v, causal aligned to the bottom right): 4 * heads * head_dim per
-    visible (query, key) pair."""
-    pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in zip(query_lens, seq_lens))
-    return 4 * heads * head_dim * pairs

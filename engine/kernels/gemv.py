@@ -34,6 +34,7 @@ import triton
 
 from engine.kernels import pdl
 from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
+from engine.kernels.skinny_dense import DENSE_MAX_ROWS, skinny_dense
 from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gemv", "linear",
@@ -129,7 +130,6 @@ def takes(x: torch.Tensor) -> bool:
 def takes_skinny(x: torch.Tensor) -> bool:
     """Whether x [..., K] (bf16, CUDA) goes to the tensor-core skinny GEMM: 2..16 rows (two streams, an MTP
     verify), where it beat cuBLAS on the H200 (qwen3-8b layer 0.89 vs 0.86 of copy, lm_head 1.06 vs 0.99)."""
-    from engine.kernels.skinny_dense import DENSE_MAX_ROWS
     rows = x.numel() // x.shape[-1]
     return (x.is_cuda and x.dtype == torch.bfloat16 and GEMV_ROWS["bf16"] < rows <= DENSE_MAX_ROWS
             and x.shape[-1] % 8 == 0 and os.environ.get("NINFER_SKINNY_DENSE", "1") != "0")
@@ -141,7 +141,6 @@ def dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if takes(x):
         return linear(x, weight)
     if takes_skinny(x) and weight.stride(-1) == 1:
-        from engine.kernels.skinny_dense import skinny_dense
         x2 = x.reshape(-1, x.shape[-1])
         return skinny_dense(x2 if x2.stride(-1) == 1 else x2.contiguous(), weight).view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight)
