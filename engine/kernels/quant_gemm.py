@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels import gemv
+from engine.kernels import gemv, quant_gemv_mma
 from engine.kernels.gemv_kernel import E2M1_ASM
 from engine.kernels.splitk import num_sms
 
@@ -251,6 +251,11 @@ def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
 FP8_PREFILL = "cublas"
 
 
+# Decode rows up to this many go to the tensor-core GEMV of quant_gemv_mma.py (CUDA C) where it takes the
+# layer; the Triton GEMV and skinny kernels stay for the rest (and with NINFER_QUANT_MMA_GEMV=0).
+MMA_GEMV_ROWS = 8
+
+
 def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in] bf16/fp16 -> [..., out] (other dtypes take the reference path in engine.quant.linear)
     import torch.nn.functional as F
@@ -261,7 +266,13 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     n, k = layer.out_features, layer.in_features
     fp8 = layer.quant == "fp8"
     rows = x2.shape[0]
-    if gemv.use_gemv(layer.quant, rows):
+    block = layer.scale_block if fp8 else (128, 128)
+    if rows <= MMA_GEMV_ROWS and quant_gemv_mma.takes(layer.quant, x2, n, block):
+        if fp8:
+            y = quant_gemv_mma.quant_gemv_mma(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, block)
+        else:
+            y = quant_gemv_mma.quant_gemv_mma(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
+    elif gemv.use_gemv(layer.quant, rows):
         if fp8:
             y = gemv.gemv(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
         else:

@@ -1,0 +1,363 @@
+"""Decode GEMV for NVFP4 and FP8-block weights on the tensor cores, in CUDA C (compiled by NVRTC via CuPy).
+
+y[M, N] = x[M, K] @ W[N, K]^T for M = 1..8 decode rows, the weight read once, in the checkpoint's own
+layout (no repacking, no second copy). The Triton GEMV (engine/kernels/gemv_kernel.py) turns every
+weight value into fp32 and multiplies it on the CUDA cores: NVFP4 came to ~10 instructions per weight
+byte there, more than an SM can issue at the copy bandwidth (~8), and it streamed at 0.43 of copy. Here
+the values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns hold the activation rows:
+
+  - a warp owns 16 weight rows and walks K in chunks (NVFP4 128 columns, FP8 64: 16 bytes per row per
+    lane); lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of rows g and g + 8 at byte 16 t of the
+    chunk, so the warp reads 16 whole 64-byte row segments per chunk;
+  - the mma's k index is a permutation of the physical columns, the same for A (weights) and B
+    (activations): lane t's 4 k positions in each k16 step are 4 of its own columns. Which ones is
+    chosen so that A's registers come straight out of the decoder, and B is read from shared memory
+    where the CTA stages x once as fp16 in that order;
+  - NVFP4: a 32-bit word (8 codes) decodes into four fp16x2 pairs, columns (0,4), (2,6), (1,5), (3,7),
+    each code put in the bits of an fp16 number equal to 2^-14 times its E2M1 value (shifts and masks;
+    exponent 0 is fp16's subnormal, so 0 and 0.5 come out right), then multiplied (fp16x2) by its
+    group's E4M3 scale times 2^7: a lane's 16 columns of a row are one whole scale group, so the scale
+    is applied to A and the fp32 accumulator runs over all of K. The product is exact for every E4M3
+    scale (an integer of at most 6 significant bits times 2^-17, at most 21). The output is the sum
+    times 2^7 times the row's tensor scale;
+  - FP8: e4m3 pairs convert to fp16x2 exactly (`cvt.rn.f16x2.e4m3x2`); a chunk lies in one 128x128
+    block, so its partial sum is scaled once and added;
+  - the warps of a CTA split the chunks; their sums meet in shared memory.
+x is converted to fp16 (saturating at +-65504: a bf16 activation beyond fp16's range is clamped).
+
+Programmatic dependent launch: a CTA loads its first weights before `griddepcontrol.wait` and stages x
+after it; the kernel is launched without the attribute here (CuPy's launch), so the wait is a no-op.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+CUDA_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 d;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ u32 e4m3x2_lo(u32 w) {   // bytes 0, 1 -> fp16x2 (exact)
+    u32 d;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(d) : "r"(w));
+    return d;
+}
+
+__device__ __forceinline__ u32 e4m3x2_hi(u32 w) {   // bytes 2, 3 -> fp16x2 (exact)
+    u32 d;
+    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(d) : "r"(w));
+    return d;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u16 f32_to_out(float f, bool bf16) {
+    u16 h;
+    if (bf16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// 8 E2M1 codes (nibble i = column i) -> fp16x2 pairs of columns (0,4) (2,6) (1,5) (3,7), value * 2^-14
+__device__ __forceinline__ void e2m1x8(u32 w, u32& p0, u32& p1, u32& p2, u32& p3) {
+    p0 = ((w << 9) & 0x0E000E00u) | ((w << 12) & 0x80008000u);
+    p1 = ((w << 1) & 0x0E000E00u) | ((w << 4) & 0x80008000u);
+    p2 = ((w << 5) & 0x0E000E00u) | ((w << 8) & 0x80008000u);
+    p3 = ((w >> 3) & 0x0E000E00u) | (w & 0x80008000u);
+}
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// a bf16 or fp16 value -> fp16 bits, bf16 saturated to fp16's finite range
+__device__ __forceinline__ u16 to_f16(u16 v, bool bf16) {
+    if (!bf16) return v;
+    float f = __uint_as_float(((u32)v) << 16);
+    return f32_to_f16(fminf(fmaxf(f, -65504.f), 65504.f));
+}
+
+// the raw weights of one batch of U chunks (and, NVFP4, their group scales): chunk u of the batch is
+// u * WARPS chunks after the first (the warps of a CTA interleave), `valid` of them exist
+template <int FMT, int WARPS, int U>
+__device__ __forceinline__ void load_batch(const u8* pa, const u8* pc, const u8* qa, const u8* qc, int valid,
+                                           uint4 (&a)[U], uint4 (&c)[U], u32 (&sa)[U], u32 (&sc)[U]) {
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < valid) {
+            a[u] = ld_stream(pa + u * WARPS * 64);
+            c[u] = ld_stream(pc + u * WARPS * 64);
+            if (FMT == 1) {
+                sa[u] = *(const u16*)(qa + u * WARPS * 8);
+                sc[u] = *(const u16*)(qc + u * WARPS * 8);
+            }
+        }
+    }
+}
+
+// the math of one batch: rows g, g + 8 of the block against the staged activations xp (this lane's columns
+// of the batch's first chunk); FP8 scales each chunk's partial sum by its block scale (bsp: the block row)
+template <int FMT, int WARPS, int U>
+__device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[U], const u32 (&sa)[U],
+                                          const u32 (&sc)[U], int valid, const u16* xp,
+                                          const float* bsp, int ch, int block_shift, float (&acc)[4]) {
+    constexpr int CHUNK = FMT == 1 ? 128 : 64;
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u >= valid) break;
+        const u32 wa[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
+        const u32 wc[4] = {c[u].x, c[u].y, c[u].z, c[u].w};
+        const uint4* x4 = (const uint4*)(xp + u * WARPS * CHUNK);
+        if (FMT == 1) {
+            u32 b[16];
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const uint4 v = x4[q];
+                b[4 * q] = v.x; b[4 * q + 1] = v.y; b[4 * q + 2] = v.z; b[4 * q + 3] = v.w;
+            }
+            // group scales * 2^7 as fp16x2 (448 * 128 < 65504): words 0, 1 are group 2t, words 2, 3 group 2t + 1
+            const u32 f_a = hmul2(e4m3x2_lo(sa[u]), 0x58005800u), f_c = hmul2(e4m3x2_lo(sc[u]), 0x58005800u);
+            #pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const u32 ga = __byte_perm(f_a, 0, q < 2 ? 0x1010 : 0x3232);
+                const u32 gc = __byte_perm(f_c, 0, q < 2 ? 0x1010 : 0x3232);
+                u32 a0, a1, a2, a3, c0, c1, c2, c3;
+                e2m1x8(wa[q], a0, a1, a2, a3);
+                e2m1x8(wc[q], c0, c1, c2, c3);
+                a0 = hmul2(a0, ga); a1 = hmul2(a1, ga); a2 = hmul2(a2, ga); a3 = hmul2(a3, ga);
+                c0 = hmul2(c0, gc); c1 = hmul2(c1, gc); c2 = hmul2(c2, gc); c3 = hmul2(c3, gc);
+                mma16816(acc, a0, c0, a1, c1, b[4 * q], b[4 * q + 1]);
+                mma16816(acc, a2, c2, a3, c3, b[4 * q + 2], b[4 * q + 3]);
+            }
+        } else {
+            u32 b[8];
+            #pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const uint4 v = x4[q];
+                b[4 * q] = v.x; b[4 * q + 1] = v.y; b[4 * q + 2] = v.z; b[4 * q + 3] = v.w;
+            }
+            float part[4] = {0.f, 0.f, 0.f, 0.f};
+            #pragma unroll
+            for (int q = 0; q < 4; ++q)
+                mma16816(part, e4m3x2_lo(wa[q]), e4m3x2_lo(wc[q]), e4m3x2_hi(wa[q]), e4m3x2_hi(wc[q]),
+                         b[2 * q], b[2 * q + 1]);
+            const float s = bsp[(ch + u * WARPS) >> block_shift];
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j] += part[j] * s;
+        }
+    }
+}
+
+// FMT 1: NVFP4 (weight u8 [N, K/2], gs e4m3 [N, K/16], rs f32 [N]); FMT 0: FP8 block (weight e4m3 [N, K],
+// bs f32 [N/br, K/bc], bc = 64 << block_shift). x, out: bf16 (XBF16) or fp16, M <= 8 rows.
+// Grid: N / 16 CTAs of WARPS warps; dynamic shared memory M * K * 2 bytes.
+template <int FMT, int WARPS, bool XBF16>
+__global__ void __launch_bounds__(WARPS * 32)
+qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
+          const u8* __restrict__ w, long long w_stride,
+          const u8* __restrict__ gs, long long gs_stride, const float* __restrict__ rs,
+          const float* __restrict__ bs, long long bs_stride, int br, int block_shift,
+          u16* __restrict__ out, long long out_stride, int N, int K)
+{
+    constexpr int CHUNK = FMT == 1 ? 128 : 64;        // columns per chunk: 64 bytes of each row
+    constexpr int U = 2;                              // chunks per batch; two batches in flight
+    constexpr int STEP = U * WARPS;                   // chunks from one batch of a warp to its next
+    extern __shared__ __align__(16) u16 xs[];          // [M][K] fp16 bits, in B order
+    __shared__ float red[WARPS][16][8];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int rb = blockIdx.x;
+    const int nchunks = K / CHUNK;
+    const int mine = warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0;     // this warp's chunks
+    const u8* pa = w + (long long)(rb * 16 + g) * w_stride + 16 * t + warp * 64;
+    const u8* pc = pa + 8 * w_stride;
+    const u8* qa = gs + (long long)(rb * 16 + g) * gs_stride + 2 * t + warp * 8;    // NVFP4: 2 groups
+    const u8* qc = qa + 8 * gs_stride;
+
+    uint4 a0[U], c0[U], a1[U], c1[U];                // rows g, g + 8 of two batches
+    u32 sa0[U], sc0[U], sa1[U], sc1[U];
+    load_batch<FMT, WARPS, U>(pa, pc, qa, qc, min(U, mine), a0, c0, sa0, sc0);   // weights only: before the wait
+
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // stage x as fp16 in B order: NVFP4 reverses the 3 low bits of each column index (pairs (0,4) (2,6)
+    // (1,5) (3,7) of the decoder land next to each other); FP8 keeps the order
+    for (int i = threadIdx.x; i < M * K / 8; i += WARPS * 32) {
+        const int m = (i * 8) / K, k = (i * 8) % K;
+        const uint4 v = *(const uint4*)(x + m * x_stride + k);
+        const u16* e = (const u16*)&v;
+        u16 h[8];
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int p = FMT == 1 ? (((j & 1) << 2) | (j & 2) | ((j >> 2) & 1)) : j;
+            h[p] = to_f16(e[j], XBF16);
+        }
+        *(uint4*)(xs + m * K + k) = *(const uint4*)h;
+    }
+    __syncthreads();
+    asm volatile("griddepcontrol.launch_dependents;");
+
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    // B column g is activation row g; lanes past the M rows read row 0 into columns that are never stored
+    const u16* xp = xs + (g < M ? g : 0) * K + warp * CHUNK + (FMT == 1 ? 32 : 16) * t;
+    const float* bsp = FMT == 1 ? bs : bs + (long long)((rb * 16) / br) * bs_stride;
+    // two batches in flight: the next one's loads are issued before this one's math (no register copies)
+    for (int done = 0; done < mine; done += 2 * U) {
+        const int v1 = min(U, mine - done - U);
+        const long long o1 = (long long)(done / U + 1) * STEP;
+        if (v1 > 0) load_batch<FMT, WARPS, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
+        mma_batch<FMT, WARPS, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
+                                 warp + (done / U) * STEP, block_shift, acc);
+        if (v1 <= 0) break;
+        const int v2 = min(U, mine - done - 2 * U);
+        const long long o2 = o1 + STEP;
+        if (v2 > 0) load_batch<FMT, WARPS, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
+        mma_batch<FMT, WARPS, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, warp + (int)o1, block_shift, acc);
+    }
+
+    // lane (g, t) holds rows g, g + 8 of the block for activation rows 2t, 2t + 1
+    red[warp][g][2 * t] = acc[0];
+    red[warp][g][2 * t + 1] = acc[1];
+    red[warp][g + 8][2 * t] = acc[2];
+    red[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 16 * M) {
+        const int r = threadIdx.x & 15, m = threadIdx.x >> 4;
+        float y = 0.f;
+        #pragma unroll
+        for (int j = 0; j < WARPS; ++j) y += red[j][r][m];
+        const int row = rb * 16 + r;
+        if (FMT == 1) y *= 128.f * rs[row];
+        out[m * out_stride + row] = f32_to_out(y, XBF16);
+    }
+}
+"""
+
+NVFP4_CHUNK, FP8_CHUNK = 128, 64
+MAX_ROWS = 8                       # the mma's 8 columns
+WARPS = 8
+MAX_SMEM_BYTES = 160 * 1024        # x staged as fp16: M * K * 2 bytes per CTA
+
+
+def _name(fmt: str, x_bf16: bool) -> str:
+    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {WARPS}, {'true' if x_bf16 else 'false'}>"
+
+
+_NAMES = [_name(f, b) for f in ("nvfp4", "fp8") for b in (True, False)]
+_FUNCTIONS: dict[int, dict[str, object]] = {}      # device index -> kernel name -> cupy RawKernel
+
+
+def enabled() -> bool:
+    return os.environ.get("NINFER_QUANT_MMA_GEMV", "1") != "0"
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+def supports(fmt: str, M: int, N: int, K: int, scale_block: tuple[int, int] = (128, 128)) -> bool:
+    """Whether the mma GEMV takes this layer: 16-row blocks, whole chunks, x fitting shared memory."""
+    chunk = NVFP4_CHUNK if fmt == "nvfp4" else FP8_CHUNK
+    if not (1 <= M <= MAX_ROWS and N % 16 == 0 and K % chunk == 0 and M * K * 2 <= MAX_SMEM_BYTES):
+        return False
+    if fmt == "fp8":
+        br, bc = scale_block
+        return br % 16 == 0 and bc >= FP8_CHUNK and (bc & (bc - 1)) == 0      # bc = 64 << block_shift
+    return fmt == "nvfp4"
+
+
+def _functions(device: torch.device) -> dict[str, object]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _FUNCTIONS:
+        cupy = _cupy()
+        with cupy.cuda.Device(idx):
+            module = cupy.RawModule(code=CUDA_SOURCE, options=("-std=c++17",), name_expressions=_NAMES)
+            fns = {}
+            for name in _NAMES:
+                fn = module.get_function(name)
+                fn.max_dynamic_shared_size_bytes = MAX_SMEM_BYTES
+                fns[name] = fn
+        _FUNCTIONS[idx] = fns
+    return _FUNCTIONS[idx]
+
+
+_AVAILABLE: dict[int, bool] = {}
+
+
+def available(device: torch.device) -> bool:
+    """CUDA sm_90+ with CuPy importable (the `gpu` extra) and `NINFER_QUANT_MMA_GEMV` not 0; read once."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _AVAILABLE:
+        _AVAILABLE[idx] = enabled() and _cupy() is not None and torch.cuda.get_device_capability(idx)[0] >= 9
+    return _AVAILABLE[idx]
+
+
+def takes(fmt: str, x: torch.Tensor, N: int, scale_block: tuple[int, int] = (128, 128)) -> bool:
+    """Whether a quantized layer's decode rows x [M, K] go to this kernel."""
+    return x.dtype in (torch.bfloat16, torch.float16) and available(x.device) and supports(
+        fmt, x.shape[0], N, x.shape[1], scale_block)
+
+
+def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
+                   row_scale: torch.Tensor | None, out_features: int,
+                   scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
+    row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
+    M, K = x.shape
+    N = out_features
+    if not supports(fmt, M, N, K, scale_block):
+        raise ValueError(f"quant_gemv_mma: {fmt} M={M} N={N} K={K} block={scale_block} is not supported")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or scale.stride(-1) != 1:
+        raise ValueError("quant_gemv_mma: x, weight and scale need unit stride along K")
+    if (x.data_ptr() | x.stride(0) * 2 | weight.data_ptr() | weight.stride(0)) % 16:
+        x = x.clone() if (x.data_ptr() | x.stride(0) * 2) % 16 else x     # 16-byte rows for the vector loads
+        if (weight.data_ptr() | weight.stride(0)) % 16:
+            raise ValueError("quant_gemv_mma: weight rows must start on 16 bytes")
+    fn = _functions(x.device)[_name(fmt, x.dtype == torch.bfloat16)]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    nvfp4 = fmt == "nvfp4"
+    rs = row_scale if nvfp4 else scale
+    c = ctypes
+    args = (c.c_void_p(x.data_ptr()), c.c_longlong(x.stride(0)), c.c_int(M),
+            c.c_void_p(weight.data_ptr()), c.c_longlong(weight.stride(0)),
+            c.c_void_p(scale.data_ptr()), c.c_longlong(scale.stride(0) if nvfp4 else 0), c.c_void_p(rs.data_ptr()),
+            c.c_void_p(scale.data_ptr()), c.c_longlong(0 if nvfp4 else scale.stride(0)),
+            c.c_int(scale_block[0]), c.c_int((scale_block[1] // FP8_CHUNK).bit_length() - 1),
+            c.c_void_p(out.data_ptr()), c.c_longlong(out.stride(0)), c.c_int(N), c.c_int(K))
+    ptrs = (c.c_void_p * len(args))(*(c.addressof(a) for a in args))
+    cupy = _cupy()
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    with cupy.cuda.Device(x.device.index):
+        cupy.cuda.driver.launchKernel(fn.kernel.ptr, N // 16, 1, 1, WARPS * 32, 1, 1, M * K * 2, stream,
+                                      c.addressof(ptrs), 0)
+    return out
