@@ -22,7 +22,9 @@ the values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns
     times 2^7 times the row's tensor scale;
   - FP8: e4m3 pairs convert to fp16x2 exactly (`cvt.rn.f16x2.e4m3x2`); a chunk lies in one 128x128
     block, so its partial sum is scaled once and added;
-  - the warps of a CTA split the chunks; their sums meet in shared memory.
+  - the warps of a CTA split the chunks; their sums meet in shared memory. CTAs are persistent (as many as
+    fit at once), each walking every gridDim-th row block, so x is staged once per CTA and the next row
+    block's first weights are in flight while this one's sums meet.
 x is converted to fp16 (saturating at +-65504: a bf16 activation beyond fp16's range is clamped).
 
 Programmatic dependent launch: a CTA loads its first weights before `griddepcontrol.wait` and stages x
@@ -174,7 +176,8 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
 
 // FMT 1: NVFP4 (weight u8 [N, K/2], gs e4m3 [N, K/16], rs f32 [N]); FMT 0: FP8 block (weight e4m3 [N, K],
 // bs f32 [N/br, K/bc], bc = 64 << block_shift). x, out: bf16 (XBF16) or fp16, M <= 8 rows.
-// Grid: N / 16 CTAs of WARPS warps; dynamic shared memory M * K * 2 bytes.
+// Persistent CTAs of WARPS warps: CTA b takes row blocks b, b + gridDim.x, ... (16 rows each), so x is
+// staged once per CTA; dynamic shared memory M * K * 2 bytes.
 template <int FMT, int WARPS, bool XBF16>
 __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
@@ -191,17 +194,21 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int rb = blockIdx.x;
+    const int blocks = N / 16;
     const int nchunks = K / CHUNK;
     const int mine = warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0;     // this warp's chunks
-    const u8* pa = w + (long long)(rb * 16 + g) * w_stride + 16 * t + warp * 64;
-    const u8* pc = pa + 8 * w_stride;
-    const u8* qa = gs + (long long)(rb * 16 + g) * gs_stride + 2 * t + warp * 8;    // NVFP4: 2 groups
-    const u8* qc = qa + 8 * gs_stride;
+    // this lane's bytes of a row block's first chunk: rows g and g + 8 (and, NVFP4, their 2 group scales)
+    const long long lane_w = (long long)g * w_stride + 16 * t + warp * 64;
+    const long long lane_s = (long long)g * gs_stride + 2 * t + warp * 8;
 
     uint4 a0[U], c0[U], a1[U], c1[U];                // rows g, g + 8 of two batches
     u32 sa0[U], sc0[U], sa1[U], sc1[U];
-    load_batch<FMT, WARPS, U>(pa, pc, qa, qc, min(U, mine), a0, c0, sa0, sc0);   // weights only: before the wait
+    int rb = blockIdx.x;
+    {
+        const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
+        const u8* qa = gs + (long long)rb * 16 * gs_stride + lane_s;
+        load_batch<FMT, WARPS, U>(pa, pa + 8 * w_stride, qa, qa + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
+    }                                                 // weights only: before the wait
 
     asm volatile("griddepcontrol.wait;" ::: "memory");
     // stage x as fp16 in B order: NVFP4 reverses the 3 low bits of each column index (pairs (0,4) (2,6)
@@ -221,38 +228,51 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
     __syncthreads();
     asm volatile("griddepcontrol.launch_dependents;");
 
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
     // B column g is activation row g; lanes past the M rows read row 0 into columns that are never stored
     const u16* xp = xs + (g < M ? g : 0) * K + warp * CHUNK + (FMT == 1 ? 32 : 16) * t;
-    const float* bsp = FMT == 1 ? bs : bs + (long long)((rb * 16) / br) * bs_stride;
-    // two batches in flight: the next one's loads are issued before this one's math (no register copies)
-    for (int done = 0; done < mine; done += 2 * U) {
-        const int v1 = min(U, mine - done - U);
-        const long long o1 = (long long)(done / U + 1) * STEP;
-        if (v1 > 0) load_batch<FMT, WARPS, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
-        mma_batch<FMT, WARPS, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
-                                 warp + (done / U) * STEP, block_shift, acc);
-        if (v1 <= 0) break;
-        const int v2 = min(U, mine - done - 2 * U);
-        const long long o2 = o1 + STEP;
-        if (v2 > 0) load_batch<FMT, WARPS, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
-        mma_batch<FMT, WARPS, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, warp + (int)o1, block_shift, acc);
-    }
-
-    // lane (g, t) holds rows g, g + 8 of the block for activation rows 2t, 2t + 1
-    red[warp][g][2 * t] = acc[0];
-    red[warp][g][2 * t + 1] = acc[1];
-    red[warp][g + 8][2 * t] = acc[2];
-    red[warp][g + 8][2 * t + 1] = acc[3];
-    __syncthreads();
-    if (threadIdx.x < 16 * M) {
-        const int r = threadIdx.x & 15, m = threadIdx.x >> 4;
-        float y = 0.f;
-        #pragma unroll
-        for (int j = 0; j < WARPS; ++j) y += red[j][r][m];
-        const int row = rb * 16 + r;
-        if (FMT == 1) y *= 128.f * rs[row];
-        out[m * out_stride + row] = f32_to_out(y, XBF16);
+    for (; rb < blocks; rb += gridDim.x) {
+        const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
+        const u8* pc = pa + 8 * w_stride;
+        const u8* qa = gs + (long long)rb * 16 * gs_stride + lane_s;
+        const u8* qc = qa + 8 * gs_stride;
+        const float* bsp = FMT == 1 ? bs : bs + (long long)((rb * 16) / br) * bs_stride;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        // two batches in flight: the next one's loads are issued before this one's math (no register copies)
+        for (int done = 0; done < mine; done += 2 * U) {
+            const int v1 = min(U, mine - done - U);
+            const long long o1 = (long long)(done / U + 1) * STEP;
+            if (v1 > 0) load_batch<FMT, WARPS, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
+            mma_batch<FMT, WARPS, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
+                                     warp + (done / U) * STEP, block_shift, acc);
+            if (v1 <= 0) break;
+            const int v2 = min(U, mine - done - 2 * U);
+            const long long o2 = o1 + STEP;
+            if (v2 > 0) load_batch<FMT, WARPS, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
+            mma_batch<FMT, WARPS, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, warp + (int)o1, block_shift, acc);
+        }
+        // the next row block's first batch goes out before this one's sums meet
+        const int next = rb + gridDim.x;
+        if (next < blocks) {
+            const u8* na = w + (long long)next * 16 * w_stride + lane_w;
+            const u8* nq = gs + (long long)next * 16 * gs_stride + lane_s;
+            load_batch<FMT, WARPS, U>(na, na + 8 * w_stride, nq, nq + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
+        }
+        // lane (g, t) holds rows g, g + 8 of the block for activation rows 2t, 2t + 1
+        red[warp][g][2 * t] = acc[0];
+        red[warp][g][2 * t + 1] = acc[1];
+        red[warp][g + 8][2 * t] = acc[2];
+        red[warp][g + 8][2 * t + 1] = acc[3];
+        __syncthreads();
+        if (threadIdx.x < 16 * M) {
+            const int r = threadIdx.x & 15, m = threadIdx.x >> 4;
+            float y = 0.f;
+            #pragma unroll
+            for (int j = 0; j < WARPS; ++j) y += red[j][r][m];
+            const int row = rb * 16 + r;
+            if (FMT == 1) y *= 128.f * rs[row];
+            out[m * out_stride + row] = f32_to_out(y, XBF16);
+        }
+        __syncthreads();                              // red is written again by the next row block
     }
 }
 """
@@ -269,6 +289,7 @@ def _name(fmt: str, x_bf16: bool) -> str:
 
 _NAMES = [_name(f, b) for f in ("nvfp4", "fp8") for b in (True, False)]
 _FUNCTIONS: dict[int, dict[str, object]] = {}      # device index -> kernel name -> cupy RawKernel
+_GRID: dict[tuple, int] = {}                       # (device, kernel, shared bytes) -> resident CTAs
 
 
 def enabled() -> bool:
@@ -358,6 +379,19 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
     cupy = _cupy()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with cupy.cuda.Device(x.device.index):
-        cupy.cuda.driver.launchKernel(fn.kernel.ptr, N // 16, 1, 1, WARPS * 32, 1, 1, M * K * 2, stream,
+        grid = min(N // 16, _resident_ctas(cupy, fn, x.device, M * K * 2))
+        cupy.cuda.driver.launchKernel(fn.kernel.ptr, grid, 1, 1, WARPS * 32, 1, 1, M * K * 2, stream,
                                       c.addressof(ptrs), 0)
     return out
+
+
+def _resident_ctas(cupy, fn, device: torch.device, smem: int) -> int:
+    """CTAs that fit on the device at once (the persistent grid): SMs x CTAs per SM for this shared memory."""
+    key = (device.index, fn.kernel.ptr, smem)
+    if key not in _GRID:
+        try:
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, WARPS * 32, smem)
+        except AttributeError:      # a CuPy without the occupancy call: two CTAs per SM always fit
+            per_sm = 2
+        _GRID[key] = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
+    return _GRID[key]
