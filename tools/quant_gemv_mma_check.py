@@ -35,8 +35,8 @@ T0 = time.time()
 TOL = 2 ** -8
 
 
-def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
-    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n)
+def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS):
+    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps)
 
 
 def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
@@ -132,8 +132,10 @@ def sweep(result: dict, rows: list[int], budget_s: float) -> None:
                 nbytes = layer_bytes(one)
                 copies = [one] + [random_layer(fmt, n, k) for _ in range(max(1, -(-200_000_000 // nbytes)) - 1)]
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                for route, make in (("triton", triton_call), ("mma", mma_call)):
-                    if route == "mma" and not MMA.supports(fmt, m, n, k):
+                routes = [("triton", triton_call)] + [
+                    (f"mma_w{w}", lambda *a, w=w: mma_call(*a, warps=w)) for w in MMA.WARP_CHOICES]
+                for route, make in routes:
+                    if route != "triton" and not MMA.supports(fmt, m, n, k):
                         continue
                     fns = [make(fmt, copies[i % len(copies)], x, n) for i in range(max(20, len(copies)))]
                     s = graph_seconds(fns)
@@ -158,7 +160,7 @@ def report(result: dict) -> None:
         for m in sorted({p["M"] for p in pts}):
             for gname, pick in groups.items():
                 line = []
-                for route in ("triton", "mma"):
+                for route in ("triton",) + tuple(f"mma_w{w}" for w in MMA.WARP_CHOICES):
                     sel = [p for p in pts if p["fmt"] == fmt and p["M"] == m and p["route"] == route and pick(p["shape"])]
                     if len(sel) == 4:
                         frac = sum(p["of_copy"] * p["us"] for p in sel) / sum(p["us"] for p in sel)

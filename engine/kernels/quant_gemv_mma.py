@@ -283,11 +283,14 @@ WARPS = 8
 MAX_SMEM_BYTES = 160 * 1024        # x staged as fp16: M * K * 2 bytes per CTA
 
 
-def _name(fmt: str, x_bf16: bool) -> str:
-    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {WARPS}, {'true' if x_bf16 else 'false'}>"
+WARP_CHOICES = (4, 8, 16)          # compiled; WARPS is the default (tools/quant_gemv_mma_check.py sweeps them)
 
 
-_NAMES = [_name(f, b) for f in ("nvfp4", "fp8") for b in (True, False)]
+def _name(fmt: str, x_bf16: bool, warps: int = WARPS) -> str:
+    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {'true' if x_bf16 else 'false'}>"
+
+
+_NAMES = [_name(f, b, w) for f in ("nvfp4", "fp8") for b in (True, False) for w in WARP_CHOICES]
 _FUNCTIONS: dict[int, dict[str, object]] = {}      # device index -> kernel name -> cupy RawKernel
 _GRID: dict[tuple, int] = {}                       # (device, kernel, shared bytes) -> resident CTAs
 
@@ -351,7 +354,7 @@ def takes(fmt: str, x: torch.Tensor, N: int, scale_block: tuple[int, int] = (128
 
 def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
                    row_scale: torch.Tensor | None, out_features: int,
-                   scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                   scale_block: tuple[int, int] = (128, 128), warps: int = WARPS) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
     row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
     M, K = x.shape
@@ -364,7 +367,7 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
         x = x.clone() if (x.data_ptr() | x.stride(0) * 2) % 16 else x     # 16-byte rows for the vector loads
         if (weight.data_ptr() | weight.stride(0)) % 16:
             raise ValueError("quant_gemv_mma: weight rows must start on 16 bytes")
-    fn = _functions(x.device)[_name(fmt, x.dtype == torch.bfloat16)]
+    fn = _functions(x.device)[_name(fmt, x.dtype == torch.bfloat16, warps)]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nvfp4 = fmt == "nvfp4"
     rs = row_scale if nvfp4 else scale
@@ -379,18 +382,18 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
     cupy = _cupy()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with cupy.cuda.Device(x.device.index):
-        grid = min(N // 16, _resident_ctas(cupy, fn, x.device, M * K * 2))
-        cupy.cuda.driver.launchKernel(fn.kernel.ptr, grid, 1, 1, WARPS * 32, 1, 1, M * K * 2, stream,
+        grid = min(N // 16, _resident_ctas(cupy, fn, x.device, M * K * 2, warps))
+        cupy.cuda.driver.launchKernel(fn.kernel.ptr, grid, 1, 1, warps * 32, 1, 1, M * K * 2, stream,
                                       c.addressof(ptrs), 0)
     return out
 
 
-def _resident_ctas(cupy, fn, device: torch.device, smem: int) -> int:
+def _resident_ctas(cupy, fn, device: torch.device, smem: int, warps: int) -> int:
     """CTAs that fit on the device at once (the persistent grid): SMs x CTAs per SM for this shared memory."""
     key = (device.index, fn.kernel.ptr, smem)
     if key not in _GRID:
         try:
-            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, WARPS * 32, smem)
+            per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, warps * 32, smem)
         except AttributeError:      # a CuPy without the occupancy call: two CTAs per SM always fit
             per_sm = 2
         _GRID[key] = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
