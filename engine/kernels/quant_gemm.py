@@ -251,9 +251,12 @@ def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
 FP8_PREFILL = "cublas"
 
 
-# Decode rows up to this many go to the tensor-core GEMV of quant_gemv_mma.py (CUDA C) where it takes the
-# layer; the Triton GEMV and skinny kernels stay for the rest (and with NINFER_QUANT_MMA_GEMV=0).
-MMA_GEMV_ROWS = 8
+# Decode rows that go to the tensor-core GEMV of quant_gemv_mma.py (CUDA C) where it takes the layer; the
+# Triton GEMV and skinny kernels keep the rest (and all of them with NINFER_QUANT_MMA_GEMV=0). From the H200
+# sweep (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps), fraction of copy summed over a
+# qwen3-8b layer: NVFP4 1 row 0.48 (Triton 0.42), 2 rows 0.46 (0.22); FP8 2 rows 0.70 (0.38). FP8 at one row
+# stays on the Triton GEMV, 0.76 against 0.71: with so few instructions per byte it was not issue-bound.
+MMA_GEMV_ROWS = {"nvfp4": range(1, 9), "fp8": range(2, 9)}
 
 
 def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
@@ -267,7 +270,7 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     fp8 = layer.quant == "fp8"
     rows = x2.shape[0]
     block = layer.scale_block if fp8 else (128, 128)
-    if rows <= MMA_GEMV_ROWS and quant_gemv_mma.takes(layer.quant, x2, n, block):
+    if rows in MMA_GEMV_ROWS[layer.quant] and quant_gemv_mma.takes(layer.quant, x2, n, block):
         if fp8:
             y = quant_gemv_mma.quant_gemv_mma(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, block)
         else:

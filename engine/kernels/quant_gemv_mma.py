@@ -279,11 +279,14 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
 
 NVFP4_CHUNK, FP8_CHUNK = 128, 64
 MAX_ROWS = 8                       # the mma's 8 columns
-WARPS = 8
-MAX_SMEM_BYTES = 160 * 1024        # x staged as fp16: M * K * 2 bytes per CTA
+# 16 warps per CTA (one CTA per SM at 75 registers): the best or within 0.01 of it on every per-model sum of
+# the H200 sweep (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps), e.g. FP8 at 2 rows,
+# qwen3-8b: 0.70 of copy against 0.62 with 8 warps and 0.53 with 4
+WARPS = 16
+MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (a CTA may have 227 KiB)
 
 
-WARP_CHOICES = (4, 8, 16)          # compiled; WARPS is the default (tools/quant_gemv_mma_check.py sweeps them)
+WARP_CHOICES = (4, 8, 16)          # compiled; tools/quant_gemv_mma_check.py sweeps them
 
 
 def _name(fmt: str, x_bf16: bool, warps: int = WARPS) -> str:
