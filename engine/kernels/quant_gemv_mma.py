@@ -27,8 +27,10 @@ the values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns
     block's first weights are in flight while this one's sums meet.
 x is converted to fp16 (saturating at +-65504: a bf16 activation beyond fp16's range is clamped).
 
-Programmatic dependent launch: a CTA loads its first weights before `griddepcontrol.wait` and stages x
-after it; the kernel is launched without the attribute here (CuPy's launch), so the wait is a no-op.
+Programmatic dependent launch (engine/kernels/pdl.py): a CTA loads its first weights before
+`griddepcontrol.wait` and stages x after it, then lets the next kernel launch. CuPy's launch takes no
+launch attributes, so with PDL on the kernel goes through the driver's `cuLaunchKernelEx` (ctypes, as
+Triton's launcher calls it) with programmatic stream serialization; with PDL off, through CuPy.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import ctypes
 import os
 
 import torch
+
+from engine.kernels import pdl
 
 CUDA_SOURCE = r"""
 typedef unsigned int u32;
@@ -386,9 +390,40 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with cupy.cuda.Device(x.device.index):
         grid = min(N // 16, _resident_ctas(cupy, fn, x.device, M * K * 2, warps))
-        cupy.cuda.driver.launchKernel(fn.kernel.ptr, grid, 1, 1, warps * 32, 1, 1, M * K * 2, stream,
-                                      c.addressof(ptrs), 0)
+        if pdl.enabled(x.device):
+            _launch_pdl(fn.kernel.ptr, grid, warps * 32, M * K * 2, stream, ptrs)
+        else:
+            cupy.cuda.driver.launchKernel(fn.kernel.ptr, grid, 1, 1, warps * 32, 1, 1, M * K * 2, stream,
+                                          c.addressof(ptrs), 0)
     return out
+
+
+class _LaunchAttribute(ctypes.Structure):          # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):             # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6              # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_DRIVER: list = []
+
+
+def _launch_pdl(function: int, grid: int, threads: int, smem: int, stream: int, params) -> None:
+    if not _DRIVER:
+        launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        launch.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        launch.restype = ctypes.c_int
+        attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        attr.value[0] = 1                           # programmaticStreamSerializationAllowed
+        _DRIVER.extend([launch, attr])
+    launch, attr = _DRIVER
+    config = _LaunchConfig((grid, 1, 1), (threads, 1, 1), smem, stream, ctypes.pointer(attr), 1)
+    err = launch(ctypes.byref(config), function, ctypes.addressof(params), None)
+    if err:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
 def _resident_ctas(cupy, fn, device: torch.device, smem: int, warps: int) -> int:
