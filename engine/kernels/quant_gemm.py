@@ -1,5 +1,8 @@
 """Matmuls of quantized linear layers on CUDA: y[M, N] = x[M, K] @ W[N, K]^T.
 
+  mma gemv  decode at 1..8 rows (engine/kernels/quant_gemv_mma.py, CUDA C): the weight streamed once in
+            its checkpoint layout, decoded into the A operand of mma.sync; `quant_linear` takes it for
+            the rows of MMA_GEMV_ROWS where it takes the shape, else the two below.
   gemv      decode at 1..8 rows (engine/kernels/gemv.py): no tensor cores, the weight streamed once;
             `quant_linear` takes it up to gemv.GEMV_ROWS rows, then `skinny`.
   skinny    decode (M <= 64 rows): the weight tile is the dot's first operand, so it goes from

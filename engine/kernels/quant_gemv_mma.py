@@ -2,9 +2,9 @@
 
 y[M, N] = x[M, K] @ W[N, K]^T for M = 1..8 decode rows, the weight read once, in the checkpoint's own
 layout (no repacking, no second copy). The Triton GEMV (engine/kernels/gemv_kernel.py) turns every
-weight value into fp32 and multiplies it on the CUDA cores: NVFP4 came to ~10 instructions per weight
-byte there, more than an SM can issue at the copy bandwidth (~8), and it streamed at 0.43 of copy. Here
-the values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns hold the activation rows:
+weight value into fp32 and multiplies it on the CUDA cores: ~10 instructions per NVFP4 byte, and 0.41 of
+copy bandwidth over a qwen3-8b layer; at two rows its tensor-core `skinny` kernel reached 0.22. Here the
+values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns hold the activation rows:
 
   - a warp owns 16 weight rows and walks K in chunks (NVFP4 128 columns, FP8 64: 16 bytes per row per
     lane); lane (g, t) = (lane / 4, lane % 4) loads 16 bytes of rows g and g + 8 at byte 16 t of the
@@ -27,10 +27,13 @@ the values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns
     block's first weights are in flight while this one's sums meet.
 x is converted to fp16 (saturating at +-65504: a bf16 activation beyond fp16's range is clamped).
 
-Programmatic dependent launch (engine/kernels/pdl.py): a CTA loads its first weights before
-`griddepcontrol.wait` and stages x after it, then lets the next kernel launch. CuPy's launch takes no
-launch attributes, so with PDL on the kernel goes through the driver's `cuLaunchKernelEx` (ctypes, as
-Triton's launcher calls it) with programmatic stream serialization; with PDL off, through CuPy.
+Measured on the H200 (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps, fraction of copy
+bandwidth summed over one qwen3-8b layer): NVFP4 0.48 at one row (Triton 0.42) and 0.46 at two (0.22); FP8
+0.70 at two rows (0.38), 0.71 at one (Triton 0.76, which keeps that case). What holds NVFP4 at 0.58 on
+its largest layer (gate_up) is not settled: a lane spends ~26 instructions per 16 weight bytes (sm_90
+SASS: ~15 integer shifts and masks decode the nibbles, 4 fp16x2 multiplies apply the scales, 2 mma),
+which at that rate is about half of the SM's issue slots, so neither issue nor bandwidth is saturated;
+the likely limit is latency (per warp, two batches of 2 KB in flight). No hardware counters were read.
 """
 
 from __future__ import annotations
@@ -432,7 +435,7 @@ def _resident_ctas(cupy, fn, device: torch.device, smem: int, warps: int) -> int
     if key not in _GRID:
         try:
             per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, warps * 32, smem)
-        except AttributeError:      # a CuPy without the occupancy call: two CTAs per SM always fit
+        except AttributeError:      # a CuPy without the occupancy call: CTAs past what fits wait their turn
             per_sm = 2
         _GRID[key] = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
     return _GRID[key]
