@@ -30,9 +30,9 @@ x is converted to fp16 (saturating at +-65504: a bf16 activation beyond fp16's r
 Measured on the H200 (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps, fraction of copy
 bandwidth summed over one qwen3-8b layer): NVFP4 0.48 at one row (Triton 0.42) and 0.46 at two (0.22); FP8
 0.70 at two rows (0.38), 0.71 at one (Triton 0.76, which keeps that case). What holds NVFP4 at 0.58 on
-its largest layer (gate_up) is not settled: a lane spends ~26 instructions per 16 weight bytes (sm_90
-SASS: ~15 integer shifts and masks decode the nibbles, 4 fp16x2 multiplies apply the scales, 2 mma),
-which at that rate is about half of the SM's issue slots, so neither issue nor bandwidth is saturated;
+its largest layer (gate_up) is not settled: a lane spends ~26 instructions per 32-bit word of 8 codes
+(sm_90 SASS: ~15 integer shifts and masks decode them, 4 fp16x2 multiplies apply the scales, 1 mma, the
+rest loads and addresses), which at that rate is about half of the SM's issue slots, so neither issue nor bandwidth is saturated;
 the likely limit is latency (per warp, two batches of 2 KB in flight). No hardware counters were read.
 """
 
