@@ -35,8 +35,8 @@ T0 = time.time()
 TOL = 2 ** -8
 
 
-def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS):
-    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps)
+def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS, batch: int = MMA.BATCH):
+    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps, batch=batch)
 
 
 def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
@@ -133,7 +133,7 @@ def sweep(result: dict, rows: list[int], budget_s: float) -> None:
                 copies = [one] + [random_layer(fmt, n, k) for _ in range(max(1, -(-200_000_000 // nbytes)) - 1)]
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 routes = [("triton", triton_call)] + [
-                    (f"mma_w{w}", lambda *a, w=w: mma_call(*a, warps=w)) for w in MMA.WARP_CHOICES]
+                    (f"mma_w{w}u{u}", lambda *a, w=w, u=u: mma_call(*a, warps=w, batch=u)) for w, u in MMA.VARIANTS]
                 for route, make in routes:
                     if route != "triton" and not MMA.supports(fmt, m, n, k):
                         continue
@@ -160,7 +160,7 @@ def report(result: dict) -> None:
         for m in sorted({p["M"] for p in pts}):
             for gname, pick in groups.items():
                 line = []
-                for route in ("triton",) + tuple(f"mma_w{w}" for w in MMA.WARP_CHOICES):
+                for route in ("triton",) + tuple(f"mma_w{w}u{u}" for w, u in MMA.VARIANTS):
                     sel = [p for p in pts if p["fmt"] == fmt and p["M"] == m and p["route"] == route and pick(p["shape"])]
                     if len(sel) == 4:
                         frac = sum(p["of_copy"] * p["us"] for p in sel) / sum(p["us"] for p in sel)

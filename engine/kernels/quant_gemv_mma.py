@@ -185,7 +185,7 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
 // bs f32 [N/br, K/bc], bc = 64 << block_shift). x, out: bf16 (XBF16) or fp16, M <= 8 rows.
 // Persistent CTAs of WARPS warps: CTA b takes row blocks b, b + gridDim.x, ... (16 rows each), so x is
 // staged once per CTA; dynamic shared memory M * K * 2 bytes.
-template <int FMT, int WARPS, bool XBF16>
+template <int FMT, int WARPS, int U, bool XBF16>
 __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
           const u8* __restrict__ w, long long w_stride,
@@ -194,7 +194,7 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
           u16* __restrict__ out, long long out_stride, int N, int K)
 {
     constexpr int CHUNK = FMT == 1 ? 128 : 64;        // columns per chunk: 64 bytes of each row
-    constexpr int U = 2;                              // chunks per batch; two batches in flight
+    // U: chunks per batch; two batches in flight per warp (2 U KB)
     constexpr int STEP = U * WARPS;                   // chunks from one batch of a warp to its next
     extern __shared__ __align__(16) u16 xs[];          // [M][K] fp16 bits, in B order
     __shared__ float red[WARPS][16][8];
@@ -293,15 +293,16 @@ WARPS = 16
 MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (a CTA may have 227 KiB)
 
 
-WARP_CHOICES = (4, 8, 16)          # compiled; tools/quant_gemv_mma_check.py sweeps them
+BATCH = 2                          # chunks per batch (two batches in flight per warp)
+# (warps, batch) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
+VARIANTS = ((16, 2), (16, 4), (8, 4), (8, 2))
 
 
-def _name(fmt: str, x_bf16: bool, warps: int = WARPS) -> str:
-    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {'true' if x_bf16 else 'false'}>"
+def _name(fmt: str, x_bf16: bool, warps: int = WARPS, batch: int = BATCH) -> str:
+    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {batch}, {'true' if x_bf16 else 'false'}>"
 
 
-_NAMES = [_name(f, b, w) for f in ("nvfp4", "fp8") for b in (True, False) for w in WARP_CHOICES]
-_FUNCTIONS: dict[int, dict[str, object]] = {}      # device index -> kernel name -> cupy RawKernel
+_FUNCTIONS: dict[tuple[int, str], object] = {}     # (device index, kernel name) -> cupy RawKernel
 _GRID: dict[tuple, int] = {}                       # (device, kernel, shared bytes) -> resident CTAs
 
 
@@ -328,19 +329,17 @@ def supports(fmt: str, M: int, N: int, K: int, scale_block: tuple[int, int] = (1
     return fmt == "nvfp4"
 
 
-def _functions(device: torch.device) -> dict[str, object]:
+def _function(device: torch.device, name: str):
+    """The kernel `name` compiled for `device` (NVRTC, once per process and name)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _FUNCTIONS:
+    if (idx, name) not in _FUNCTIONS:
         cupy = _cupy()
         with cupy.cuda.Device(idx):
-            module = cupy.RawModule(code=CUDA_SOURCE, options=("-std=c++17",), name_expressions=_NAMES)
-            fns = {}
-            for name in _NAMES:
-                fn = module.get_function(name)
-                fn.max_dynamic_shared_size_bytes = MAX_SMEM_BYTES
-                fns[name] = fn
-        _FUNCTIONS[idx] = fns
-    return _FUNCTIONS[idx]
+            module = cupy.RawModule(code=CUDA_SOURCE, options=("-std=c++17",), name_expressions=[name])
+            fn = module.get_function(name)
+            fn.max_dynamic_shared_size_bytes = MAX_SMEM_BYTES
+        _FUNCTIONS[(idx, name)] = fn
+    return _FUNCTIONS[(idx, name)]
 
 
 _AVAILABLE: dict[int, bool] = {}
@@ -364,7 +363,8 @@ def takes(fmt: str, x: torch.Tensor, N: int, scale_block: tuple[int, int] = (128
 
 def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
                    row_scale: torch.Tensor | None, out_features: int,
-                   scale_block: tuple[int, int] = (128, 128), warps: int = WARPS) -> torch.Tensor:
+                   scale_block: tuple[int, int] = (128, 128), warps: int = WARPS,
+                   batch: int = BATCH) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
     row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
     M, K = x.shape
@@ -377,7 +377,7 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
         x = x.clone() if (x.data_ptr() | x.stride(0) * 2) % 16 else x     # 16-byte rows for the vector loads
         if (weight.data_ptr() | weight.stride(0)) % 16:
             raise ValueError("quant_gemv_mma: weight rows must start on 16 bytes")
-    fn = _functions(x.device)[_name(fmt, x.dtype == torch.bfloat16, warps)]
+    fn = _function(x.device, _name(fmt, x.dtype == torch.bfloat16, warps, batch))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nvfp4 = fmt == "nvfp4"
     rs = row_scale if nvfp4 else scale
