@@ -42,7 +42,7 @@ def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WA
 
 
 def _route(warps: int, batch: int, split: int | None) -> str:
-    return f"mma_w{warps}u{batch}s{split or 'auto'}"
+    return f"mma_w{warps}u{batch}s{split or 'default'}"
 
 
 def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):

@@ -315,7 +315,12 @@ MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (
 
 
 BATCH = 2                          # chunks per batch (two batches in flight per warp)
-SPLITS = (1, 2, 4, 8, 16)          # warps per row block; None = chosen per shape by `choose_split`
+SPLITS = (1, 2, 4, 8, 16)          # warps per row block
+# The split when the caller names none. From the H200 sweep (bench/results/2026-12-01-h200-s14/
+# h-f1cf173-mma-split-sweep, fraction of copy summed over a layer): FP8 at 2 rows, qwen3-8b, 0.67 with the split
+# `choose_split` picks against 0.61 with all 16 warps on a row block (8 rows: 0.55 against 0.51); NVFP4 lost
+# with it at qwen3-32b (0.51 against 0.55 at one row) and tied at 8b, so it keeps all warps on a row block.
+DEFAULT_SPLIT = {"nvfp4": WARPS, "fp8": None}      # None: `choose_split`
 # (warps, batch, split) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
 VARIANTS = ((16, 2, None), (16, 2, 16), (8, 2, None), (16, 4, None))
 
@@ -406,7 +411,9 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
                    scale_block: tuple[int, int] = (128, 128), warps: int = WARPS,
                    batch: int = BATCH, split: int | None = None) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
-    row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
+    row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N].
+    warps per CTA, batch (chunks per batch) and split (warps per row block, one of SPLITS; None takes
+    DEFAULT_SPLIT) are launch choices; the engine uses the defaults."""
     M, K = x.shape
     N = out_features
     if not supports(fmt, M, N, K, scale_block):
@@ -419,7 +426,10 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
             raise ValueError("quant_gemv_mma: weight rows must start on 16 bytes")
     cupy = _cupy()
     x_bf16 = x.dtype == torch.bfloat16
-    if split is None:            # how many CTAs fit does not depend on the split (same registers)
+    split = split or DEFAULT_SPLIT[fmt]
+    if split is not None:
+        split = min(split, warps)
+    else:            # how many CTAs fit does not depend on the split (same registers)
         ctas = _resident_ctas(cupy, _function(x.device, _name(fmt, x_bf16, warps, batch, warps)), x.device,
                               M * K * 2, warps)
         split = choose_split(fmt, N, K, warps, ctas)
