@@ -73,7 +73,6 @@ step() {
     mma-gemv) python3 -m tools.quant_gemv_mma_check --rows "${MMA_ROWS:-1,2,8}" --budget-s "${MMA_BUDGET_S:-200}" ;;   # issue 14: the tensor-core quantized GEMV
     mma-tests) python3 -m pytest -q -p no:cacheprovider tests/test_quant_gemv_mma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
     bench-quant) python3 -m tools.bench --quick --sections roofline,peer,decode,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-240}" --out "$OUT/bench" ;;   # issue 14 on one GPU
-    bench-quant-only) python3 -m tools.bench --quick --sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape '' --out "$OUT/bench" ;;
     skinny-sweep) python3 -m tools.skinny_bf16_sweep ;;   # issue 15: bf16 decode rows 2-8 on tensor cores against cuBLAS
     skinny-tests) python3 -m pytest -q -p no:cacheprovider tests/test_skinny_bf16.py tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
     bench-s13) python3 -m tools.bench --quick --sections roofline,peer,prefill,concurrency,decode,kv,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-360}" --out "$OUT/bench" ;;   # issues 14 and 15 on one GPU

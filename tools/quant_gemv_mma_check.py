@@ -35,14 +35,8 @@ T0 = time.time()
 TOL = 2 ** -8
 
 
-def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS, batch: int = MMA.BATCH,
-             split: int | None = None):
-    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps, batch=batch,
-                                      split=split)
-
-
-def _route(warps: int, batch: int, split: int | None) -> str:
-    return f"mma_w{warps}u{batch}s{split or 'default'}"
+def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS, batch: int = MMA.BATCH):
+    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps, batch=batch)
 
 
 def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
@@ -51,11 +45,10 @@ def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
     return lambda: Q.skinny(x, fmt, layer["w"], layer["s"], layer.get("rs"), n)
 
 
-def check(fmt: str, M: int, N: int, K: int, dtype=torch.bfloat16, block=(128, 128), seed=0,
-          split: int | None = None) -> dict:
+def check(fmt: str, M: int, N: int, K: int, dtype=torch.bfloat16, block=(128, 128), seed=0) -> dict:
     wt = QC.make_weights(fmt, N, K, "cuda", seed, block)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to("cuda", dtype)
-    y = MMA.quant_gemv_mma(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"], split=split)
+    y = MMA.quant_gemv_mma(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"])
     ref = x.float() @ wt["ref"].T
     err = (y.float() - ref).abs()
     r = {"rel_err": float(err.max() / ref.abs().max()), "nan": int(torch.isnan(y).sum())}
@@ -114,12 +107,6 @@ def checks(result: dict) -> bool:
     good = r["rel_err"] < TOL
     ok &= good
     print(f"check fp8 64x64 scale blocks: {'OK ' if good else 'BAD'} {r}", flush=True)
-    for fmt in ("nvfp4", "fp8"):
-        for split in MMA.SPLITS:        # every split, at a row count that leaves the last group part-empty
-            r = check(fmt, 8, 2064, 4096, seed=split, split=split)
-            good = r["nan"] == 0 and r["rel_err"] < TOL
-            ok &= good
-            print(f"check {fmt} split {split}: {'OK ' if good else 'BAD'} {r}", flush=True)
     r = check_full_range_scales()
     good = r["rel_err"] < TOL
     ok &= good
@@ -146,8 +133,7 @@ def sweep(result: dict, rows: list[int], budget_s: float) -> None:
                 copies = [one] + [random_layer(fmt, n, k) for _ in range(max(1, -(-200_000_000 // nbytes)) - 1)]
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 routes = [("triton", triton_call)] + [
-                    (_route(w, u, sp), lambda *a, w=w, u=u, sp=sp: mma_call(*a, warps=w, batch=u, split=sp))
-                    for w, u, sp in MMA.VARIANTS]
+                    (f"mma_w{w}u{u}", lambda *a, w=w, u=u: mma_call(*a, warps=w, batch=u)) for w, u in MMA.VARIANTS]
                 for route, make in routes:
                     if route != "triton" and not MMA.supports(fmt, m, n, k):
                         continue
@@ -174,7 +160,7 @@ def report(result: dict) -> None:
         for m in sorted({p["M"] for p in pts}):
             for gname, pick in groups.items():
                 line = []
-                for route in ("triton",) + tuple(_route(*v) for v in MMA.VARIANTS):
+                for route in ("triton",) + tuple(f"mma_w{w}u{u}" for w, u in MMA.VARIANTS):
                     sel = [p for p in pts if p["fmt"] == fmt and p["M"] == m and p["route"] == route and pick(p["shape"])]
                     if len(sel) == 4:
                         frac = sum(p["of_copy"] * p["us"] for p in sel) / sum(p["us"] for p in sel)

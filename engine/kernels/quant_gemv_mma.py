@@ -39,7 +39,6 @@ the likely limit is latency (per warp, two batches of 2 KB in flight). No hardwa
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 
 import torch
@@ -112,18 +111,18 @@ __device__ __forceinline__ u16 to_f16(u16 v, bool bf16) {
 }
 
 // the raw weights of one batch of U chunks (and, NVFP4, their group scales): chunk u of the batch is
-// u * STRIDE chunks after the first (the warps on one row block interleave), `valid` of them exist
-template <int FMT, int STRIDE, int U>
+// u * WARPS chunks after the first (the warps of a CTA interleave), `valid` of them exist
+template <int FMT, int WARPS, int U>
 __device__ __forceinline__ void load_batch(const u8* pa, const u8* pc, const u8* qa, const u8* qc, int valid,
                                            uint4 (&a)[U], uint4 (&c)[U], u32 (&sa)[U], u32 (&sc)[U]) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
         if (u < valid) {
-            a[u] = ld_stream(pa + u * STRIDE * 64);
-            c[u] = ld_stream(pc + u * STRIDE * 64);
+            a[u] = ld_stream(pa + u * WARPS * 64);
+            c[u] = ld_stream(pc + u * WARPS * 64);
             if (FMT == 1) {
-                sa[u] = *(const u16*)(qa + u * STRIDE * 8);
-                sc[u] = *(const u16*)(qc + u * STRIDE * 8);
+                sa[u] = *(const u16*)(qa + u * WARPS * 8);
+                sc[u] = *(const u16*)(qc + u * WARPS * 8);
             }
         }
     }
@@ -131,7 +130,7 @@ __device__ __forceinline__ void load_batch(const u8* pa, const u8* pc, const u8*
 
 // the math of one batch: rows g, g + 8 of the block against the staged activations xp (this lane's columns
 // of the batch's first chunk); FP8 scales each chunk's partial sum by its block scale (bsp: the block row)
-template <int FMT, int STRIDE, int U>
+template <int FMT, int WARPS, int U>
 __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[U], const u32 (&sa)[U],
                                           const u32 (&sc)[U], int valid, const u16* xp,
                                           const float* bsp, int ch, int block_shift, float (&acc)[4]) {
@@ -141,7 +140,7 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
         if (u >= valid) break;
         const u32 wa[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
         const u32 wc[4] = {c[u].x, c[u].y, c[u].z, c[u].w};
-        const uint4* x4 = (const uint4*)(xp + u * STRIDE * CHUNK);
+        const uint4* x4 = (const uint4*)(xp + u * WARPS * CHUNK);
         if (FMT == 1) {
             u32 b[16];
             #pragma unroll
@@ -175,7 +174,7 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
             for (int q = 0; q < 4; ++q)
                 mma16816(part, e4m3x2_lo(wa[q]), e4m3x2_lo(wc[q]), e4m3x2_hi(wa[q]), e4m3x2_hi(wc[q]),
                          b[2 * q], b[2 * q + 1]);
-            const float s = bsp[(ch + u * STRIDE) >> block_shift];
+            const float s = bsp[(ch + u * WARPS) >> block_shift];
             #pragma unroll
             for (int j = 0; j < 4; ++j) acc[j] += part[j] * s;
         }
@@ -184,10 +183,9 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
 
 // FMT 1: NVFP4 (weight u8 [N, K/2], gs e4m3 [N, K/16], rs f32 [N]); FMT 0: FP8 block (weight e4m3 [N, K],
 // bs f32 [N/br, K/bc], bc = 64 << block_shift). x, out: bf16 (XBF16) or fp16, M <= 8 rows.
-// SPLIT warps share a 16-row block (interleaving its chunks), so a CTA of WARPS warps works on WARPS / SPLIT
-// row blocks at a time. Persistent CTAs: CTA b takes row-block groups b, b + gridDim.x, ..., so x is staged
-// once per CTA; dynamic shared memory M * K * 2 bytes.
-template <int FMT, int WARPS, int U, int SPLIT, bool XBF16>
+// Persistent CTAs of WARPS warps: CTA b takes row blocks b, b + gridDim.x, ... (16 rows each), so x is
+// staged once per CTA; dynamic shared memory M * K * 2 bytes.
+template <int FMT, int WARPS, int U, bool XBF16>
 __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
           const u8* __restrict__ w, long long w_stride,
@@ -196,31 +194,28 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
           u16* __restrict__ out, long long out_stride, int N, int K)
 {
     constexpr int CHUNK = FMT == 1 ? 128 : 64;        // columns per chunk: 64 bytes of each row
-    constexpr int ROWS = WARPS / SPLIT;               // row blocks a CTA works on at a time
-    constexpr int STEP = U * SPLIT;                   // chunks from one batch of a warp to its next
     // U: chunks per batch; two batches in flight per warp (2 U KB)
+    constexpr int STEP = U * WARPS;                   // chunks from one batch of a warp to its next
     extern __shared__ __align__(16) u16 xs[];          // [M][K] fp16 bits, in B order
-    __shared__ float red[SPLIT > 1 ? WARPS : 1][16][8];
+    __shared__ float red[WARPS][16][8];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int slot = warp / SPLIT, part = warp % SPLIT;
     const int blocks = N / 16;
     const int nchunks = K / CHUNK;
-    const int mine = part < nchunks ? (nchunks - part + SPLIT - 1) / SPLIT : 0;     // this warp's chunks
+    const int mine = warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0;     // this warp's chunks
     // this lane's bytes of a row block's first chunk: rows g and g + 8 (and, NVFP4, their 2 group scales)
-    const long long lane_w = (long long)g * w_stride + 16 * t + part * 64;
-    const long long lane_s = (long long)g * gs_stride + 2 * t + part * 8;
+    const long long lane_w = (long long)g * w_stride + 16 * t + warp * 64;
+    const long long lane_s = (long long)g * gs_stride + 2 * t + warp * 8;
 
     uint4 a0[U], c0[U], a1[U], c1[U];                // rows g, g + 8 of two batches
     u32 sa0[U], sc0[U], sa1[U], sc1[U];
-    int group = blockIdx.x;
-    int rb = group * ROWS + slot;
-    if (rb < blocks) {                                // weights only: before the wait
+    int rb = blockIdx.x;
+    {
         const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
         const u8* qa = gs + (long long)rb * 16 * gs_stride + lane_s;
-        load_batch<FMT, SPLIT, U>(pa, pa + 8 * w_stride, qa, qa + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
-    }
+        load_batch<FMT, WARPS, U>(pa, pa + 8 * w_stride, qa, qa + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
+    }                                                 // weights only: before the wait
 
     asm volatile("griddepcontrol.wait;" ::: "memory");
     // stage x as fp16 in B order: NVFP4 reverses the 3 low bits of each column index (pairs (0,4) (2,6)
@@ -241,66 +236,50 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
     asm volatile("griddepcontrol.launch_dependents;");
 
     // B column g is activation row g; lanes past the M rows read row 0 into columns that are never stored
-    const u16* xp = xs + (g < M ? g : 0) * K + part * CHUNK + (FMT == 1 ? 32 : 16) * t;
-    const int groups = (blocks + ROWS - 1) / ROWS;
-    for (; group < groups; group += gridDim.x) {
-        rb = group * ROWS + slot;
+    const u16* xp = xs + (g < M ? g : 0) * K + warp * CHUNK + (FMT == 1 ? 32 : 16) * t;
+    for (; rb < blocks; rb += gridDim.x) {
+        const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
+        const u8* pc = pa + 8 * w_stride;
+        const u8* qa = gs + (long long)rb * 16 * gs_stride + lane_s;
+        const u8* qc = qa + 8 * gs_stride;
+        const float* bsp = FMT == 1 ? bs : bs + (long long)((rb * 16) / br) * bs_stride;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if (rb < blocks) {
-            const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
-            const u8* pc = pa + 8 * w_stride;
-            const u8* qa = gs + (long long)rb * 16 * gs_stride + lane_s;
-            const u8* qc = qa + 8 * gs_stride;
-            const float* bsp = FMT == 1 ? bs : bs + (long long)((rb * 16) / br) * bs_stride;
-            // two batches in flight: the next one's loads are issued before this one's math (no register copies)
-            for (int done = 0; done < mine; done += 2 * U) {
-                const int v1 = min(U, mine - done - U);
-                const long long o1 = (long long)(done / U + 1) * STEP;
-                if (v1 > 0) load_batch<FMT, SPLIT, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
-                mma_batch<FMT, SPLIT, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
-                                         part + (done / U) * STEP, block_shift, acc);
-                if (v1 <= 0) break;
-                const int v2 = min(U, mine - done - 2 * U);
-                const long long o2 = o1 + STEP;
-                if (v2 > 0) load_batch<FMT, SPLIT, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
-                mma_batch<FMT, SPLIT, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, part + (int)o1, block_shift, acc);
-            }
-            // the next group's first batch goes out before this one's sums meet
-            const int next = (group + gridDim.x) * ROWS + slot;
-            if (next < blocks) {
-                const u8* na = w + (long long)next * 16 * w_stride + lane_w;
-                const u8* nq = gs + (long long)next * 16 * gs_stride + lane_s;
-                load_batch<FMT, SPLIT, U>(na, na + 8 * w_stride, nq, nq + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
-            }
+        // two batches in flight: the next one's loads are issued before this one's math (no register copies)
+        for (int done = 0; done < mine; done += 2 * U) {
+            const int v1 = min(U, mine - done - U);
+            const long long o1 = (long long)(done / U + 1) * STEP;
+            if (v1 > 0) load_batch<FMT, WARPS, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
+            mma_batch<FMT, WARPS, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
+                                     warp + (done / U) * STEP, block_shift, acc);
+            if (v1 <= 0) break;
+            const int v2 = min(U, mine - done - 2 * U);
+            const long long o2 = o1 + STEP;
+            if (v2 > 0) load_batch<FMT, WARPS, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
+            mma_batch<FMT, WARPS, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, warp + (int)o1, block_shift, acc);
+        }
+        // the next row block's first batch goes out before this one's sums meet
+        const int next = rb + gridDim.x;
+        if (next < blocks) {
+            const u8* na = w + (long long)next * 16 * w_stride + lane_w;
+            const u8* nq = gs + (long long)next * 16 * gs_stride + lane_s;
+            load_batch<FMT, WARPS, U>(na, na + 8 * w_stride, nq, nq + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
         }
         // lane (g, t) holds rows g, g + 8 of the block for activation rows 2t, 2t + 1
-        if (SPLIT == 1) {                             // the warp has its row block's whole sum: store it
-            if (rb < blocks) {
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int m = 2 * t + (j & 1), row = rb * 16 + g + (j >> 1) * 8;
-                    if (m < M) out[m * out_stride + row] = f32_to_out(FMT == 1 ? acc[j] * 128.f * rs[row] : acc[j], XBF16);
-                }
-            }
-            continue;
-        }
         red[warp][g][2 * t] = acc[0];
         red[warp][g][2 * t + 1] = acc[1];
         red[warp][g + 8][2 * t] = acc[2];
         red[warp][g + 8][2 * t + 1] = acc[3];
         __syncthreads();
-        for (int i = threadIdx.x; i < ROWS * 16 * M; i += WARPS * 32) {
-            const int r = i & 15, m = (i >> 4) % M, slot_ = i / (16 * M);
-            const int row = (group * ROWS + slot_) * 16 + r;
-            if (row < N) {
-                float y = 0.f;
-                #pragma unroll
-                for (int j = 0; j < SPLIT; ++j) y += red[slot_ * SPLIT + j][r][m];
-                if (FMT == 1) y *= 128.f * rs[row];
-                out[m * out_stride + row] = f32_to_out(y, XBF16);
-            }
+        if (threadIdx.x < 16 * M) {
+            const int r = threadIdx.x & 15, m = threadIdx.x >> 4;
+            float y = 0.f;
+            #pragma unroll
+            for (int j = 0; j < WARPS; ++j) y += red[j][r][m];
+            const int row = rb * 16 + r;
+            if (FMT == 1) y *= 128.f * rs[row];
+            out[m * out_stride + row] = f32_to_out(y, XBF16);
         }
-        __syncthreads();                              // red is written again by the next group
+        __syncthreads();                              // red is written again by the next row block
     }
 }
 """
@@ -315,36 +294,12 @@ MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (
 
 
 BATCH = 2                          # chunks per batch (two batches in flight per warp)
-SPLITS = (1, 2, 4, 8, 16)          # warps per row block
-# The split when the caller names none. From the H200 sweep (bench/results/2026-12-01-h200-s14/
-# h-f1cf173-mma-split-sweep, fraction of copy summed over a layer): FP8 at 2 rows, qwen3-8b, 0.67 with the split
-# `choose_split` picks against 0.61 with all 16 warps on a row block (8 rows: 0.55 against 0.51); NVFP4 lost
-# with it at qwen3-32b (0.51 against 0.55 at one row) and tied at 8b, so it keeps all warps on a row block.
-DEFAULT_SPLIT = {"nvfp4": WARPS, "fp8": None}      # None: `choose_split`
-# (warps, batch, split) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
-VARIANTS = ((16, 2, None), (16, 2, 16), (8, 2, None), (16, 4, None))
+# (warps, batch) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
+VARIANTS = ((16, 2), (16, 4), (8, 4), (8, 2))
 
 
-def _name(fmt: str, x_bf16: bool, warps: int, batch: int, split: int) -> str:
-    return (f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {batch}, {split}, "
-            f"{'true' if x_bf16 else 'false'}>")
-
-
-def choose_split(fmt: str, N: int, K: int, warps: int, ctas: int) -> int:
-    """Warps per row block: the fewest (so the fewest partial sums to meet in shared memory) whose row-block
-    groups fill the persistent CTAs' rounds to within 10 %, at least two chunks a warp; else the least idle."""
-    blocks, chunks = N // 16, K // (NVFP4_CHUNK if fmt == "nvfp4" else FP8_CHUNK)
-    best, best_idle = warps, None
-    for split in SPLITS:
-        if split > warps or (split > 1 and chunks < 2 * split):
-            break
-        rounds = -(-blocks // (warps // split)) / ctas
-        idle = math.ceil(rounds) / rounds
-        if idle <= 1.1:
-            return split
-        if best_idle is None or idle < best_idle:
-            best, best_idle = split, idle
-    return best
+def _name(fmt: str, x_bf16: bool, warps: int = WARPS, batch: int = BATCH) -> str:
+    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {batch}, {'true' if x_bf16 else 'false'}>"
 
 
 _FUNCTIONS: dict[tuple[int, str], object] = {}     # (device index, kernel name) -> cupy RawKernel
@@ -409,11 +364,9 @@ def takes(fmt: str, x: torch.Tensor, N: int, scale_block: tuple[int, int] = (128
 def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
                    row_scale: torch.Tensor | None, out_features: int,
                    scale_block: tuple[int, int] = (128, 128), warps: int = WARPS,
-                   batch: int = BATCH, split: int | None = None) -> torch.Tensor:
+                   batch: int = BATCH) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
-    row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N].
-    warps per CTA, batch (chunks per batch) and split (warps per row block, one of SPLITS; None takes
-    DEFAULT_SPLIT) are launch choices; the engine uses the defaults."""
+    row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
     M, K = x.shape
     N = out_features
     if not supports(fmt, M, N, K, scale_block):
@@ -424,16 +377,7 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
         x = x.clone() if (x.data_ptr() | x.stride(0) * 2) % 16 else x     # 16-byte rows for the vector loads
         if (weight.data_ptr() | weight.stride(0)) % 16:
             raise ValueError("quant_gemv_mma: weight rows must start on 16 bytes")
-    cupy = _cupy()
-    x_bf16 = x.dtype == torch.bfloat16
-    split = split or DEFAULT_SPLIT[fmt]
-    if split is not None:
-        split = min(split, warps)
-    else:            # how many CTAs fit does not depend on the split (same registers)
-        ctas = _resident_ctas(cupy, _function(x.device, _name(fmt, x_bf16, warps, batch, warps)), x.device,
-                              M * K * 2, warps)
-        split = choose_split(fmt, N, K, warps, ctas)
-    fn = _function(x.device, _name(fmt, x_bf16, warps, batch, split))
+    fn = _function(x.device, _name(fmt, x.dtype == torch.bfloat16, warps, batch))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nvfp4 = fmt == "nvfp4"
     rs = row_scale if nvfp4 else scale
@@ -445,9 +389,10 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
             c.c_int(scale_block[0]), c.c_int((scale_block[1] // FP8_CHUNK).bit_length() - 1),
             c.c_void_p(out.data_ptr()), c.c_longlong(out.stride(0)), c.c_int(N), c.c_int(K))
     ptrs = (c.c_void_p * len(args))(*(c.addressof(a) for a in args))
+    cupy = _cupy()
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with cupy.cuda.Device(x.device.index):
-        grid = min(-(-N // (16 * (warps // split))), _resident_ctas(cupy, fn, x.device, M * K * 2, warps))
+        grid = min(N // 16, _resident_ctas(cupy, fn, x.device, M * K * 2, warps))
         if pdl.enabled(x.device):
             _launch_pdl(fn.kernel.ptr, grid, warps * 32, M * K * 2, stream, ptrs)
         else:
