@@ -43,8 +43,6 @@ import os
 
 import torch
 
-from engine.kernels import pdl
-
 CUDA_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -390,6 +388,8 @@ def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch
             c.c_void_p(out.data_ptr()), c.c_longlong(out.stride(0)), c.c_int(N), c.c_int(K))
     ptrs = (c.c_void_p * len(args))(*(c.addressof(a) for a in args))
     cupy = _cupy()
+    # pdl imports Triton, which a CPU install lacks; this module's shape rules need none of it
+    from engine.kernels import pdl
     stream = torch.cuda.current_stream(x.device).cuda_stream
     with cupy.cuda.Device(x.device.index):
         grid = min(N // 16, _resident_ctas(cupy, fn, x.device, M * K * 2, warps))
