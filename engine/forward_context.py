@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from engine.kv_pages import GatherPlan, gather_plan
 
 
 @dataclass
@@ -40,10 +42,19 @@ class ForwardContext:
     # prefill attention gathers the pages into contiguous K/V by it (engine/kernels/attention_prefill.py).
     # Both host fields stay None in any context a CUDA graph captures: they are baked in, not replayed.
     host_seq_lens: tuple[int, ...] | None = None
+    # The pages' gather into contiguous K/V, made by the first layer that asks (`gather_plan`).
+    _gather_plans: dict[int, GatherPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def gather_plan(self, page: int) -> GatherPlan:
+        """Where this forward's keys sit in pages of `page` keys (host_seq_lens set): built once, for every
+        layer of the forward."""
+        if page not in self._gather_plans:
+            self._gather_plans[page] = gather_plan(self.block_tables, list(self.host_seq_lens), page)
+        return self._gather_plans[page]
 
     def host_lens(self) -> tuple[list[int], list[int]]:
         """(query lengths, sequence lengths) on the host; a device read, for the CPU path only."""

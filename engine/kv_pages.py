@@ -27,16 +27,42 @@ class LayerKV:
         return self.k.dtype == torch.int8
 
 
+@dataclass(frozen=True)
+class GatherPlan:
+    """Where a batch's keys sit in the page pool: the same for every layer of one forward, so a prefill
+    chunk builds it once (`ForwardContext.gather_plan`) rather than per layer."""
+
+    pages: torch.Tensor                    # [sum(n_pages)] int64: page ids in sequence order, on the device
+    keep: torch.Tensor | None              # rows of the gathered pages to keep (several sequences, ragged ends)
+    total: int                             # sum(seq_lens)
+    cu_seqlens: torch.Tensor               # [B + 1] int32 on the device
+
+
+def gather_plan(block_tables: torch.Tensor, seq_lens: list[int], page: int) -> GatherPlan:
+    """block_tables: [B, max_blocks] int (row b: sequence b's pages in position order); seq_lens: host ints,
+    keys of each sequence (the engine knows them on the host when eager); page: keys per page."""
+    dev = block_tables.device
+    n_pages = [-(-s // page) for s in seq_lens]
+    # page ids in sequence order, sliced from the table on the device (no host read of the table)
+    pages = (torch.cat([block_tables[b, :n].long() for b, n in enumerate(n_pages)]) if seq_lens
+             else torch.empty(0, dtype=torch.long, device=dev))
+    keep = None
+    if any(s != n * page for s, n in zip(seq_lens, n_pages)) and len(seq_lens) > 1:
+        keep = torch.cat([torch.arange(s, device=dev) + sum(n_pages[:b]) * page for b, s in enumerate(seq_lens)])
+    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0).to(torch.int32)
+    return GatherPlan(pages, keep, sum(seq_lens), cu.to(dev, non_blocking=True))
+
+
 def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.Tensor,
               seq_lens: list[int], *, scales_k: torch.Tensor | None = None, scales_v: torch.Tensor | None = None,
-              dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+              plan: GatherPlan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy each sequence's keys out of the page pool into contiguous K/V.
 
     pages_k, pages_v: [num_blocks, page, kv_heads, D] (bf16/fp16, or int8 with scales_k/scales_v
     [num_blocks, page, kv_heads] float32: dequantized here, as engine.layers.attention._gather_pages does, into `dtype`);
-    block_tables: [B, max_blocks] int (row b: sequence b's pages in position order);
-    seq_lens: host ints, keys of each sequence (the engine knows them on the host when eager).
+    block_tables, seq_lens: as `gather_plan` takes them, or `plan` already made from them.
     Returns (k [sum(seq_lens), kv_heads, D], v [same], cu_seqlens_k [B + 1] int32 on the device).
 
     One index_select over whole pages per tensor (a page is page * kv_heads * D contiguous elements,
@@ -44,30 +70,19 @@ def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.
     sequence the result is a view of the gathered pages; with several, one more copy packs them
     (small next to the attention it feeds). `out`: buffers to receive k and v (their first rows).
     """
-    dev = pages_k.device
-    page = pages_k.shape[1]
+    plan = plan or gather_plan(block_tables, seq_lens, pages_k.shape[1])
     dtype = dtype or (torch.bfloat16 if pages_k.dtype == torch.int8 else pages_k.dtype)
-    n_pages = [-(-s // page) for s in seq_lens]
-    # page ids in sequence order, sliced from the table on the device (no host read of the table)
-    idx = (torch.cat([block_tables[b, :n].long() for b, n in enumerate(n_pages)]) if seq_lens
-           else torch.empty(0, dtype=torch.long, device=dev))
-    keep = None
-    if any(s != n * page for s, n in zip(seq_lens, n_pages)) and len(seq_lens) > 1:
-        keep = torch.cat([torch.arange(s, device=dev) + sum(n_pages[:b]) * page for b, s in enumerate(seq_lens)])
-    total = sum(seq_lens)
 
     def one(pages, scales):
-        x = pages.index_select(0, idx).flatten(0, 1)                # [sum(n_pages) * page, kv_heads, D]
+        x = pages.index_select(0, plan.pages).flatten(0, 1)        # [sum(n_pages) * page, kv_heads, D]
         if scales is not None:
-            x = x.float() * scales.index_select(0, idx).flatten(0, 1).unsqueeze(-1)
-        x = x.index_select(0, keep) if keep is not None else x[:total]
+            x = x.float() * scales.index_select(0, plan.pages).flatten(0, 1).unsqueeze(-1)
+        x = x.index_select(0, plan.keep) if plan.keep is not None else x[:plan.total]
         return x.to(dtype)
 
     k, v = one(pages_k, scales_k), one(pages_v, scales_v)
     if out is not None:
-        out[0][:total].copy_(k)
-        out[1][:total].copy_(v)
-        k, v = out[0][:total], out[1][:total]
-    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int64), 0).to(torch.int32)
-    return k, v, cu.to(dev, non_blocking=True)
+        out[0][:plan.total].copy_(k)
+        out[1][:plan.total].copy_(v)
+        k, v = out[0][:plan.total], out[1][:plan.total]
+    return k, v, plan.cu_seqlens

@@ -186,6 +186,27 @@ def test_gather_kv():
     assert torch.allclose(k, want(qk.float() * sk.unsqueeze(-1), lens)) and k.dtype == torch.float32
 
 
+def test_a_forward_builds_its_gather_plan_once():
+    """Every layer of a prefill forward gathers by the same pages: the context builds the plan for the first
+    layer and hands the same one to the rest, and a gather by it equals one that builds its own."""
+    from dataclasses import replace
+
+    from engine.forward_context import build_forward_context
+    from engine.kv_pages import gather_kv
+    gen = torch.Generator().manual_seed(2)
+    page, kvh, d = 4, 2, 8
+    pk, pv = torch.randn(12, page, kvh, d, generator=gen), torch.randn(12, page, kvh, d, generator=gen)
+    _, ctx = build_forward_context([3, 2], [9, 6], [[5, 0, 7], [2, 11]], page, torch.device("cpu"))
+    plan = ctx.gather_plan(page)
+    assert ctx.gather_plan(page) is plan
+    k, v, cu = gather_kv(pk, pv, ctx.block_tables, [9, 6], plan=plan)
+    k2, v2, cu2 = gather_kv(pk, pv, ctx.block_tables, [9, 6])
+    assert torch.equal(k, k2) and torch.equal(v, v2) and torch.equal(cu, cu2) and k.shape[0] == 15
+    # a context made from another (dataclasses.replace) starts with no plan of its own
+    other = replace(ctx, host_seq_lens=(8, 6))
+    assert other.gather_plan(page) is not plan and other.gather_plan(page).total == 14
+
+
 # -- GPU ---------------------------------------------------------------------------------------
 
 needs_cuda = pytest.mark.skipif(not (CUDA and HAVE_TRITON), reason="needs CUDA (and the interpreter off)")

@@ -589,7 +589,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     group = H // kvh
     if config is None and takes_tma_prefill(q, kv, ctx):
         from engine.kernels.attention_prefill import prefill_attention
-        k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens), dtype=q.dtype)
+        k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens), dtype=q.dtype,
+                                       plan=ctx.gather_plan(kv.k.shape[1]))
         # the queries' offsets are the context's own query_start_loc (int32 [B + 1], on the device)
         return prefill_attention(q, k, v, ctx.query_start_loc, cu_seqlens_k, ctx.max_query_len, scale, out=out)
     cfg = plan(q, kv, ctx) if config is None else config
