@@ -43,6 +43,8 @@ import os
 
 import torch
 
+from engine.kernels.splitk import num_sms
+
 CUDA_SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -437,5 +439,5 @@ def _resident_ctas(cupy, fn, device: torch.device, smem: int, warps: int) -> int
             per_sm = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, warps * 32, smem)
         except AttributeError:      # a CuPy without the occupancy call: CTAs past what fits wait their turn
             per_sm = 2
-        _GRID[key] = max(1, per_sm) * torch.cuda.get_device_properties(device).multi_processor_count
+        _GRID[key] = max(1, per_sm) * num_sms(device)
     return _GRID[key]
