@@ -83,17 +83,13 @@ def capture_graph(graph: torch.cuda.CUDAGraph, fn, pool=None, mode: str = "globa
                   stream: torch.cuda.Stream | None = None):
     """Capture fn() into `graph` on `stream` (a fresh one by default) and return its result.
 
-    It joins the weight prefetches that fn forked onto a side stream (engine.kernels.l2_prefetch).
     Unlike `torch.cuda.graph` this neither synchronizes nor empties the allocator's cache on entry:
     emptying it frees cached blocks on every device, and a cudaFree on a device whose all-reduce
     kernel is waiting for this very rank never returns (seen as a deadlock on two H200s)."""
-    from engine.kernels import l2_prefetch
     with torch.cuda.stream(stream or torch.cuda.Stream()):
         graph.capture_begin(pool=pool, capture_error_mode=mode)
         try:
-            result = fn()
-            l2_prefetch.join()              # the weight prefetches fn forked rejoin before the capture ends
-            return result
+            return fn()
         finally:
             graph.capture_end()
 

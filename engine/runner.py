@@ -81,9 +81,6 @@ class ModelRunner:
                                           max_position=self.max_seq_len)
         self.model.load_weights(weights.on(self.device) if hasattr(weights, "on") else weights)
         self.model.eval()
-        if self.device.type == "cuda":
-            from engine.kernels import l2_prefetch
-            l2_prefetch.link(self.model.decode_linears())
         kv_dtype = torch.int8 if config.kv_dtype_name == "int8" else getattr(torch, config.kv_dtype_name)
         layers = self.model.attention_layers()
         self.null_block = num_blocks                     # scratch block for padded rows

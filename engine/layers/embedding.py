@@ -57,15 +57,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         limit = self.vocab_size if num_rows is None else min(num_rows, self.vocab_size)
         mine = self.rows_below(limit)
         if self.tp.size == 1:
-            logits = self._project(hidden, self.weight if mine == self.rows else self.weight[:mine])
-        else:
-            logits = hidden.new_zeros(hidden.shape[0], limit)
-            if mine:
-                logits[:, self.start:self.start + mine] = self._project(hidden, self.weight[:mine])
-        if hidden.is_cuda:
-            from engine.kernels import l2_prefetch
-            l2_prefetch.after_gemv(self, hidden)
-        return logits if self.tp.size == 1 else self.tp.all_reduce(logits)
+            return self._project(hidden, self.weight if mine == self.rows else self.weight[:mine])
+        logits = hidden.new_zeros(hidden.shape[0], limit)
+        if mine:
+            logits[:, self.start:self.start + mine] = self._project(hidden, self.weight[:mine])
+        return self.tp.all_reduce(logits)
 
     @staticmethod
     def _project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -94,11 +94,12 @@ class GatedDeltaNet(nn.Module):
         # Checkpoints that keep in_proj_b/a unquantized beside quantized in_proj_qkv/z get two layers.
         fmt, ba_fmt = quant(["in_proj_qkv", "in_proj_z"]), quant(["in_proj_b", "in_proj_a"])
         parts = {"qkv": self.sections, "z": [value_dim]}
+        self.in_proj_ba = None
         if ba_fmt == fmt:
             parts.update(b=[hv], a=[hv])
-        # in_proj before in_proj_ba: the order they run in, which the L2 prefetch chain follows
+        else:
+            self.in_proj_ba = GatedDeltaInProj(h, {"b": [hv], "a": [hv]}, tp, ba_fmt)
         self.in_proj = GatedDeltaInProj(h, parts, tp, fmt)
-        self.in_proj_ba = None if ba_fmt == fmt else GatedDeltaInProj(h, {"b": [hv], "a": [hv]}, tp, ba_fmt)
         # this rank's columns of the projections' output: mixed q k v, z, b, a
         self._split = [self.conv_channels, self.num_v_heads * self.head_v_dim, self.num_v_heads, self.num_v_heads]
         self.conv_weight = nn.Parameter(torch.empty(self.conv_channels, self.kernel), requires_grad=False)

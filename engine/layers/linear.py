@@ -66,13 +66,6 @@ class _Linear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._matmul(x)
-        if x.is_cuda:
-            from engine.kernels import l2_prefetch
-            l2_prefetch.after_gemv(self, x)
-        return y
-
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             from engine.quant.linear import apply
             return apply(self, x)
@@ -170,11 +163,7 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._k_split(x):
             s, k, n = self.k_splits, self.in_features, self.out_features        # x: [T, k] -> [s, T, n]
-            y = torch.bmm(x.reshape(-1, s, k // s).transpose(0, 1), self.weight.view(n, s, k // s).permute(1, 2, 0))
-            if x.is_cuda:
-                from engine.kernels import l2_prefetch
-                l2_prefetch.after_gemv(self, x)
-            return y
+            return torch.bmm(x.reshape(-1, s, k // s).transpose(0, 1), self.weight.view(n, s, k // s).permute(1, 2, 0))
         y = super().forward(x)
         return self.tp.all_reduce(y) if self.reduce else y
 

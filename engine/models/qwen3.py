@@ -20,7 +20,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                  RowParallelLinear, _Linear)
+                                  RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.tp_norm import defer_reduce, reduce_add_norm
@@ -177,15 +177,6 @@ class Qwen3ForCausalLM(nn.Module):
     def draft_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # next_ids: x_{t+1} [T]; hidden: h_t [T, hidden]; positions: t [T] -> g_t [T, hidden]
         return self.mtp(self.model.embed_tokens(next_ids), hidden, positions)
-
-    def decode_linears(self) -> list[nn.Module]:
-        """The weight-streaming layers in the order a decode round calls them (what each one prefetches
-        into L2 next: engine.kernels.l2_prefetch): the main layers, lm_head, then each draft step's MTP
-        layers and lm_head. Without MTP the next round begins at layer 0's first projection."""
-        main = [m for m in self.model.layers.modules() if isinstance(m, _Linear)]
-        if self.mtp is None:
-            return main + [self.lm_head] + main[:1]
-        return main + [self.lm_head] + [m for m in self.mtp.modules() if isinstance(m, _Linear)] + [self.lm_head]
 
     def attention_layers(self) -> list[PagedAttention]:
         """Main layers first, then MTP layers: the index is the KV pool's layer index."""
