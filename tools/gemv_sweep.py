@@ -57,7 +57,9 @@ VARIANTS = {
             "g8x1024": G.GemvConfig(8, 1024, 4), "g16x256": G.GemvConfig(16, 256, 4),
             "g8x512w8": G.GemvConfig(8, 512, 8), "g8x512s2": G.GemvConfig(8, 512, 4, 1, 2),
             "g8x512x1d": G.GemvConfig(8, 512, 4, x2d=False), "g8x512pf": G.GemvConfig(8, 512, 4, prefetch=True),
-            "g16x512pf": G.GemvConfig(16, 512, 4, prefetch=True)},
+            "g16x512pf": G.GemvConfig(16, 512, 4, prefetch=True), "g8x2048": G.GemvConfig(8, 2048, 4),
+            "g16x1024": G.GemvConfig(16, 1024, 4), "g8x1024pf": G.GemvConfig(8, 1024, 4, prefetch=True),
+            "g8x1024w8": G.GemvConfig(8, 1024, 8)},
     "nvfp4": {"g8x1024": G.GemvConfig(8, 1024, 4), "g16x1024": G.GemvConfig(16, 1024, 4),
               "g4x1024": G.GemvConfig(4, 1024, 4), "g8x512": G.GemvConfig(8, 512, 4), "g8x2048": G.GemvConfig(8, 2048, 4),
               "g16x512": G.GemvConfig(16, 512, 4), "g8x1024noasm": G.GemvConfig(8, 1024, 4, asm=False),
@@ -267,6 +269,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,0,8,4,2", help="rows per point; 0 = the prefill comparison at that turn")
     ap.add_argument("--report", default=None, help="print the per-model table of an earlier gemv_sweep.json and stop")
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma-separated weight formats to time")
     ap.add_argument("--prefill-layers", default=None, help="comma-separated subset of qkv,o,gate_up,down")
     ap.add_argument("--prefill-configs", default=None, help="comma-separated subset of " + ",".join(PREFILL_CONFIGS))
     args = ap.parse_args()
@@ -293,6 +296,8 @@ def main() -> int:
             continue
         for label, n, k in shapes:
             for fmt in ("bf16",) if "lm_head" in label else ("bf16", "fp8", "nvfp4"):
+                if fmt not in args.formats.split(","):
+                    continue
                 if time.time() - T0 > args.budget_s:
                     break
                 one = random_layer(fmt, n, k)

@@ -10,8 +10,8 @@ output rows and a slice of K (all of K unless SPLIT > 1) and walks it BLOCK_K co
     16 columns (a reshape and a sum over the last axis), so the cross-thread reduction happens once,
     after the loop, not once per tile;
   - FP8 128x128 blocks: the program's rows share one row of block scales (BLOCK_N divides the scale
-    block), loaded once per tile as BLOCK_K values and multiplied into the converted weight once,
-    whatever the number of rows;
+    block); a thread's 16 products of one row are summed before their block's scale multiplies them
+    (one multiply per 16 weights; the scale block spans a multiple of 16 columns);
   - NVFP4: a byte holds the even column in its low nibble and the odd one in the high nibble; each is
     turned into an fp16 number equal to 2^-14 times its E2M1 value (exponent 0 is fp16's subnormal,
     so 0 and 0.5 come out right) and multiplied by the even or odd activation column; the 16 values
@@ -95,6 +95,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {M}")
     N = out_features if out_features is not None else weight.shape[0]
+    if fmt == "fp8" and scale_block[1] % 16:
+        raise ValueError(f"gemv: FP8 scale blocks must span a multiple of 16 columns, got {scale_block[1]}")
     cfg = config or default_config(fmt, M, N, K)
     code = {"fp8": FP8_CODE, "nvfp4": NVFP4_CODE, "bf16": BF16_CODE}[fmt]
     block_n = cfg.block_n

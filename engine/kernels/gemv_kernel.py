@@ -61,7 +61,8 @@ def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_
         prod = w_lo * xe[None, :] + w_hi * xo[None, :]
         part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2) * s    # [BN, BK/16] group scales
     else:
-        part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2)
+        # FP8: s is the block scale of each thread's VEC columns, [1, BK/VEC] (1.0 for bf16)
+        part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2) * s
     return part
 
 
@@ -90,10 +91,13 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
         else:
             raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] < k_end), other=0.0)
         if FMT == 0:
+            # one scale per 16 columns (a thread's own run of columns; 16 divides the scale block)
+            offs_v = k0 // 16 + tl.arange(0, BLOCK_K // 16)
             if EVEN:
-                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs // SCALE_BC)
+                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16))
             else:
-                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs // SCALE_BC, mask=offs < k_end, other=0.0)
+                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16), mask=offs_v * 16 < k_end,
+                                other=0.0)
         else:
             s_raw = raw
     return raw, s_raw
@@ -154,10 +158,11 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
             s = s_raw.to(tl.float32)                                        # [BN, BK/16]
         else:
             w_lo = raw.to(tl.float32)
-            if FMT == 0:
-                w_lo = w_lo * s_raw[None, :]                                # [BK] block scales of this row block
             w_hi = w_lo
-            s = 1.0
+            if FMT == 0:
+                s = s_raw[None, :]            # [1, BK/16]: applied to each run of 16 products, not to every weight
+            else:
+                s = 1.0
         acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
                           FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 1:

@@ -278,7 +278,7 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
             y = quant_gemv_mma.quant_gemv_mma(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, block)
         else:
             y = quant_gemv_mma.quant_gemv_mma(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
-    elif gemv.use_gemv(layer.quant, rows):
+    elif gemv.use_gemv(layer.quant, rows) and (not fp8 or layer.scale_block[1] % 16 == 0):
         if fp8:
             y = gemv.gemv(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
         else:
