@@ -222,7 +222,10 @@ def _blockwise_available(device: torch.device) -> bool:
             w = torch.zeros(256, 512, dtype=torch.float8_e4m3fn, device=device)
             _scaled_mm_blockwise(a, w, torch.ones(2, 4, device=device))
             _BLOCKWISE_OK[idx] = True
-        except Exception:  # noqa: BLE001 - no such kernel in this torch/cuBLAS: fall back
+        except Exception as e:  # noqa: BLE001 - no such kernel in this torch/cuBLAS: fall back
+            import structlog
+            structlog.get_logger(__name__).warning("fp8_prefill_blockwise_unavailable", error=str(e)[-300:],
+                                                   fallback="dequantize then cuBLAS")
             _BLOCKWISE_OK[idx] = False
     return _BLOCKWISE_OK[idx]
 
