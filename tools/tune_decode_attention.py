@@ -483,8 +483,7 @@ def sm90_resources(cfg: A.AttnConfig, dtype: str, group: int = H // KVH) -> str:
             sig[n] = "i32"
     consts = {"GROUP": group, "BLOCK_Q": cfg.block_m // group, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
               "HEAD_DIM": D, "PAGE": PAGE, "QUANT": quant, "SPLIT": cfg.num_splits > 1,
-              "UPCAST": quant and cfg.int8_upcast, "PREFETCH": int(cfg.prefetch), "stride_sh": 1,
-              "USE_PDL": False}
+              "UPCAST": quant and cfg.int8_upcast, "PREFETCH": int(cfg.prefetch), "stride_sh": 1}
     sig["stride_sh"] = "constexpr"
     div16 = [n for n in fn.arg_names if n.endswith("_ptr")] + ["stride_qt", "stride_qh", "stride_ot", "stride_oh",
                                                                 "stride_pb", "stride_pt", "stride_ph", "stride_sb",

@@ -41,7 +41,6 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.kernels import pdl
 from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, LayerKV, gather_kv
 
 LOG2E = 1.4426950408889634
@@ -324,9 +323,8 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
                  stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                 UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+                 UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0):
     # grid: (kv_heads, tiles, num_splits); kv head fastest so the heads of one tile run together
-    pdl.wait_for_inputs(USE_PDL)
     kvh = tl.program_id(0)
     pid = tl.program_id(1)
     split = tl.program_id(2)
@@ -438,12 +436,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, num_heads, num_splits, stride_ot, stride_oh,
-                  SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
+                  SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits, the
     partial accumulators summed SPLIT_BLOCK splits at a time (256 splits x head_dim 256 would not fit
     in registers at once)."""
-    pdl.wait_for_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -618,13 +614,13 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
         PREFETCH=int(cfg.prefetch),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(q.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
     if split:
         _merge_kernel[(T, H)](pacc, pm, pl, out, H, cfg.num_splits, out.stride(0), out.stride(1),
                               SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)),
                               SPLIT_BLOCK=max(2, min(triton.next_power_of_2(cfg.num_splits), 4096 // d)), HEAD_DIM=d,
-                              num_warps=4 if cfg.num_splits * d >= 4096 else 2, **pdl.launch_options(out.device))
+                              num_warps=4 if cfg.num_splits * d >= 4096 else 2)
     return out
 
 
