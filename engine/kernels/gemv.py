@@ -57,9 +57,9 @@ class GemvConfig:
 # Launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern/
 # sync1): the fraction of copy bandwidth summed over one layer of each kind, qwen3-8b / -32b, TP1 / TP2 shards.
 #   M = 1: FP8 8x1024 tiles 0.74 / 0.88 / 0.61 / 0.73 (tensor-core skinny 0.43 / 0.50 / 0.32 / 0.41); with the scale
-#          applied per 16 products (bench/results/2026-12-01-h200-s15/b-6e40bfc-fp8-gemv) 8x1024 0.79 / 0.81 / 0.68 /
-#          0.73; 16x1024 reached 0.80 / 0.90 / 0.66 / 0.73 there, but the served qwen3-8b FP8 step was slower with it
-#          (3.09 against 3.02 ms, two interleaved reps each, s15 d);
+#          applied per 16 products (bench/results/2026-12-01-h200-s15/b-6e40bfc-fp8-gemv; 8b / 32b / 8b TP2 / 32b TP2)
+#          8x1024 0.79 / 0.81 / 0.68 / 0.73; 16x1024 reached 0.80 / 0.90 / 0.66 / 0.73 there, but the served
+#          qwen3-8b FP8 step was slower with it (3.09 against 3.02 ms, two interleaved reps each, s15 d);
 #          NVFP4 8x2048 (narrow layers) and 16x1024 (N >= 10240) 0.42 / 0.44 / 0.35 / 0.39 (skinny 0.16-0.18);
 #          bf16 4x512 0.95 / 1.03 / 0.86 / 0.97 (cuBLAS 0.89 / 0.95 / 0.74 / 0.89; a read-only stream can pass a copy).
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
