@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Interleaved A/B of several commits' served decode, in one call on the GPU machine. Across calls the same
+# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (session 15, d and e). So
+# a change worth a few percent is judged here, never across calls.
+#
+# Here (no GPU), one tree per commit, bench/results left out to keep the carry small:
+#   for c in A B; do mkdir -p .scratch/ab/$c && git archive $c -- . ':!bench/results' | tar -x -C .scratch/ab/$c; done
+# There (carry .whl and .scratch; nothing else needed, the bench builds random weights):
+#   bash .scratch/ab/<any tree>/tools/ab_served.sh 2 .scratch/ab/A .scratch/ab/B
+# Each tree runs `tools.bench --sections roofline,quant` (bf16, FP8 and NVFP4 qwen3-8b engines through
+# EngineSession: decode b1 and b8, prefill 4k) in the order A B A B ...; results.json per run under $OUT/ab-<tree>-<rep>.
+set -u
+reps=$1; shift
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+for rep in $(seq "$reps"); do
+  for tree in "$@"; do
+    name=$(basename "$tree")
+    echo "=== $name rep $rep $(date -u +%T)"
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$name timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
+       --sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${AB_BUDGET_S:-80}" \
+       --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode")
+  done
+done
+python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+rows = {}
+for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
+    d = json.loads(f.read_text())
+    q = d["sections"]["quant"] if "sections" in d else d["quant"]
+    for p in q["points"]:
+        rows.setdefault((p["format"], f.parent.name.rsplit("-", 1)[0]), []).append(p["decode_b1"]["ms_per_round_best"])
+for (fmt, tree), ms in sorted(rows.items()):
+    print(f"{fmt:6s} {tree:24s} " + " ".join(f"{m:.3f}" for m in ms) + " ms per round")
+PY
