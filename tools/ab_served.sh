@@ -4,9 +4,9 @@
 # a change worth a few percent is judged here, never across calls.
 #
 # Here (no GPU), one tree per commit, bench/results left out to keep the carry small:
-#   for c in A B; do mkdir -p .scratch/ab/$c && git archive $c -- . ':!bench/results' | tar -x -C .scratch/ab/$c; done
+#   for c in main exp/x; do d=.scratch/ab/${c//\//-}; mkdir -p $d && git archive $c -- . ':!bench/results' | tar -x -C $d; done
 # There (carry .whl and .scratch; nothing else needed, the bench builds random weights):
-#   bash .scratch/ab/<any tree>/tools/ab_served.sh 2 .scratch/ab/A .scratch/ab/B
+#   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/exp-x
 # Each tree runs `tools.bench --sections roofline,quant` (bf16, FP8 and NVFP4 qwen3-8b engines through
 # EngineSession: decode b1 and b8, prefill 4k) in the order A B A B ...; results.json per run under $OUT/ab-<tree>-<rep>.
 set -u
