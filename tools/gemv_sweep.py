@@ -67,7 +67,12 @@ VARIANTS = {
               "g4x1024pf": G.GemvConfig(4, 1024, 4, prefetch=True)},
     "bf16": {"g8x256": G.GemvConfig(8, 256, 4), "g16x256": G.GemvConfig(16, 256, 4), "g4x512": G.GemvConfig(4, 512, 4),
              "g8x512": G.GemvConfig(8, 512, 4), "g8x256x1d": G.GemvConfig(8, 256, 4, x2d=False),
-             "g8x256pf": G.GemvConfig(8, 256, 4, prefetch=True), "g16x256pf": G.GemvConfig(16, 256, 4, prefetch=True)},
+             "g8x256pf": G.GemvConfig(8, 256, 4, prefetch=True), "g16x256pf": G.GemvConfig(16, 256, 4, prefetch=True),
+             # fewer, larger steps per program: the small layers (8b o, qkv) look bound by each program's chain
+             # of dependent tile loads (8 at 4x512 over K = 4096), not by bandwidth
+             "g4x1024": G.GemvConfig(4, 1024, 4), "g4x2048": G.GemvConfig(4, 2048, 4),
+             "g4x1024w8": G.GemvConfig(4, 1024, 8), "g4x512s2": G.GemvConfig(4, 512, 4, split=2),
+             "g4x512pf": G.GemvConfig(4, 512, 4, prefetch=True)},
 }
 # at M > 1 only these (compile time)
 MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
@@ -114,7 +119,8 @@ def correctness(results: list) -> None:
              ("nvfp4", 4, 4096, 12288, "g16x512"), ("nvfp4", 8, 5120, 2560, "g4x1024"),
              ("nvfp4", 1, 4096, 4096, "g8x1024noasm"), ("nvfp4", 3, 4096, 4096, "g8x1024s2"), ("nvfp4", 1, 6144, 4096, "g8x1024pf"),
              ("fp8", 8, 4096, 4096, "g8x512pf"), ("bf16", 1, 4096, 4096, "g8x256pf"),
-             ("bf16", 1, 6144, 4096, "g8x256"), ("bf16", 4, 4096, 12288, "g16x256"), ("bf16", 7, 3000, 1000, "g8x512")]
+             ("bf16", 1, 6144, 4096, "g8x256"), ("bf16", 4, 4096, 12288, "g16x256"), ("bf16", 7, 3000, 1000, "g8x512"),
+             ("bf16", 1, 4096, 4096, "g4x1024"), ("bf16", 1, 4096, 4096, "g4x512s2"), ("bf16", 1, 6144, 4096, "g4x2048")]
     if DEV.type == "cpu":
         cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
     for fmt, m, n, k, v in cases:
