@@ -71,6 +71,7 @@ VARIANTS = {
              # fewer, larger steps per program: the small layers (8b o, qkv) look bound by each program's chain
              # of dependent tile loads (8 at 4x512 over K = 4096), not by bandwidth
              "g4x1024": G.GemvConfig(4, 1024, 4), "g4x2048": G.GemvConfig(4, 2048, 4),
+             "g2x1024": G.GemvConfig(2, 1024, 4), "g2x2048": G.GemvConfig(2, 2048, 4),
              "g4x1024w8": G.GemvConfig(4, 1024, 8), "g4x512s2": G.GemvConfig(4, 512, 4, split=2),
              "g4x512pf": G.GemvConfig(4, 512, 4, prefetch=True)},
 }
@@ -120,7 +121,8 @@ def correctness(results: list) -> None:
              ("nvfp4", 1, 4096, 4096, "g8x1024noasm"), ("nvfp4", 3, 4096, 4096, "g8x1024s2"), ("nvfp4", 1, 6144, 4096, "g8x1024pf"),
              ("fp8", 8, 4096, 4096, "g8x512pf"), ("bf16", 1, 4096, 4096, "g8x256pf"),
              ("bf16", 1, 6144, 4096, "g8x256"), ("bf16", 4, 4096, 12288, "g16x256"), ("bf16", 7, 3000, 1000, "g8x512"),
-             ("bf16", 1, 4096, 4096, "g4x1024"), ("bf16", 1, 4096, 4096, "g4x512s2"), ("bf16", 1, 6144, 4096, "g4x2048")]
+             ("bf16", 1, 4096, 4096, "g4x1024"), ("bf16", 1, 4096, 4096, "g4x512s2"), ("bf16", 1, 6144, 4096, "g4x2048"),
+             ("bf16", 1, 4096, 12288, "g2x1024")]
     if DEV.type == "cpu":
         cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
     for fmt, m, n, k, v in cases:
