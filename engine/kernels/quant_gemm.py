@@ -273,34 +273,28 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     n, k = layer.out_features, layer.in_features
-    fp8 = layer.quant == "fp8"
+    fmt = layer.quant
+    fp8 = fmt == "fp8"
     rows = x2.shape[0]
-    block = layer.scale_block if fp8 else (128, 128)
-    if rows in MMA_GEMV_ROWS[layer.quant] and quant_gemv_mma.takes(layer.quant, x2, n, block):
-        if fp8:
-            y = quant_gemv_mma.quant_gemv_mma(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, block)
-        else:
-            y = quant_gemv_mma.quant_gemv_mma(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
-    elif gemv.use_gemv(layer.quant, rows) and (not fp8 or layer.scale_block[1] % 16 == 0):
-        if fp8:
-            y = gemv.gemv(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
-        else:
-            y = gemv.gemv(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
+    # the layer's scales as every kernel below takes them: FP8 block scales, or NVFP4 group and per-row scales
+    if fp8:
+        scale, row_scale, block = layer.weight_scale_inv, None, layer.scale_block
+    else:
+        scale, row_scale, block = layer.weight_scale, layer.weight_scale_2, (128, 128)
+    if rows in MMA_GEMV_ROWS[fmt] and quant_gemv_mma.takes(fmt, x2, n, block):
+        y = quant_gemv_mma.quant_gemv_mma(x2, fmt, layer.weight, scale, row_scale, n, block)
+    elif gemv.use_gemv(fmt, rows) and (not fp8 or block[1] % 16 == 0):
+        y = gemv.gemv(x2, fmt, layer.weight, scale, row_scale, n, block)
     elif rows <= SKINNY_MAX_ROWS:
-        if fp8:
-            y = skinny(x2, "fp8", layer.weight, layer.weight_scale_inv, None, n, layer.scale_block)
-        else:
-            y = skinny(x2, "nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n)
-    elif fp8 and FP8_PREFILL == "triton" and k % 128 == 0 and layer.scale_block[1] == 128:
+        y = skinny(x2, fmt, layer.weight, scale, row_scale, n, block)
+    elif fp8 and FP8_PREFILL == "triton" and k % 128 == 0 and block[1] == 128:
         from engine.kernels.act_quant import quantize_activations_fused
         from engine.kernels.fp8_gemm import fp8_block_gemm
         a, sa = quantize_activations_fused(x2, row_multiple=1)
-        y = fp8_block_gemm(a, sa, layer.weight, layer.weight_scale_inv, x2.dtype, scale_block=layer.scale_block)
-    elif (fp8 and FP8_PREFILL != "dequantize" and layer.scale_block == (128, 128) and k % 128 == 0 and n % 128 == 0
+        y = fp8_block_gemm(a, sa, layer.weight, scale, x2.dtype, scale_block=block)
+    elif (fp8 and FP8_PREFILL != "dequantize" and block == (128, 128) and k % 128 == 0 and n % 128 == 0
           and _blockwise_available(x2.device)):
-        y = _scaled_mm_blockwise(x2, layer.weight, layer.weight_scale_inv)
-    elif fp8:
-        y = F.linear(x2, dequantize("fp8", layer.weight, layer.weight_scale_inv, None, n, k, x2.dtype, layer.scale_block))
+        y = _scaled_mm_blockwise(x2, layer.weight, scale)
     else:
-        y = F.linear(x2, dequantize("nvfp4", layer.weight, layer.weight_scale, layer.weight_scale_2, n, k, x2.dtype))
+        y = F.linear(x2, dequantize(fmt, layer.weight, scale, row_scale, n, k, x2.dtype, block))
     return y.view(*shape[:-1], n)
