@@ -59,7 +59,9 @@ VARIANTS = {
             "g8x512x1d": G.GemvConfig(8, 512, 4, x2d=False), "g8x512pf": G.GemvConfig(8, 512, 4, prefetch=True),
             "g16x512pf": G.GemvConfig(16, 512, 4, prefetch=True), "g8x2048": G.GemvConfig(8, 2048, 4),
             "g16x1024": G.GemvConfig(16, 1024, 4), "g8x1024pf": G.GemvConfig(8, 1024, 4, prefetch=True),
-            "g8x1024w8": G.GemvConfig(8, 1024, 8)},
+            "g8x1024w8": G.GemvConfig(8, 1024, 8), "g4x1024": G.GemvConfig(4, 1024, 4),
+            "g4x2048": G.GemvConfig(4, 2048, 4), "g2x2048": G.GemvConfig(2, 2048, 4),
+            "g16x1024w8": G.GemvConfig(16, 1024, 8)},
     "nvfp4": {"g8x1024": G.GemvConfig(8, 1024, 4), "g16x1024": G.GemvConfig(16, 1024, 4),
               "g4x1024": G.GemvConfig(4, 1024, 4), "g8x512": G.GemvConfig(8, 512, 4), "g8x2048": G.GemvConfig(8, 2048, 4),
               "g16x512": G.GemvConfig(16, 512, 4), "g8x1024noasm": G.GemvConfig(8, 1024, 4, asm=False),
@@ -122,7 +124,7 @@ def correctness(results: list) -> None:
              ("fp8", 8, 4096, 4096, "g8x512pf"), ("bf16", 1, 4096, 4096, "g8x256pf"),
              ("bf16", 1, 6144, 4096, "g8x256"), ("bf16", 4, 4096, 12288, "g16x256"), ("bf16", 7, 3000, 1000, "g8x512"),
              ("bf16", 1, 4096, 4096, "g4x1024"), ("bf16", 1, 4096, 4096, "g4x512s2"), ("bf16", 1, 6144, 4096, "g4x2048"),
-             ("bf16", 1, 4096, 12288, "g2x1024")]
+             ("bf16", 1, 4096, 12288, "g2x1024"), ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
     if DEV.type == "cpu":
         cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
     for fmt, m, n, k, v in cases:
