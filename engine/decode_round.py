@@ -26,6 +26,7 @@ pass unchanged.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -38,6 +39,8 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 
 # int64 rows per request at the head of a round's packed ints (RoundInputs.from_packed)
 ROWS = 11
+# the round's bookkeeping on CUDA in one launch each (engine.kernels.round_prep); 0 = the torch ops
+FUSED_ROUND_PREP = os.environ.get("NINFER_FUSED_ROUND_PREP", "1") != "0"
 
 
 def sampling_variant(works: list) -> tuple[bool, bool]:
@@ -120,16 +123,25 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
                     defer_state_commit: bool = False) -> tuple[torch.Tensor, ForwardContext]:
     """B sequences each adding `query_len` tokens at positions start .. start+query_len-1.
 
-    start: [B] int64 -> positions [B * query_len] and the context, computed on the device."""
-    bsz = start.shape[0]
-    offsets = torch.arange(query_len, device=start.device)
-    positions = (start.unsqueeze(1) + offsets).flatten()                                # [B * q]
-    rows = torch.arange(bsz, device=start.device).repeat_interleave(query_len)
-    blocks = block_tables[rows, positions // block_size].to(torch.int64)
+    start: [B] int64 -> positions [B * query_len] and the context, computed on the device (on CUDA in one
+    launch: engine.kernels.round_prep; these torch ops are its reference)."""
+    if start.is_cuda and FUSED_ROUND_PREP:
+        from engine.kernels import round_prep
+        positions, slot_mapping, seq_lens, query_start_loc = round_prep.uniform_context(
+            start, query_len, block_tables, block_size)
+    else:
+        bsz = start.shape[0]
+        offsets = torch.arange(query_len, device=start.device)
+        positions = (start.unsqueeze(1) + offsets).flatten()                            # [B * q]
+        rows = torch.arange(bsz, device=start.device).repeat_interleave(query_len)
+        blocks = block_tables[rows, positions // block_size].to(torch.int64)
+        slot_mapping = blocks * block_size + positions % block_size
+        query_start_loc = (torch.arange(bsz + 1, device=start.device) * query_len).to(torch.int32)
+        seq_lens = (start + query_len).to(torch.int32)
     ctx = ForwardContext(
-        slot_mapping=blocks * block_size + positions % block_size,
-        query_start_loc=(torch.arange(bsz + 1, device=start.device) * query_len).to(torch.int32),
-        seq_lens=(start + query_len).to(torch.int32),
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
         block_tables=block_tables,
         max_query_len=query_len,
         max_seq_len=max_seq_len,
@@ -214,7 +226,14 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy
 def carry_forward(inp: RoundInputs, last_tokens: torch.Tensor) -> RoundInputs:
     """The round's inputs with its carried rows completed from the last round's tokens.
 
-    last_tokens: [max_batch, k+1] int64, the last round's tokens (-1 after each row's last)."""
+    last_tokens: [max_batch, k+1] int64, the last round's tokens (-1 after each row's last). On CUDA one
+    launch (engine.kernels.round_prep); these torch ops are its reference."""
+    if last_tokens.is_cuda and FUSED_ROUND_PREP:
+        from engine.kernels import round_prep
+        last_ids, num_tokens, mtp_counts, mtp_ids, output_index = round_prep.carry_forward(
+            inp.carry_rows, last_tokens, inp.last_ids, inp.num_tokens, inp.mtp_counts, inp.mtp_ids, inp.output_index)
+        return replace(inp, last_ids=last_ids, num_tokens=num_tokens, mtp_counts=mtp_counts, mtp_ids=mtp_ids,
+                       output_index=output_index)
     carried = inp.carry_rows >= 0                                                   # [B]
     prev = last_tokens[inp.carry_rows.clamp(min=0)]                                  # [B, k+1]
     emitted = (prev >= 0).sum(1)                                                     # [B]: accepted + 1

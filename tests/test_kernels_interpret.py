@@ -137,9 +137,12 @@ def test_rms_norm(interpreted_kernels, with_residual):
 
 @pytest.mark.parametrize("kv_dtype", [None, BF16, I8], ids=["no_kv", "kv_bf16", "kv_int8"])
 def test_qk_norm_rope(interpreted_kernels, kv_dtype):
-    r = interpreted_kernels.check_qk_norm_rope(9, 8, 2, 32, BF16, "cpu", 8, kv_dtype=kv_dtype, page=4)
-    assert r["unwritten"] == 0 and r["rel_err"] < TOL and interpreted_kernels.pages_agree(r.get("pages", {"mismatches": 0})), r
-    assert r.get("mismatches_no_k", 0) == 0, r
+    # 8 query heads: one query program per token; 20: three, the last one part masked
+    for heads in (8, 20):
+        r = interpreted_kernels.check_qk_norm_rope(9, heads, 2, 32, BF16, "cpu", heads, kv_dtype=kv_dtype, page=4)
+        assert r["unwritten"] == 0 and r["rel_err"] < TOL and interpreted_kernels.pages_agree(
+            r.get("pages", {"mismatches": 0})), r
+        assert r.get("mismatches_no_k", 0) == 0, r
 
 
 def test_silu_and_mul(interpreted_kernels):

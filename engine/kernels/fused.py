@@ -76,6 +76,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 # -- q/k RMSNorm + RoPE (+ KV write) ---------------------------------------------------------------
 
+QK_NORM_Q_BLOCK = 8          # query heads per program
+
 @triton.jit
 def _norm_rope(x1, x2, w_ptr, cos, sin, eps, half, dt, HALF: tl.constexpr):
     # per-head RMSNorm then rotate-half RoPE of rows given as halves [HEADS, HALF] (float32)
@@ -93,7 +95,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
                          stride_cs, stride_vt, stride_vh,
                          stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, eps,
-                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                         HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_BLOCK: tl.constexpr,
                          KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
                          STORE_K: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -103,31 +105,35 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + half)
     dt = qo_ptr.dtype.element_ty
 
-    hq = tl.arange(0, HEADS_PAD)
-    mq = hq < HEADS
-    x1, x2 = _load_halves(q_ptr + t * stride_qt, hq, half, mq, stride_qh, HALF)
-    o1, o2 = _norm_rope(x1, x2, qw_ptr, cos, sin, eps, half, dt, HALF)
-    p = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + half[None, :]
-    tl.store(p, o1.to(dt), mask=mq[:, None])
-    tl.store(p + HALF, o2.to(dt), mask=mq[:, None])
-
-    hk = tl.arange(0, KV_HEADS_PAD)
-    mk = hk < KV_HEADS
-    x1, x2 = _load_halves(k_ptr + t * stride_kt, hk, half, mk, stride_kh, HALF)
-    o1, o2 = _norm_rope(x1, x2, kw_ptr, cos, sin, eps, half, dt, HALF)
-    o1 = o1.to(dt)
-    o2 = o2.to(dt)
-    if STORE_K:
-        p = ko_ptr + t * stride_kot + hk[:, None] * stride_koh + half[None, :]
-        tl.store(p, o1, mask=mk[:, None])
-        tl.store(p + HALF, o2, mask=mk[:, None])
-    if WRITE_KV:
-        slot = tl.load(slot_ptr + t)
-        _store_kv_token(o1.to(tl.float32), o2.to(tl.float32), kp_ptr, ks_ptr, slot, hk, half, mk,
-                        stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
-        v1, v2 = _load_halves(v_ptr + t * stride_vt, hk, half, mk & (slot >= 0), stride_vh, HALF)
-        _store_kv_token(v1, v2, vp_ptr, vs_ptr, slot, hk, half, mk,
-                        stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
+    part = tl.program_id(1)
+    if part > 0:
+        # program 1.. of a token: Q_BLOCK query heads each
+        hq = (part - 1) * Q_BLOCK + tl.arange(0, Q_BLOCK)
+        mq = hq < HEADS
+        x1, x2 = _load_halves(q_ptr + t * stride_qt, hq, half, mq, stride_qh, HALF)
+        q1, q2 = _norm_rope(x1, x2, qw_ptr, cos, sin, eps, half, dt, HALF)
+        p = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + half[None, :]
+        tl.store(p, q1.to(dt), mask=mq[:, None])
+        tl.store(p + HALF, q2.to(dt), mask=mq[:, None])
+    else:
+        # program 0 of a token: its K heads (and the K/V write)
+        hk = tl.arange(0, KV_HEADS_PAD)
+        mk = hk < KV_HEADS
+        y1, y2 = _load_halves(k_ptr + t * stride_kt, hk, half, mk, stride_kh, HALF)
+        k1, k2 = _norm_rope(y1, y2, kw_ptr, cos, sin, eps, half, dt, HALF)
+        k1 = k1.to(dt)
+        k2 = k2.to(dt)
+        if STORE_K:
+            p = ko_ptr + t * stride_kot + hk[:, None] * stride_koh + half[None, :]
+            tl.store(p, k1, mask=mk[:, None])
+            tl.store(p + HALF, k2, mask=mk[:, None])
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t)
+            _store_kv_token(k1.to(tl.float32), k2.to(tl.float32), kp_ptr, ks_ptr, slot, hk, half, mk,
+                            stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
+            v1, v2 = _load_halves(v_ptr + t * stride_vt, hk, half, mk & (slot >= 0), stride_vh, HALF)
+            _store_kv_token(v1, v2, vp_ptr, vs_ptr, slot, hk, half, mk,
+                            stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
@@ -165,11 +171,14 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
         pstr, page, quant, vstr = [0] * 6, 1, False, (0, 0)
     ko = k_out if return_k else q_out                                # placeholder when not stored
     if T:
-        _qk_norm_rope_kernel[(T,)](
+        # per token: one program for K (and the K/V write), and one per Q_BLOCK query heads beside it; at decode
+        # a token's heads are then normed and rotated side by side, not one after another in a single program
+        q_block = min(QK_NORM_Q_BLOCK, triton.next_power_of_2(H))
+        _qk_norm_rope_kernel[(T, 1 + triton.cdiv(H, q_block))](
             q, k, q_weight, k_weight, cos_sin, positions, q_out, ko, v, slot_mapping, kp, vp, ks, vs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             ko.stride(0), ko.stride(1), cos_sin.stride(0), *vstr, *pstr, eps,
-            HEADS=H, KV_HEADS=kvh, HEADS_PAD=triton.next_power_of_2(H), KV_HEADS_PAD=triton.next_power_of_2(kvh),
+            HEADS=H, KV_HEADS=kvh, Q_BLOCK=q_block, KV_HEADS_PAD=triton.next_power_of_2(kvh),
             HALF=d // 2, STORE_K=return_k, WRITE_KV=write, PAGE=page, QUANT=quant, num_warps=4)
     return q_out, (k_out if return_k else None)
 
