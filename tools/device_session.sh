@@ -2,7 +2,7 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/device_session.sh STEP[:SECONDS] ...
-# Steps: env, fp8-gemv, mma-gemv, mma-tests, bench-quant, bench-s13, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, bench-s13, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -71,6 +71,7 @@ step() {
     prefill-attn) python3 tools/prefill_attention_check.py ;;   # issue 15 item 5: the TMA prefill kernel against the paged one and SDPA
     prefill-attn-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     mma-gemv) python3 -m tools.quant_gemv_mma_check --rows "${MMA_ROWS:-1,2,8}" --budget-s "${MMA_BUDGET_S:-200}" ;;   # issue 14: the tensor-core quantized GEMV
+    small-kernels-tests) python3 -m pytest -q -p no:cacheprovider tests/test_round_prep.py tests/test_gemv_silu.py tests/test_kernels_gpu.py -k "round_prep or gate_up_silu or carry_forward or uniform_context or qk_norm" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;   # the exp/decode-small-kernels branch's kernels
     fp8-gemv) python3 -m tools.gemv_sweep --rows 1 --formats fp8 --budget-s "${SWEEP_BUDGET_S:-170}" ;;   # issue 14: FP8 decode row, scale after the 16-product sums
     mma-tests) python3 -m pytest -q -p no:cacheprovider tests/test_quant_gemv_mma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
     bench-quant) python3 -m tools.bench --quick --sections roofline,peer,decode,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-240}" --out "$OUT/bench" ;;   # issue 14 on one GPU
