@@ -37,8 +37,8 @@ from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE
 from engine.kernels.skinny_dense import DENSE_MAX_ROWS, skinny_dense
 from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
-__all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gemv", "linear",
-           "takes", "use_gemv"]
+__all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gate_up_silu", "gemv",
+           "linear", "takes", "takes_gate_up_silu", "use_gemv"]
 GEMV_MAX_ROWS = 8
 
 
@@ -132,6 +132,34 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: [1, K] bf16/fp16 (unit stride); weight: [2F, K], the gate rows then the up rows -> silu(x @ gate^T) *
+    (x @ up^T) [1, F] in one launch, the SwiGLU of engine.layers.activation folded into the projection's GEMV:
+    each program owns BLOCK_N / 2 gate rows and the matching up rows."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    if M != 1 or N % 2:
+        raise ValueError(f"gate_up_silu takes one row and an even number of weight rows, got {M} and {N}")
+    cfg = default_config("bf16", 1, N, K)
+    half = cfg.block_n // 2
+    out = torch.empty(1, N // 2, dtype=x.dtype, device=x.device)
+    gemv_kernel[(triton.cdiv(N // 2, half), 1)](x, weight, weight, weight, out, out, out, 1, N, K, x.stride(0),
+                                                 weight.stride(0), 0, out.stride(0), K, 128, FMT=BF16_CODE,
+                                                 SCALE_BC=128, M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1,
+                                                 ASM=False, EVEN_K=(K % cfg.block_k == 0),
+                                                 EVEN_N=((N // 2) % half == 0), X2D=cfg.x2d,
+                                                 PREFETCH=False, SILU=True, num_warps=cfg.num_warps,
+                                                 num_stages=cfg.num_stages, **pdl.launch_options(x.device))
+    return out
+
+
+def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
+    """Whether an unquantized gate/up layer's input x [..., K] takes `gate_up_silu` (one bf16 row on CUDA)."""
+    return getattr(layer, "quant", None) is None and takes(x) and x.shape[-1] == layer.weight.shape[1]
 
 
 def takes(x: torch.Tensor) -> bool:

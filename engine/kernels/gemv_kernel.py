@@ -108,10 +108,20 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                  stride_om, k_per_split, scale_br,
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False):
+                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False,
+                 SILU: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
+    if SILU:
+        # a fused gate/up projection (N = 2F rows, gate then up): this program's first BLOCK_N / 2 rows are gate
+        # rows, the rest the up rows of the same outputs, and it stores silu(gate) * up (one row, no split)
+        HB: tl.constexpr = BLOCK_N // 2
+        j = tl.arange(0, BLOCK_N)
+        out_row = pid_n * HB + j % HB
+        offs_n = tl.where(j < HB, out_row, N // 2 + out_row)
+        n_ok = out_row < N // 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     VEC: tl.constexpr = 16 if FMT == 0 else 8
     COLS: tl.constexpr = BLOCK_K // 16 if FMT == 1 else BLOCK_K // VEC
@@ -192,8 +202,11 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
         rs = tl.full((BLOCK_N,), 1.0, tl.float32)
-    _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-            pid_n, pid_k, SPLIT, M, M_rows)
+    if SILU:
+        _finish_silu(tl.sum(acc0, axis=1), o_ptr, pid_n, N // 2, BLOCK_N)
+    else:
+        _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 1:
         _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
                 pid_n, pid_k, SPLIT, M, M_rows)
@@ -217,6 +230,18 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 pid_n, pid_k, SPLIT, M, M_rows)
     if SPLIT > 1:
         _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M, M_rows)
+
+
+@triton.jit
+def _finish_silu(y, o_ptr, pid_n, F, BLOCK_N: tl.constexpr):
+    # y: [BN] fp32, gate rows then up rows of BN / 2 outputs -> silu(gate) * up, rounded where the unfused
+    # twins round (the projection's output, silu before the product: engine/kernels/fused.py silu_and_mul)
+    dt = o_ptr.dtype.element_ty
+    HB: tl.constexpr = BLOCK_N // 2
+    g, u = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), (2, HB)), (1, 0)))
+    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    rows = pid_n * HB + tl.arange(0, HB)
+    tl.store(o_ptr + rows, (s * u).to(dt), mask=rows < F)
 
 
 @triton.jit
