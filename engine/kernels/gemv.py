@@ -145,6 +145,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if M != 1 or N % 2:
         raise ValueError(f"gate_up_silu takes one row and an even number of weight rows, got {M} and {N}")
     cfg = default_config("bf16", 1, N, K)
+    cfg = replace(cfg, block_n=max(cfg.block_n, 4))     # two gate rows and their two up rows at least
     half = cfg.block_n // 2
     out = torch.empty(1, N // 2, dtype=x.dtype, device=x.device)
     gemv_kernel[(triton.cdiv(N // 2, half), 1)](x, weight, weight, weight, out, out, out, 1, N, K, x.stride(0),
