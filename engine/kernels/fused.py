@@ -97,7 +97,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
                          stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, eps,
                          HEADS: tl.constexpr, KV_HEADS: tl.constexpr, Q_BLOCK: tl.constexpr,
                          KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
-                         STORE_K: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr):
+                         STORE_K: tl.constexpr, WRITE_KV: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl.wait_for_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     half = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -179,7 +181,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             ko.stride(0), ko.stride(1), cos_sin.stride(0), *vstr, *pstr, eps,
             HEADS=H, KV_HEADS=kvh, Q_BLOCK=q_block, KV_HEADS_PAD=triton.next_power_of_2(kvh),
-            HALF=d // 2, STORE_K=return_k, WRITE_KV=write, PAGE=page, QUANT=quant, num_warps=4)
+            HALF=d // 2, STORE_K=return_k, WRITE_KV=write, PAGE=page, QUANT=quant, num_warps=4,
+            **pdl.launch_options(q.device))
     return q_out, (k_out if return_k else None)
 
 
