@@ -84,7 +84,8 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
     else:
         # one row: 2x1024 tiles (30 registers, 16 programs an SM) put 8b's o (2,048 programs) in one wave with
         # 4 steps each where 4x512 walked 8 dependent tile loads; per model 0.988 / 1.020 / 0.901 / 0.973 of copy
-        # against 4x512's 0.949 / 0.920 / 0.886 / 0.861 (8b / 32b / 8b TP2 / 32b TP2, s16 sweep)
+        # against 4x512's 0.949 / 0.920 / 0.886 / 0.861 (8b / 32b / 8b TP2 / 32b TP2, s16 sweep); served qwen3-8b
+        # bf16 step 4.427 -> 4.349 ms, interleaved in one call (bench/results/2026-12-01-h200-s16/b)
         cfg = GemvConfig(2, 1024) if M == 1 else GemvConfig(8, 256)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
