@@ -22,7 +22,7 @@ for rep in $(seq "$reps"); do
        --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode")
   done
 done
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
 import json, pathlib, sys
 rows = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
@@ -33,3 +33,5 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
 for (fmt, tree), ms in sorted(rows.items()):
     print(f"{fmt:6s} {tree:24s} " + " ".join(f"{m:.3f}" for m in ms) + " ms per round")
 PY
+# The machine returns at most 8 files a call: the per-run folders go back as one archive beside the summary.
+tar -czf "$OUT/ab_runs.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d ab-*/) && rm -rf "$OUT"/ab-*/
