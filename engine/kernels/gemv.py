@@ -18,6 +18,11 @@ output rows and a slice of K (all of K unless SPLIT > 1) and walks it BLOCK_K co
     of a group are summed before their E4M3 scale multiplies them (one multiply per 16 values); the
     2^14 and the row's tensor scale multiply the result once. On a GPU the nibbles are decoded by
     inline PTX, four bytes (eight values) per call, with shifts and masks on 32-bit words;
+  - bf16 with `pairs`: the weight and the activations are read as 32-bit words of two values; the even
+    column's fp32 is the word shifted left by 16, the odd one's the word masked to its high half (one
+    instruction each, where Triton's bf16 -> fp32 takes ~1.7), and each word position keeps its own fp32 sum
+    (two FFMAs a word, reduced after the loop). The route is taken where x and W are 4-byte aligned with even
+    row strides (`kernel_code`);
   - SPLIT > 1: each program writes its fp32 partial rows to a workspace, and the last program of an
     output block to finish (an atomic counter per block) sums the partials in order, writes the
     output and re-arms the counter, so there is one launch and the sum is deterministic.
@@ -33,12 +38,12 @@ import torch
 import triton
 
 from engine.kernels import pdl
-from engine.kernels.gemv_kernel import BF16_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
+from engine.kernels.gemv_kernel import BF16_CODE, BF16_PAIRS_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
 from engine.kernels.skinny_dense import DENSE_MAX_ROWS, skinny_dense
 from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gate_up_silu", "gemv",
-           "linear", "takes", "takes_gate_up_silu", "use_gemv"]
+           "kernel_code", "linear", "takes", "takes_gate_up_silu", "use_gemv"]
 GEMV_MAX_ROWS = 8
 
 
@@ -52,6 +57,7 @@ class GemvConfig:
     asm: bool = True       # NVFP4: decode nibbles by inline PTX (CUDA only; the interpreter takes Triton ops)
     x2d: bool = True       # FP8/bf16: load the activations in the weight tile's shape (no layout conversion)
     prefetch: bool = False  # load the next tile before this one's arithmetic
+    pairs: bool = False     # bf16: weights and activations read as 32-bit words of two values (gemv_kernel.py)
 
 
 # Launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern/
@@ -109,7 +115,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     if fmt == "fp8" and scale_block[1] % 16:
         raise ValueError(f"gemv: FP8 scale blocks must span a multiple of 16 columns, got {scale_block[1]}")
     cfg = config or default_config(fmt, M, N, K)
-    code = {"fp8": FP8_CODE, "nvfp4": NVFP4_CODE, "bf16": BF16_CODE}[fmt]
+    code = kernel_code(fmt, cfg, x, weight)
     block_n = cfg.block_n
     if fmt == "fp8":
         block_n = min(block_n, scale_block[0])           # the rows of a program share one scale row
@@ -162,6 +168,21 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
     """Whether an unquantized gate/up layer's input x [..., K] takes `gate_up_silu` (one bf16 row on CUDA)."""
     return getattr(layer, "quant", None) is None and takes(x) and x.shape[-1] == layer.weight.shape[1]
+
+
+def kernel_code(fmt: str, cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor) -> int:
+    """The gemv_kernel format code a call takes: bf16 as 32-bit words where the config asks and x [M, K] and
+    weight [N, K] allow it, else the format's own."""
+    if fmt == "bf16" and cfg.pairs and _word_aligned(x, weight):
+        return BF16_PAIRS_CODE
+    return {"fp8": FP8_CODE, "nvfp4": NVFP4_CODE, "bf16": BF16_CODE}[fmt]
+
+
+def _word_aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x [M, K] and weight [N, K] (2-byte values) can be read as 32-bit words: even K and row strides,
+    4-byte aligned bases (fixed at capture, so a graph replays the route it captured)."""
+    return (x.shape[1] % 2 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0) and weight.stride(0) % 2 == 0
+            and x.data_ptr() % 4 == 0 and weight.data_ptr() % 4 == 0)
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -12,6 +12,10 @@ import triton.language as tl
 from engine.kernels import pdl
 
 FP8_CODE, NVFP4_CODE, BF16_CODE = 0, 1, 2
+# bf16 read as 32-bit words of two values: each half becomes an fp32 by one shift or one mask (the even column
+# is the low half), for the weights and the activations alike, where the bf16 -> fp32 conversion took ~1.7
+# instructions per value in the sm_90 SASS
+BF16_PAIRS_CODE = 3
 
 # four packed bytes -> the eight values (x 2^-14) in fp32: low nibbles of bytes 0..3, then high nibbles
 E2M1_ASM = tl.constexpr("""
@@ -67,11 +71,40 @@ def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
+    """acc plus one activation row's products with the tile. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per
+    word position, two FFMAs a word (w_lo / w_hi the even / odd columns); else acc [BN, COLS] += _row_part."""
+    if FMT == 3:
+        offs_w = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + offs_w[None, :]
+        if X2D:
+            x_words = x_words + tl.zeros((BLOCK_N, 1), dtype=tl.int32)    # in the weight tile's shape
+        if EVEN_K:
+            xw = tl.load(x_words, mask=row_ok, other=0)
+        else:
+            xw = tl.load(x_words, mask=(offs_w[None, :] * 2 < k_end) & row_ok, other=0)
+        acc = tl.fma(w_lo, (xw << 16).to(tl.float32, bitcast=True), acc)
+        acc = tl.fma(w_hi, (xw & 0xFFFF0000).to(tl.float32, bitcast=True), acc)
+    else:
+        acc += _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+    return acc
+
+
+@triton.jit
 def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN: tl.constexpr, SCALE_BC: tl.constexpr):
     """The raw weight tile at columns k0.. (packed bytes, fp8 or bf16) and its scales (NVFP4: fp8 [BN, BK/16];
     FP8: fp32 [BK] of the program's scale row; bf16: the tile again, unused)."""
-    if FMT == 1:
+    if FMT == 3:
+        offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # 32-bit words of two bf16
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
+        if EVEN:
+            raw = tl.load(w_rows + offs[None, :])
+        else:
+            raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] * 2 < k_end), other=0)
+        s_raw = raw
+    elif FMT == 1:
         offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # bytes
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
         offs_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)
@@ -122,9 +155,12 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    if FMT == 3:
+        w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)
+    else:
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     VEC: tl.constexpr = 16 if FMT == 0 else 8
-    COLS: tl.constexpr = BLOCK_K // 16 if FMT == 1 else BLOCK_K // VEC
+    COLS: tl.constexpr = BLOCK_K // 16 if FMT == 1 else (BLOCK_K // 2 if FMT == 3 else BLOCK_K // VEC)
     acc0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
@@ -166,6 +202,10 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 w_lo = _e2m1_x2p14(pi & 15)
                 w_hi = _e2m1_x2p14(pi >> 4)
             s = s_raw.to(tl.float32)                                        # [BN, BK/16]
+        elif FMT == 3:
+            w_lo = (raw << 16).to(tl.float32, bitcast=True)                  # even columns, [BN, BK/2]
+            w_hi = (raw & 0xFFFF0000).to(tl.float32, bitcast=True)            # odd columns
+            s = 1.0
         else:
             w_lo = raw.to(tl.float32)
             w_hi = w_lo
@@ -173,28 +213,28 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 s = s_raw[None, :]            # [1, BK/16]: applied to each run of 16 products, not to every weight
             else:
                 s = 1.0
-        acc0 += _row_part(w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
+        acc0 = _accumulate(acc0, w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
                           FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 1:
-            acc1 += _row_part(w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end,
+            acc1 = _accumulate(acc1, w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 2:
-            acc2 += _row_part(w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end,
+            acc2 = _accumulate(acc2, w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 3:
-            acc3 += _row_part(w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end,
+            acc3 = _accumulate(acc3, w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 4:
-            acc4 += _row_part(w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end,
+            acc4 = _accumulate(acc4, w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 5:
-            acc5 += _row_part(w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end,
+            acc5 = _accumulate(acc5, w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 6:
-            acc6 += _row_part(w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end,
+            acc6 = _accumulate(acc6, w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 7:
-            acc7 += _row_part(w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end,
+            acc7 = _accumulate(acc7, w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end,
                               FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if PREFETCH:
             raw, s_raw = raw_next, s_next
