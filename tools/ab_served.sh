@@ -7,6 +7,8 @@
 #   for c in main exp/x; do d=.scratch/ab/${c//\//-}; mkdir -p $d && git archive $c -- . ':!bench/results' | tar -x -C $d; done
 # There (carry .whl and .scratch; nothing else needed, the bench builds random weights):
 #   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/exp-x
+# AB_ARGS replaces the bench's section arguments, e.g. the cost of a draft round at one context:
+#   AB_ARGS="--sections roofline,decode --decode-ks 0 --decode-draft-vocab-ks 1,3 --decode-contexts 512"
 # Each tree runs `tools.bench --sections roofline,quant` (bf16, FP8 and NVFP4 qwen3-8b engines through
 # EngineSession: decode b1 and b8, prefill 4k) in the order A B A B ...; results.json per run under $OUT/ab-<tree>-<rep>.
 set -u
@@ -18,8 +20,8 @@ for rep in $(seq "$reps"); do
     name=$(basename "$tree")
     echo "=== $name rep $rep $(date -u +%T)"
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$name timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
-       --sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${AB_BUDGET_S:-80}" \
-       --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode")
+       ${AB_ARGS:---sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape ''} --budget-s "${AB_BUDGET_S:-80}" \
+       --no-plots --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode|extra_draft_cost|^  k=")
   done
 done
 python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
@@ -27,11 +29,15 @@ import json, pathlib, sys
 rows = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
     d = json.loads(f.read_text())
-    q = d["sections"]["quant"] if "sections" in d else d["quant"]
-    for p in q["points"]:
-        rows.setdefault((p["format"], f.parent.name.rsplit("-", 1)[0]), []).append(p["decode_b1"]["ms_per_round_best"])
+    tree = f.parent.name.rsplit("-", 1)[0]
+    for p in d["sections"].get("quant", {}).get("points", []):
+        rows.setdefault((p["format"], tree), []).append(p["decode_b1"]["ms_per_round_best"])
+    for p in d["sections"].get("decode", {}).get("points", []):
+        if "ms_per_round_best" in p:
+            key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"
+            rows.setdefault((key, tree), []).append(p["ms_per_round_best"])
 for (fmt, tree), ms in sorted(rows.items()):
-    print(f"{fmt:6s} {tree:24s} " + " ".join(f"{m:.3f}" for m in ms) + " ms per round")
+    print(f"{fmt:14s} {tree:28s} " + " ".join(f"{m:.3f}" for m in ms) + " ms per round")
 PY
 # The machine returns at most 8 files a call: the per-run folders go back as one archive beside the summary.
 tar -czf "$OUT/ab_runs.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d ab-*/) && rm -rf "$OUT"/ab-*/

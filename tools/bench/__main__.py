@@ -53,10 +53,34 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "the seed's one-GPU deployment)")
     ap.add_argument("--quant-seed-shape", default=None,
                     help="the shape of the quant section's one-GPU NVFP4 192k deployment ('' = not run; default qwen3-32b)")
+    ap.add_argument("--decode-ks", default=None,
+                    help="the decode section's draft lengths with the full draft vocabulary (comma-separated; '' = none)")
+    ap.add_argument("--decode-draft-vocab-ks", default=None,
+                    help="the decode section's draft lengths with the reduced draft vocabulary ('' = none)")
+    ap.add_argument("--decode-contexts", default=None,
+                    help="keep only these decode contexts (comma-separated prompt tokens), e.g. 512 for a quick A/B")
     ap.add_argument("--hybrid-deployments", default=None,
                     help="the hybrid section's deployments: tp (the shape at TP=2), one_gpu (quantized, one GPU); "
                          "default both")
     return ap.parse_args(argv)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in text.split(",") if t.strip()]
+
+
+def _narrow_decode(plan, args) -> None:
+    """The decode flags: fewer draft lengths or contexts than the mode's plan (an interleaved A/B of a round's
+    cost wants k = 0 and the draft-vocabulary k's at one context, not the whole grid)."""
+    if args.decode_ks is not None:
+        plan.ks = _ints(args.decode_ks)
+    if args.decode_draft_vocab_ks is not None:
+        plan.draft_vocab_ks = _ints(args.decode_draft_vocab_ks)
+    if args.decode_contexts:
+        keep = _ints(args.decode_contexts)
+        plan.contexts = {k: [c for c in cs if c in keep] or keep[:1] for k, cs in plan.contexts.items()}
+    for k in plan.ks + plan.draft_vocab_ks:
+        plan.contexts.setdefault(k, plan.contexts.get(0) or [512])
 
 
 def _quiet_engine_logs() -> None:
@@ -123,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.quant.shapes = [] if args.quant_shapes == "none" else [x.strip() for x in args.quant_shapes.split(",")]
     if args.quant_seed_shape is not None:
         plan.quant.seed_shape = args.quant_seed_shape
+    _narrow_decode(plan.decode, args)
     if args.hybrid_deployments:
         plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
     info = runinfo.collect(device)
