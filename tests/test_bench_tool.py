@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tools.bench import derive, shapes
-from tools.bench.__main__ import ORDER, _merge
+from tools.bench.__main__ import ORDER, _merge, _narrow_decode, parse
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,6 +60,20 @@ def test_extra_draft_cost_formula():
     expected = ((25.4 - 24.4) / (2 * 24.4) + (26.6 - 24.4) / (3 * 24.4) + (32.1 - 24.4) / (5 * 24.4)) / 3
     assert close(derive.extra_draft_cost(ms), expected)
     assert derive.extra_draft_cost({1: 10.0}) is None
+
+
+def test_decode_flags_narrow_the_plan():
+    from tools.bench.plan import make_plan
+    plan = make_plan("cuda", "qwen3-8b", True, None, 1.0).decode
+    _narrow_decode(plan, parse(["--decode-ks", "0", "--decode-draft-vocab-ks", "1,3", "--decode-contexts", "512"]))
+    assert plan.ks == [0] and plan.draft_vocab_ks == [1, 3]
+    assert plan.contexts[0] == [512] and plan.contexts[1] == [512] and plan.contexts[3] == [512]
+    plan = make_plan("cuda", "qwen3-8b", True, None, 1.0).decode
+    before = (list(plan.ks), dict(plan.contexts))
+    _narrow_decode(plan, parse([]))
+    assert (plan.ks, plan.contexts) == before                      # no flag, no change
+    _narrow_decode(plan, parse(["--decode-draft-vocab-ks", ""]))
+    assert plan.draft_vocab_ks == []
 
 
 def test_merge_keeps_sections_not_rerun():
