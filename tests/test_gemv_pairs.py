@@ -74,3 +74,32 @@ def test_unaligned_activations_take_the_plain_route(kernels):
     odd_stride.copy_(x_rows)
     assert kernels.kernel_code("bf16", cfg, odd_stride, w2) == BF16_CODE
     assert _rel_err(kernels.gemv(odd_stride, "bf16", w2, config=cfg), odd_stride, w2) < TOL
+
+
+@pytest.mark.parametrize("M,N,K,shape,block", [
+    (1, 256, 1024, (8, 1024), (128, 128)), (2, 128, 2048, (4, 512), (128, 128)), (5, 32, 512, (8, 128), (64, 32)),
+    (1, 60, 512, (8, 128), (128, 128)),          # N not a multiple of the tile: the plain FP8 route
+])
+def test_fp8_pairs_route_matches_the_reference(kernels, M, N, K, shape, block):
+    """FP8 codes read as 16-bit pairs (one e4m3x2 conversion a pair) beside the activations as words."""
+    from engine.kernels.gemv_kernel import FP8_PAIRS_CODE
+    from tools import quant_kernel_checks as qc
+    wt = qc.make_weights("fp8", N, K, DEV, seed=N + M, block=block)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEV, torch.bfloat16)
+    cfg = kernels.GemvConfig(*shape, pairs=True)
+    assert kernels.kernel_code("fp8", cfg, x, wt["weight"]) == FP8_PAIRS_CODE
+    y = kernels.gemv(x, "fp8", wt["weight"], wt["scale"], None, N, block, cfg)
+    plain = kernels.gemv(x, "fp8", wt["weight"], wt["scale"], None, N, block, kernels.GemvConfig(*shape))
+    assert _rel_err(y, x, wt["ref"]) < TOL
+    assert (y.float() - plain.float()).abs().max() <= 2 * plain.float().abs().max() * 2 ** -8
+
+
+def test_fp8_pairs_route_with_split_k_and_prefetch(kernels):
+    from tools import quant_kernel_checks as qc
+    wt = qc.make_weights("fp8", 64, 1024, DEV, seed=5, block=(64, 32))
+    for cfg in (kernels.GemvConfig(8, 128, split=3, pairs=True), kernels.GemvConfig(8, 256, prefetch=True, pairs=True)):
+        for M in (1, 3):
+            x = torch.randn(M, 1024, generator=torch.Generator().manual_seed(M)).to(DEV, torch.bfloat16)
+            for _ in range(2):
+                y = kernels.gemv(x, "fp8", wt["weight"], wt["scale"], None, 64, (64, 32), cfg)
+                assert _rel_err(y, x, wt["ref"]) < TOL

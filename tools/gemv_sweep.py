@@ -62,7 +62,10 @@ VARIANTS = {
             "g16x1024": G.GemvConfig(16, 1024, 4), "g8x1024pf": G.GemvConfig(8, 1024, 4, prefetch=True),
             "g8x1024w8": G.GemvConfig(8, 1024, 8), "g4x1024": G.GemvConfig(4, 1024, 4),
             "g4x2048": G.GemvConfig(4, 2048, 4), "g2x2048": G.GemvConfig(2, 2048, 4),
-            "g16x1024w8": G.GemvConfig(16, 1024, 8)},
+            "g16x1024w8": G.GemvConfig(16, 1024, 8),
+            # codes read as 16-bit pairs, the activations as words (GemvConfig.pairs): 4.9 -> 4.0 instructions a value
+            "g8x1024p": G.GemvConfig(8, 1024, 4, pairs=True), "g8x1024w8p": G.GemvConfig(8, 1024, 8, pairs=True),
+            "g2x2048p": G.GemvConfig(2, 2048, 4, pairs=True), "g4x1024p": G.GemvConfig(4, 1024, 4, pairs=True)},
     "nvfp4": {"g8x1024": G.GemvConfig(8, 1024, 4), "g16x1024": G.GemvConfig(16, 1024, 4),
               "g4x1024": G.GemvConfig(4, 1024, 4), "g8x512": G.GemvConfig(8, 512, 4), "g8x2048": G.GemvConfig(8, 2048, 4),
               "g16x512": G.GemvConfig(16, 512, 4), "g8x1024noasm": G.GemvConfig(8, 1024, 4, asm=False),
@@ -133,7 +136,8 @@ def correctness(results: list) -> None:
              ("bf16", 1, 4096, 4096, "g4x1024"), ("bf16", 1, 4096, 4096, "g4x512s2"), ("bf16", 1, 6144, 4096, "g4x2048"),
              ("bf16", 1, 4096, 12288, "g2x1024"), ("bf16", 2, 6144, 4096, "g2x1024"), ("bf16", 4, 4096, 12288, "g4x1024"),
              ("bf16", 3, 3000, 1000, "g2x2048"), ("bf16", 1, 6144, 4096, "g2x1024p"), ("bf16", 2, 4096, 12288, "g4x1024p"),
-             ("bf16", 4, 3000, 1000, "g4x512p"), ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
+             ("bf16", 4, 3000, 1000, "g4x512p"), ("fp8", 1, 6144, 4096, "g8x1024p"), ("fp8", 1, 4096, 12288, "g2x2048p"),
+             ("fp8", 1, 3000, 1024, "g8x1024w8p"), ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
     if DEV.type == "cpu":
         cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
     for fmt, m, n, k, v in cases:

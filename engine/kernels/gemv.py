@@ -23,6 +23,9 @@ output rows and a slice of K (all of K unless SPLIT > 1) and walks it BLOCK_K co
     instruction each, where Triton's bf16 -> fp32 takes ~1.7), and each word position keeps its own fp32 sum
     (two FFMAs a word, reduced after the loop). The route is taken where x and W are 4-byte aligned with even
     row strides (`kernel_code`);
+  - FP8 with `pairs`: the codes are read as 16-bit pairs (one cvt.rn.f16x2.e4m3x2 each) and the activations
+    as words as above, so each thread's even and odd columns meet without a conversion of x's layout (whole
+    tiles only; ragged N or K takes the plain FP8 code);
   - SPLIT > 1: each program writes its fp32 partial rows to a workspace, and the last program of an
     output block to finish (an atomic counter per block) sums the partials in order, writes the
     output and re-arms the counter, so there is one launch and the sum is deterministic.
@@ -38,7 +41,8 @@ import torch
 import triton
 
 from engine.kernels import pdl
-from engine.kernels.gemv_kernel import BF16_CODE, BF16_PAIRS_CODE, E2M1_ASM, FP8_CODE, NVFP4_CODE, gemv_kernel
+from engine.kernels.gemv_kernel import (BF16_CODE, BF16_PAIRS_CODE, E2M1_ASM, FP8_CODE, FP8_PAIRS_CODE, NVFP4_CODE,
+                                        gemv_kernel)
 from engine.kernels.skinny_dense import DENSE_MAX_ROWS, skinny_dense
 from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
@@ -130,13 +134,16 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     ws, cnt = workspace(x.device) if split > 1 else (out, out)
     s = scale if scale is not None else weight
     rs = row_scale if row_scale is not None else s
-    asm = cfg.asm and x.is_cuda and code == NVFP4_CODE
+    even_k, even_n = k_per_split * split == K, N % block_n == 0
+    if code == FP8_PAIRS_CODE and not (even_k and even_n):
+        code = FP8_CODE                                  # the pair loads are unmasked: whole tiles only
+    asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
-                                  BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=(k_per_split * split == K),
-                                  EVEN_N=(N % block_n == 0), X2D=cfg.x2d, PREFETCH=cfg.prefetch,
+                                  BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=even_k,
+                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=cfg.prefetch,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
@@ -175,6 +182,8 @@ def kernel_code(fmt: str, cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor
     weight [N, K] allow it, else the format's own."""
     if fmt == "bf16" and cfg.pairs and _word_aligned(x, weight):
         return BF16_PAIRS_CODE
+    if fmt == "fp8" and cfg.pairs and cfg.x2d and _word_aligned(x, weight.view(torch.uint8)):
+        return FP8_PAIRS_CODE
     return {"fp8": FP8_CODE, "nvfp4": NVFP4_CODE, "bf16": BF16_CODE}[fmt]
 
 

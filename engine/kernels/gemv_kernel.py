@@ -16,6 +16,22 @@ FP8_CODE, NVFP4_CODE, BF16_CODE = 0, 1, 2
 # is the low half), for the weights and the activations alike, where the bf16 -> fp32 conversion took ~1.7
 # instructions per value in the sm_90 SASS
 BF16_PAIRS_CODE = 3
+# FP8 read as 16-bit pairs of codes beside the activations as 32-bit words: one cvt.rn.f16x2.e4m3x2 per pair and
+# the same shift / mask per activation (whole tiles only: EVEN_K and EVEN_N)
+FP8_PAIRS_CODE = 4
+
+# two e4m3 codes (the even column in the low byte) -> their two values in fp32
+E4M3X2_ASM = tl.constexpr("""
+{
+.reg .b16 lo, hi, p;
+.reg .b32 h2;
+cvt.u16.u32 p, $2;
+cvt.rn.f16x2.e4m3x2 h2, p;
+mov.b32 {lo, hi}, h2;
+cvt.f32.f16 $0, lo;
+cvt.f32.f16 $1, hi;
+}
+""")
 
 # four packed bytes -> the eight values (x 2^-14) in fp32: low nibbles of bytes 0..3, then high nibbles
 E2M1_ASM = tl.constexpr("""
@@ -75,7 +91,9 @@ def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr,
                 BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
     """acc plus one activation row's products with the tile. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per
     word position, two FFMAs a word (w_lo / w_hi the even / odd columns); else acc [BN, COLS] += _row_part."""
-    if FMT == 3:
+    if FMT == 4:
+        acc += _row_part_fp8_pairs(w_lo, w_hi, s, x_ptr, row_ok, k0, BLOCK_N, BLOCK_K)
+    elif FMT == 3:
         offs_w = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + offs_w[None, :]
         if X2D:
@@ -92,6 +110,19 @@ def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr,
 
 
 @triton.jit
+def _row_part_fp8_pairs(w_even, w_odd, s, x_ptr, row_ok, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """FMT 4: w_even / w_odd [BN, BK/2] fp32 (the codes' values), s [1, BK/16] block scales -> [BN, BK/16]
+    partial sums, each run of 16 products (8 words) summed before its scale multiplies it."""
+    offs_w = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + offs_w[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    xw = tl.load(x_words, mask=row_ok, other=0)
+    pe = tl.sum(tl.reshape(w_even * (xw << 16).to(tl.float32, bitcast=True), (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
+    po = tl.sum(tl.reshape(w_odd * (xw & 0xFFFF0000).to(tl.float32, bitcast=True), (BLOCK_N, BLOCK_K // 16, 8)),
+                axis=2)
+    return (pe + po) * s
+
+
+@triton.jit
 def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN: tl.constexpr, SCALE_BC: tl.constexpr):
     """The raw weight tile at columns k0.. (packed bytes, fp8 or bf16) and its scales (NVFP4: fp8 [BN, BK/16];
@@ -104,6 +135,12 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
         else:
             raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] * 2 < k_end), other=0)
         s_raw = raw
+    elif FMT == 4:
+        offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # 16-bit pairs of e4m3 codes
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
+        raw = tl.load(w_rows + offs[None, :])                                # whole tiles only (EVEN)
+        offs_v = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+        s_raw = tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16))
     elif FMT == 1:
         offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # bytes
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
@@ -157,9 +194,11 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         n_ok = offs_n < N
     if FMT == 3:
         w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)
+    elif FMT == 4:
+        w_rows = w_ptr.to(tl.pointer_type(tl.uint16)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)
     else:
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    VEC: tl.constexpr = 16 if FMT == 0 else 8
+    VEC: tl.constexpr = 16 if FMT == 0 or FMT == 4 else 8
     COLS: tl.constexpr = BLOCK_K // 16 if FMT == 1 else (BLOCK_K // 2 if FMT == 3 else BLOCK_K // VEC)
     acc0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
@@ -202,6 +241,14 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 w_lo = _e2m1_x2p14(pi & 15)
                 w_hi = _e2m1_x2p14(pi >> 4)
             s = s_raw.to(tl.float32)                                        # [BN, BK/16]
+        elif FMT == 4:
+            if ASM:
+                w_lo, w_hi = tl.inline_asm_elementwise(E4M3X2_ASM, "=r,=r,r", [raw.to(tl.uint32)],
+                                                       dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+            else:
+                w_lo = (raw & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                w_hi = (raw >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            s = s_raw[None, :]                                              # [1, BK/16]
         elif FMT == 3:
             w_lo = (raw << 16).to(tl.float32, bitcast=True)                  # even columns, [BN, BK/2]
             w_hi = (raw & 0xFFFF0000).to(tl.float32, bitcast=True)            # odd columns
