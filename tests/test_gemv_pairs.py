@@ -103,3 +103,17 @@ def test_fp8_pairs_route_with_split_k_and_prefetch(kernels):
             for _ in range(2):
                 y = kernels.gemv(x, "fp8", wt["weight"], wt["scale"], None, 64, (64, 32), cfg)
                 assert _rel_err(y, x, wt["ref"]) < TOL
+
+
+def test_fp16_takes_the_plain_route(kernels):
+    """The shift and mask make bf16 values; fp16 activations or weights keep the plain conversion."""
+    from engine.kernels.gemv_kernel import BF16_CODE, FP8_CODE
+    from tools import quant_kernel_checks as qc
+    x, w = _case(2, 48, 512, seed=9)
+    cfg = kernels.GemvConfig(2, 256, pairs=True)
+    x16, w16 = x.to(torch.float16), w.to(torch.float16)
+    assert kernels.kernel_code("bf16", cfg, x16, w16) == BF16_CODE
+    assert kernels.kernel_code("bf16", cfg, x, w16) == BF16_CODE
+    assert _rel_err(kernels.gemv(x16, "bf16", w16, config=cfg), x16, w16) < TOL
+    wt = qc.make_weights("fp8", 64, 512, DEV, seed=2, block=(128, 128))
+    assert kernels.kernel_code("fp8", kernels.GemvConfig(8, 256, pairs=True), x16, wt["weight"]) == FP8_CODE

@@ -61,7 +61,8 @@ class GemvConfig:
     asm: bool = True       # NVFP4: decode nibbles by inline PTX (CUDA only; the interpreter takes Triton ops)
     x2d: bool = True       # FP8/bf16: load the activations in the weight tile's shape (no layout conversion)
     prefetch: bool = False  # load the next tile before this one's arithmetic
-    pairs: bool = False     # bf16: weights and activations read as 32-bit words of two values (gemv_kernel.py)
+    pairs: bool = False     # bf16 activations (and bf16 weights) read as 32-bit words of two values, FP8 codes as
+                            # 16-bit pairs (gemv_kernel.py); fp16 takes the plain code
 
 
 # Launch shapes and row limits chosen from tools/gemv_sweep.py on the H200 (bench/results/2026-11-30-h200-kern/
@@ -178,12 +179,14 @@ def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
 
 
 def kernel_code(fmt: str, cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor) -> int:
-    """The gemv_kernel format code a call takes: bf16 as 32-bit words where the config asks and x [M, K] and
-    weight [N, K] allow it, else the format's own."""
-    if fmt == "bf16" and cfg.pairs and _word_aligned(x, weight):
-        return BF16_PAIRS_CODE
-    if fmt == "fp8" and cfg.pairs and cfg.x2d and _word_aligned(x, weight.view(torch.uint8)):
-        return FP8_PAIRS_CODE
+    """The gemv_kernel format code a call takes: the word-pair codes where the config asks and x [M, K] and
+    weight [N, K] allow it (bf16 values: the bit trick is bf16's; aligned words), else the format's own. FP8
+    pairs also need whole tiles, which `gemv` checks after it sizes them."""
+    if cfg.pairs and x.dtype == torch.bfloat16:
+        if fmt == "bf16" and weight.dtype == torch.bfloat16 and _word_aligned(x, weight):
+            return BF16_PAIRS_CODE
+        if fmt == "fp8" and cfg.x2d and _word_aligned(x, weight.view(torch.uint8)):
+            return FP8_PAIRS_CODE
     return {"fp8": FP8_CODE, "nvfp4": NVFP4_CODE, "bf16": BF16_CODE}[fmt]
 
 
