@@ -4,7 +4,7 @@
 # a change worth a few percent is judged here, never across calls.
 #
 # Here (no GPU), one tree per commit, bench/results left out to keep the carry small:
-#   for c in main exp/x; do d=.scratch/ab/${c//\//-}; mkdir -p $d && git archive $c -- . ':!bench/results' | tar -x -C $d; done
+#   bash tools/ab_trees.sh main exp/x
 # There (carry .whl and .scratch; nothing else needed, the bench builds random weights):
 #   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/exp-x
 # AB_ARGS replaces the bench's section arguments, e.g. the cost of a draft round at one context:
@@ -19,7 +19,8 @@ for rep in $(seq "$reps"); do
   for tree in "$@"; do
     name=$(basename "$tree")
     echo "=== $name rep $rep $(date -u +%T)"
-    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$name timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
+    commit=$(cat "$tree/COMMIT" 2>/dev/null || echo "$name")
+    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$commit timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
        ${AB_ARGS:---sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape ''} --budget-s "${AB_BUDGET_S:-80}" \
        --no-plots --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode|extra_draft_cost|^  k=")
   done
