@@ -82,7 +82,10 @@ VARIANTS = {
              "g4x512pf": G.GemvConfig(4, 512, 4, prefetch=True),
              # read as 32-bit words of two values (GemvConfig.pairs): ~30-45 % fewer instructions a value
              "g2x1024p": G.GemvConfig(2, 1024, 4, pairs=True), "g4x512p": G.GemvConfig(4, 512, 4, pairs=True),
-             "g4x1024p": G.GemvConfig(4, 1024, 4, pairs=True), "g2x2048p": G.GemvConfig(2, 2048, 4, pairs=True)},
+             "g4x1024p": G.GemvConfig(4, 1024, 4, pairs=True), "g2x2048p": G.GemvConfig(2, 2048, 4, pairs=True),
+             # the next tile's loads before this tile's arithmetic, on the one-row rule's tile
+             "g2x1024pf": G.GemvConfig(2, 1024, 4, prefetch=True),
+             "g2x1024pfp": G.GemvConfig(2, 1024, 4, prefetch=True, pairs=True)},
 }
 # at M > 1 only these (compile time)
 MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
@@ -137,7 +140,7 @@ def correctness(results: list) -> None:
              ("bf16", 1, 4096, 12288, "g2x1024"), ("bf16", 2, 6144, 4096, "g2x1024"), ("bf16", 4, 4096, 12288, "g4x1024"),
              ("bf16", 3, 3000, 1000, "g2x2048"), ("bf16", 1, 6144, 4096, "g2x1024p"), ("bf16", 2, 4096, 12288, "g4x1024p"),
              ("bf16", 4, 3000, 1000, "g4x512p"), ("fp8", 1, 6144, 4096, "g8x1024p"), ("fp8", 1, 4096, 12288, "g2x2048p"),
-             ("fp8", 1, 3000, 1024, "g8x1024w8p"), ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
+             ("fp8", 1, 3000, 1024, "g8x1024w8p"), ("bf16", 1, 4096, 4096, "g2x1024pfp"), ("bf16", 1, 3000, 1000, "g2x1024pf"), ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
     if DEV.type == "cpu":
         cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
     for fmt, m, n, k, v in cases:
