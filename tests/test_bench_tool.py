@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tools.bench import derive, shapes
-from tools.bench.__main__ import ORDER, _merge, _narrow_decode, parse
+from tools.bench.__main__ import ORDER, _merge, _narrow_decode, _narrow_quant, parse
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,6 +74,14 @@ def test_decode_flags_narrow_the_plan():
     assert (plan.ks, plan.contexts) == before                      # no flag, no change
     _narrow_decode(plan, parse(["--decode-draft-vocab-ks", ""]))
     assert plan.draft_vocab_ks == []
+
+
+def test_quant_flags_narrow_the_plan():
+    from tools.bench.plan import make_plan
+    plan = make_plan("cuda", "qwen3-8b", True, None, 1.0).quant
+    assert plan.formats == ["bf16", "fp8", "nvfp4"] and not plan.decode_only
+    _narrow_quant(plan, parse(["--quant-formats", "bf16,fp8", "--quant-decode-only"]))
+    assert plan.formats == ["bf16", "fp8"] and plan.decode_only
 
 
 def test_merge_keeps_sections_not_rerun():

@@ -9,8 +9,9 @@
 #   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/exp-x
 # AB_ARGS replaces the bench's section arguments, e.g. the cost of a draft round at one context:
 #   AB_ARGS="--sections roofline,decode --decode-ks 0 --decode-draft-vocab-ks 1,3 --decode-contexts 512"
-# Each tree runs `tools.bench --sections roofline,quant` (bf16, FP8 and NVFP4 qwen3-8b engines through
-# EngineSession: decode b1 and b8, prefill 4k) in the order A B A B ...; results.json per run under $OUT/ab-<tree>-<rep>.
+# By default each tree runs `tools.bench --sections roofline,quant --quant-decode-only` (bf16, FP8 and NVFP4
+# qwen3-8b engines through EngineSession, decode batch 1) in the order A B A B ...; results.json per run under
+# $OUT/ab-<tree>-<rep>, packed into ab_runs.tar.gz at the end.
 set -u
 reps=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -21,7 +22,7 @@ for rep in $(seq "$reps"); do
     echo "=== $name rep $rep $(date -u +%T)"
     commit=$(cat "$tree/COMMIT" 2>/dev/null || echo "$name")
     (cd "$tree" && PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$commit timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
-       ${AB_ARGS:---sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape ''} --budget-s "${AB_BUDGET_S:-80}" \
+       ${AB_ARGS:---sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape '' --quant-decode-only} --budget-s "${AB_BUDGET_S:-80}" \
        --no-plots --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode|extra_draft_cost|^  k=")
   done
 done

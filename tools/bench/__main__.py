@@ -53,6 +53,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "the seed's one-GPU deployment)")
     ap.add_argument("--quant-seed-shape", default=None,
                     help="the shape of the quant section's one-GPU NVFP4 192k deployment ('' = not run; default qwen3-32b)")
+    ap.add_argument("--quant-formats", default=None, help="the quant section's formats (comma-separated: bf16,fp8,nvfp4)")
+    ap.add_argument("--quant-decode-only", action="store_true",
+                    help="the quant section measures decode batch 1 only (an A/B of the decode step)")
     ap.add_argument("--decode-ks", default=None,
                     help="the decode section's draft lengths with the full draft vocabulary (comma-separated; '' = none)")
     ap.add_argument("--decode-draft-vocab-ks", default=None,
@@ -81,6 +84,13 @@ def _narrow_decode(plan, args) -> None:
         plan.contexts = {k: [c for c in cs if c in keep] or keep[:1] for k, cs in plan.contexts.items()}
     for k in plan.ks + plan.draft_vocab_ks:
         plan.contexts.setdefault(k, plan.contexts.get(0) or [512])
+
+
+def _narrow_quant(plan, args) -> None:
+    """The quant flags: fewer formats, or decode batch 1 alone (an A/B of the decode step, ~half the time)."""
+    if args.quant_formats:
+        plan.formats = [f.strip() for f in args.quant_formats.split(",") if f.strip()]
+    plan.decode_only = plan.decode_only or args.quant_decode_only
 
 
 def _quiet_engine_logs() -> None:
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.global_s = args.budget_s
     if args.quant_shapes:
         plan.quant.shapes = [] if args.quant_shapes == "none" else [x.strip() for x in args.quant_shapes.split(",")]
+    _narrow_quant(plan.quant, args)
     if args.quant_seed_shape is not None:
         plan.quant.seed_shape = args.quant_seed_shape
     _narrow_decode(plan.decode, args)

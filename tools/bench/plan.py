@@ -111,6 +111,8 @@ class QuantPlan:
     prefill_repeats: int = 2
     kv_capacity: int = 8192
     seed_shape: str = "qwen3-32b"   # the seed's one-GPU deployment: this shape in NVFP4, int8 KV, 192k ("" = not run)
+    formats: list[str] = field(default_factory=lambda: ["bf16", "fp8", "nvfp4"])
+    decode_only: bool = False       # decode batch 1 only (no batch 8, no prefill): an A/B of the decode step
 
 
 @dataclass

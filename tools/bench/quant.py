@@ -50,7 +50,7 @@ def run(bench, sec: dict) -> None:
     points = sec.setdefault("points", [])
     bw, _ = bench.roofline()
     for shape in plan.shapes:
-        for fmt in FORMATS:
+        for fmt in [f for f in FORMATS if f in plan.formats]:
             first = bench.build_guess_s() + 5.0
             if not bench.budget.allows(first):
                 points.append({"shape": shape, "format": fmt, "skipped": bench.budget.skip_reason(first)})
@@ -67,7 +67,7 @@ def run(bench, sec: dict) -> None:
             point["decode_bytes_per_step"] = steps
             if bw and b1.get("ms_per_round_best"):
                 point["decode_b1"]["roofline_fraction"] = steps / bw / (b1["ms_per_round_best"] / 1e3)
-            if bench.budget.allows(2 * plan.batch_tokens * s_tok):
+            if not plan.decode_only and bench.budget.allows(2 * plan.batch_tokens * s_tok):
                 sp = SamplingParams(max_tokens=plan.batch_tokens, ignore_eos=True)
                 stats = session.generate_many([random_prompt(plan.context, session.vocab) for _ in range(plan.streams)],
                                               [sp] * plan.streams)
@@ -76,7 +76,7 @@ def run(bench, sec: dict) -> None:
                                       "aggregate_tok_s": sum(r["decode_tok_s"] for r in reps),
                                       "per_stream_tok_s": [r["decode_tok_s"] for r in reps]}
             reps = []
-            for _ in range(plan.prefill_repeats):
+            for _ in range(0 if plan.decode_only else plan.prefill_repeats):
                 if not bench.budget.allows(bench.estimate_prefill_s(plan.prefill_P) * 2):
                     break
                 stats = session.generate(random_prompt(plan.prefill_P, session.vocab), SamplingParams(max_tokens=1))
