@@ -15,7 +15,8 @@
 set -u
 reps=$1; shift
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# AB_SKIP_INSTALL=1: the packages are there already (a dry run on a CPU machine, with AB_ARGS="--device cpu ...")
+[ -n "${AB_SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 for rep in $(seq "$reps"); do
   for tree in "$@"; do
     name=$(basename "$tree")
