@@ -88,7 +88,7 @@ VARIANTS = {
              "g2x1024pfp": G.GemvConfig(2, 1024, 4, prefetch=True, pairs=True)},
 }
 # at M > 1 only these (compile time)
-MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
+MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d", "g8x1024p", "g4x1024p"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
              "bf16": ("skinny_dense", "g8x256", "g2x1024", "g4x1024", "g4x512", "g2x2048", "g2x1024p", "g4x1024p",
                       "g4x512p", "g2x2048p")}
 
@@ -337,7 +337,7 @@ def main() -> int:
                 names += list(VARIANTS[fmt]) if m == 1 else list(MULTI_ROW[fmt])
                 if fmt == "nvfp4" and m in (1, 8):
                     names.append("skinny_asm")
-                if m == 2 and fmt != "bf16":
+                if m == 2 and fmt == "nvfp4":
                     names = names[:2]
                 for v in names:
                     fns = [call(fmt, v, copies[i % len(copies)], x, n) for i in range(max(20, len(copies)))]
