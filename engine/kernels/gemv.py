@@ -110,9 +110,12 @@ def use_gemv(fmt: str, rows: int) -> bool:
 
 def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
          row_scale: torch.Tensor | None = None, out_features: int | None = None,
-         scale_block: tuple[int, int] = (128, 128), config: GemvConfig | None = None) -> torch.Tensor:
+         scale_block: tuple[int, int] = (128, 128), config: GemvConfig | None = None,
+         silu: bool = False) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride along K); weight: fp8 [N, K] (scale fp32 [N/br, K/bc]),
-    packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N]."""
+    packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N].
+    silu (one bf16 row, see `gate_up_silu`): -> silu(gate) * up [1, N/2], a program owning BLOCK_N / 2 gate rows
+    and the matching up rows."""
     M, K = x.shape
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {M}")
@@ -125,17 +128,19 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     if fmt == "fp8":
         block_n = min(block_n, scale_block[0])           # the rows of a program share one scale row
     block_k = cfg.block_k
-    grid_n = triton.cdiv(N, block_n)
-    split = max(1, cfg.split)
+    rows_out = N // 2 if silu else N
+    grid_n = triton.cdiv(rows_out, block_n // 2 if silu else block_n)
+    split = 1 if silu else max(1, cfg.split)
     if split > 1 and (split * triton.next_power_of_2(M) * N > WORKSPACE_FLOATS or grid_n > COUNTERS):
         split = 1
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_per_split)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, rows_out, dtype=x.dtype, device=x.device)
     ws, cnt = workspace(x.device) if split > 1 else (out, out)
     s = scale if scale is not None else weight
     rs = row_scale if row_scale is not None else s
-    even_k, even_n = k_per_split * split == K, N % block_n == 0
+    even_k = k_per_split * split == K
+    even_n = (N // 2) % (block_n // 2) == 0 if silu else N % block_n == 0
     if code == FP8_PAIRS_CODE and not (even_k and even_n):
         code = FP8_CODE                                  # the pair loads are unmasked: whole tiles only
     asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
@@ -144,7 +149,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=even_k,
-                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=cfg.prefetch,
+                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=cfg.prefetch and not silu, SILU=silu,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
@@ -161,16 +166,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gate_up_silu takes one row and an even number of weight rows, got {M} and {N}")
     cfg = default_config("bf16", 1, N, K)
     cfg = replace(cfg, block_n=max(cfg.block_n, 4))     # two gate rows and their two up rows at least
-    half = cfg.block_n // 2
-    out = torch.empty(1, N // 2, dtype=x.dtype, device=x.device)
-    gemv_kernel[(triton.cdiv(N // 2, half), 1)](x, weight, weight, weight, out, out, out, 1, N, K, x.stride(0),
-                                                 weight.stride(0), 0, out.stride(0), K, 128, FMT=BF16_CODE,
-                                                 SCALE_BC=128, M=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=1,
-                                                 ASM=False, EVEN_K=(K % cfg.block_k == 0),
-                                                 EVEN_N=((N // 2) % half == 0), X2D=cfg.x2d,
-                                                 PREFETCH=False, SILU=True, num_warps=cfg.num_warps,
-                                                 num_stages=cfg.num_stages, **pdl.launch_options(x.device))
-    return out
+    return gemv(x, "bf16", weight, config=cfg, silu=True)
 
 
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
@@ -191,8 +187,9 @@ def kernel_code(fmt: str, cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor
 
 
 def _word_aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [M, K] and weight [N, K] (2-byte values) can be read as 32-bit words: even K and row strides,
-    4-byte aligned bases (fixed at capture, so a graph replays the route it captured)."""
+    """Whether x [M, K] (2-byte values) can be read as 32-bit words and weight [N, ...] as words of its own
+    (bf16 values, or an FP8 tensor viewed as bytes): even K and row strides, 4-byte aligned bases (fixed at
+    capture, so a graph replays the route it captured)."""
     return (x.shape[1] % 2 == 0 and (x.shape[0] == 1 or x.stride(0) % 2 == 0) and weight.stride(0) % 2 == 0
             and x.data_ptr() % 4 == 0 and weight.data_ptr() % 4 == 0)
 

@@ -89,37 +89,52 @@ def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_
 @triton.jit
 def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
-    """acc plus one activation row's products with the tile. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per
-    word position, two FFMAs a word (w_lo / w_hi the even / odd columns); else acc [BN, COLS] += _row_part."""
-    if FMT == 4:
-        acc += _row_part_fp8_pairs(w_lo, w_hi, s, x_ptr, row_ok, k0, BLOCK_N, BLOCK_K)
-    elif FMT == 3:
-        offs_w = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + offs_w[None, :]
-        if X2D:
-            x_words = x_words + tl.zeros((BLOCK_N, 1), dtype=tl.int32)    # in the weight tile's shape
-        if EVEN_K:
-            xw = tl.load(x_words, mask=row_ok, other=0)
+    """acc plus one activation row's products with the tile, w_lo / w_hi the even / odd columns in the pair
+    codes. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per word position, two FFMAs a word. FP8 pairs (FMT 4):
+    each run of 16 products (8 words) is summed before its block scale s [1, BK/16] multiplies it, into acc
+    [BN, BK/16]. Else acc [BN, COLS] += _row_part."""
+    if FMT == 3 or FMT == 4:
+        x_even, x_odd = _bf16_pair(_x_words(x_ptr, row_ok, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
+        if FMT == 3:
+            acc = tl.fma(w_lo, x_even, acc)
+            acc = tl.fma(w_hi, x_odd, acc)
         else:
-            xw = tl.load(x_words, mask=(offs_w[None, :] * 2 < k_end) & row_ok, other=0)
-        acc = tl.fma(w_lo, (xw << 16).to(tl.float32, bitcast=True), acc)
-        acc = tl.fma(w_hi, (xw & 0xFFFF0000).to(tl.float32, bitcast=True), acc)
+            pe = tl.sum(tl.reshape(w_lo * x_even, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
+            po = tl.sum(tl.reshape(w_hi * x_odd, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
+            acc += (pe + po) * s
     else:
         acc += _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
     return acc
 
 
 @triton.jit
-def _row_part_fp8_pairs(w_even, w_odd, s, x_ptr, row_ok, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """FMT 4: w_even / w_odd [BN, BK/2] fp32 (the codes' values), s [1, BK/16] block scales -> [BN, BK/16]
-    partial sums, each run of 16 products (8 words) summed before its scale multiplies it."""
+def _x_words(x_ptr, row_ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+             X2D: tl.constexpr):
+    """One activation row's columns k0.. as 32-bit words of two bf16: [BN, BK/2] (X2D, the weight tile's shape)
+    or [1, BK/2]."""
     offs_w = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + offs_w[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
-    xw = tl.load(x_words, mask=row_ok, other=0)
-    pe = tl.sum(tl.reshape(w_even * (xw << 16).to(tl.float32, bitcast=True), (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
-    po = tl.sum(tl.reshape(w_odd * (xw & 0xFFFF0000).to(tl.float32, bitcast=True), (BLOCK_N, BLOCK_K // 16, 8)),
-                axis=2)
-    return (pe + po) * s
+    x_words = x_ptr.to(tl.pointer_type(tl.uint32)) + offs_w[None, :]
+    if X2D:
+        x_words = x_words + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    if EVEN_K:
+        return tl.load(x_words, mask=row_ok, other=0)
+    return tl.load(x_words, mask=(offs_w[None, :] * 2 < k_end) & row_ok, other=0)
+
+
+@triton.jit
+def _bf16_pair(words):
+    """32-bit words of two bf16 -> the even (low half) and odd (high half) values in fp32: a shift and a mask."""
+    return (words << 16).to(tl.float32, bitcast=True), (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_scale_row(s_ptr, row_blk, stride_sn, k0, k_end, BLOCK_K: tl.constexpr, SCALE_BC: tl.constexpr,
+                   EVEN: tl.constexpr):
+    """The program's FP8 block scales, one per 16 columns from k0: [BK/16] (16 divides the scale block)."""
+    offs_v = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    if EVEN:
+        return tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16))
+    return tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16), mask=offs_v * 16 < k_end, other=0.0)
 
 
 @triton.jit
@@ -139,8 +154,7 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
         offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # 16-bit pairs of e4m3 codes
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
         raw = tl.load(w_rows + offs[None, :])                                # whole tiles only (EVEN)
-        offs_v = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-        s_raw = tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16))
+        s_raw = _fp8_scale_row(s_ptr, row_blk, stride_sn, k0, k_end, BLOCK_K, SCALE_BC, True)
     elif FMT == 1:
         offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # bytes
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
@@ -161,13 +175,7 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
         else:
             raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] < k_end), other=0.0)
         if FMT == 0:
-            # one scale per 16 columns (a thread's own run of columns; 16 divides the scale block)
-            offs_v = k0 // 16 + tl.arange(0, BLOCK_K // 16)
-            if EVEN:
-                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16))
-            else:
-                s_raw = tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16), mask=offs_v * 16 < k_end,
-                                other=0.0)
+            s_raw = _fp8_scale_row(s_ptr, row_blk, stride_sn, k0, k_end, BLOCK_K, SCALE_BC, EVEN)
         else:
             s_raw = raw
     return raw, s_raw
@@ -250,8 +258,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 w_hi = (raw >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             s = s_raw[None, :]                                              # [1, BK/16]
         elif FMT == 3:
-            w_lo = (raw << 16).to(tl.float32, bitcast=True)                  # even columns, [BN, BK/2]
-            w_hi = (raw & 0xFFFF0000).to(tl.float32, bitcast=True)            # odd columns
+            w_lo, w_hi = _bf16_pair(raw)                                    # even, odd columns: [BN, BK/2]
             s = 1.0
         else:
             w_lo = raw.to(tl.float32)
