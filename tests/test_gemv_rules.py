@@ -26,3 +26,28 @@ def test_fp8_scale_blocks_must_span_16_columns():
     w = torch.zeros(32, 64).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="multiple of 16 columns, got 8"):
         G.gemv(x, "fp8", w, torch.ones(1, 8), None, 32, (32, 8))
+
+
+def _rules_under(env: dict[str, str]) -> list:
+    # the switches are read at import, so each setting gets its own interpreter
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import json; from engine.kernels import gemv as G; "
+            "print(json.dumps([G.GEMV_ROWS['bf16'], sorted(G.PAIRS_FORMATS)] + "
+            "[G.default_config(f, m, 4096, 4096).pairs for f, m in (('bf16', 1), ('bf16', 2), ('fp8', 1), ('nvfp4', 1))]"
+            " + [G.default_config('bf16', 2, 4096, 4096).block_n]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_pairs_and_bf16_rows_switches():
+    # off by default: the plain codes and the one-row bf16 GEMV
+    assert _rules_under({"NINFER_GEMV_PAIRS": "", "NINFER_GEMV_BF16_ROWS": "1"}) == [1, [], False, False, False,
+                                                                                     False, 8]
+    # the A/B settings: each format named takes pairs (NVFP4 has no pairs code); bf16 verify rows take 2x1024 pairs
+    assert _rules_under({"NINFER_GEMV_PAIRS": "bf16,fp8", "NINFER_GEMV_BF16_ROWS": "4"}) == [
+        4, ["bf16", "fp8"], True, True, True, False, 2]
+    assert _rules_under({"NINFER_GEMV_PAIRS": "fp8"})[2:6] == [False, False, True, False]

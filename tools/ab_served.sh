@@ -9,6 +9,8 @@
 #   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/exp-x
 # AB_ARGS replaces the bench's section arguments, e.g. the cost of a draft round at one context:
 #   AB_ARGS="--sections roofline,decode --decode-ks 0 --decode-draft-vocab-ks 1,3 --decode-contexts 512"
+# A tree may carry engine switches after a "+", one tree run under each setting:
+#   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/main+NINFER_GEMV_PAIRS=bf16,fp8
 # By default each tree runs `tools.bench --sections roofline,quant --quant-decode-only` (bf16, FP8 and NVFP4
 # qwen3-8b engines through EngineSession, decode batch 1) in the order A B A B ...; results.json per run under
 # $OUT/ab-<tree>-<rep>, packed into ab_runs.tar.gz at the end.
@@ -18,11 +20,13 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # AB_SKIP_INSTALL=1: the packages are there already (a dry run on a CPU machine, with AB_ARGS="--device cpu ...")
 [ -n "${AB_SKIP_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 for rep in $(seq "$reps"); do
-  for tree in "$@"; do
-    name=$(basename "$tree")
+  for spec in "$@"; do
+    tree=${spec%%+*}; switches=()
+    [ "$tree" = "$spec" ] || IFS=+ read -r -a switches <<< "${spec#*+}"
+    name=$(basename "$tree"); for sw in "${switches[@]}"; do name+="_${sw//[=,]/-}"; done
     echo "=== $name rep $rep $(date -u +%T)"
     commit=$(cat "$tree/COMMIT" 2>/dev/null || echo "$name")
-    (cd "$tree" && PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$commit timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
+    (cd "$tree" && env "${switches[@]}" PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$commit timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
        ${AB_ARGS:---sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape '' --quant-decode-only} --budget-s "${AB_BUDGET_S:-80}" \
        --no-plots --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode|extra_draft_cost|^  k=")
   done

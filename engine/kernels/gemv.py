@@ -75,7 +75,11 @@ class GemvConfig:
 #          bf16 4x512 0.95 / 1.03 / 0.86 / 0.97 (cuBLAS 0.89 / 0.95 / 0.74 / 0.89; a read-only stream can pass a copy).
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
 #   M = 4 and 8: the tensor-core skinny kernel (and cuBLAS for bf16) win, so the GEMV stops at 2 rows.
-GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": 1}
+GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": int(os.environ.get("NINFER_GEMV_BF16_ROWS", "1"))}
+
+# Formats whose default configs read word pairs (GemvConfig.pairs): a comma list of "bf16" and "fp8",
+# read once at import like GEMV_ROWS, so a served A/B can run one tree under each setting.
+PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "").split(",") if f)
 
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
@@ -98,6 +102,10 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
         # against 4x512's 0.949 / 0.920 / 0.886 / 0.861 (8b / 32b / 8b TP2 / 32b TP2, s16 sweep); served qwen3-8b
         # bf16 step 4.427 -> 4.349 ms, interleaved in one call (bench/results/2026-12-01-h200-s16/b)
         cfg = GemvConfig(2, 1024) if M == 1 else GemvConfig(8, 256)
+        if M > 1 and "bf16" in PAIRS_FORMATS:
+            cfg = GemvConfig(2, 1024)   # verify rows: 5.56 instructions a value as pairs (sm_90 SASS) against 8.56
+    if fmt in PAIRS_FORMATS:
+        cfg = replace(cfg, pairs=True)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
         block_k //= 2
@@ -171,7 +179,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
     """Whether an unquantized gate/up layer's input x [..., K] takes `gate_up_silu` (one bf16 row on CUDA)."""
-    return getattr(layer, "quant", None) is None and takes(x) and x.shape[-1] == layer.weight.shape[1]
+    return (getattr(layer, "quant", None) is None and takes(x) and x.numel() == x.shape[-1]
+            and x.shape[-1] == layer.weight.shape[1])
 
 
 def kernel_code(fmt: str, cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor) -> int:
