@@ -296,6 +296,8 @@ def main() -> int:
     ap.add_argument("--report", default=None, help="print the per-model table of an earlier gemv_sweep.json and stop")
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--formats", default="bf16,fp8,nvfp4", help="comma-separated weight formats to time")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variants to time (the baselines "
+                    "cublas / skinny always run)")
     ap.add_argument("--prefill-layers", default=None, help="comma-separated subset of qkv,o,gate_up,down")
     ap.add_argument("--prefill-configs", default=None, help="comma-separated subset of " + ",".join(PREFILL_CONFIGS))
     args = ap.parse_args()
@@ -339,6 +341,9 @@ def main() -> int:
                     names.append("skinny_asm")
                 if m == 2 and fmt == "nvfp4":
                     names = names[:2]
+                if args.variants:
+                    keep = set(args.variants.split(",")) | {"cublas", "skinny", "skinny_dense"}
+                    names = [v for v in names if v in keep]
                 for v in names:
                     fns = [call(fmt, v, copies[i % len(copies)], x, n) for i in range(max(20, len(copies)))]
                     try:
