@@ -47,7 +47,7 @@ def test_pairs_and_bf16_rows_switches():
     # off by default: the plain codes and the one-row bf16 GEMV
     assert _rules_under({"NINFER_GEMV_PAIRS": "", "NINFER_GEMV_BF16_ROWS": "1"}) == [1, [], False, False, False,
                                                                                      False, 8]
-    # the A/B settings: each format named takes pairs (NVFP4 has no pairs code); bf16 verify rows take 2x1024 pairs
+    # the A/B settings: each format named takes pairs (NVFP4 has no pairs code); bf16 verify rows take 4x1024 pairs
     assert _rules_under({"NINFER_GEMV_PAIRS": "bf16,fp8", "NINFER_GEMV_BF16_ROWS": "4"}) == [
-        4, ["bf16", "fp8"], True, True, True, False, 2]
+        4, ["bf16", "fp8"], True, True, True, False, 4]
     assert _rules_under({"NINFER_GEMV_PAIRS": "fp8"})[2:6] == [False, False, True, False]

@@ -103,7 +103,9 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
         # bf16 step 4.427 -> 4.349 ms, interleaved in one call (bench/results/2026-12-01-h200-s16/b)
         cfg = GemvConfig(2, 1024) if M == 1 else GemvConfig(8, 256)
         if M > 1 and "bf16" in PAIRS_FORMATS:
-            cfg = GemvConfig(2, 1024)   # verify rows: 5.56 instructions a value as pairs (sm_90 SASS) against 8.56
+            # verify rows as pairs: at 2 rows 4x1024 reached 0.973 of copy per qwen3-8b model against the skinny
+            # tensor-core GEMM's 0.935 (2x1024 pairs 0.923; s17 sweep, bench/results/2026-12-01-h200-s17/a)
+            cfg = GemvConfig(4, 1024)
     if fmt in PAIRS_FORMATS:
         cfg = replace(cfg, pairs=True)
     block_k = cfg.block_k

@@ -52,7 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the quant section's shapes compared in bf16/FP8/NVFP4 (comma-separated; 'none' for only "
                          "the seed's one-GPU deployment)")
     ap.add_argument("--quant-seed-shape", default=None,
-                    help="the shape of the quant section's one-GPU NVFP4 192k deployment ('' = not run; default qwen3-32b)")
+                    help="the shape of the quant section's one-GPU NVFP4 192k deployment ('' or 'none' = not run; default qwen3-32b)")
     ap.add_argument("--quant-formats", default=None, help="the quant section's formats (comma-separated: bf16,fp8,nvfp4)")
     ap.add_argument("--quant-decode-only", action="store_true",
                     help="the quant section measures decode batch 1 only (an A/B of the decode step)")
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.quant.shapes = [] if args.quant_shapes == "none" else [x.strip() for x in args.quant_shapes.split(",")]
     _narrow_quant(plan.quant, args)
     if args.quant_seed_shape is not None:
-        plan.quant.seed_shape = args.quant_seed_shape
+        plan.quant.seed_shape = "" if args.quant_seed_shape == "none" else args.quant_seed_shape
     _narrow_decode(plan.decode, args)
     if args.hybrid_deployments:
         plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
