@@ -4,6 +4,8 @@ the reference dequantizer in tests/test_quant_kernels.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,23 +30,25 @@ def test_fp8_scale_blocks_must_span_16_columns():
         G.gemv(x, "fp8", w, torch.ones(1, 8), None, 32, (32, 8))
 
 
-def _rules_under(env: dict[str, str]) -> list:
+def _rules_under(env: dict[str, str], base: dict[str, str] | None = None) -> list:
     # the switches are read at import, so each setting gets its own interpreter
     import json
-    import os
     import subprocess
     import sys
     code = ("import json; from engine.kernels import gemv as G; "
             "print(json.dumps([G.GEMV_ROWS['bf16'], sorted(G.PAIRS_FORMATS)] + "
             "[G.default_config(f, m, 4096, 4096).pairs for f, m in (('bf16', 1), ('bf16', 2), ('fp8', 1), ('nvfp4', 1))]"
             " + [G.default_config('bf16', 2, 4096, 4096).block_n]))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env={**(os.environ if base is None else base), **env}, capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_pairs_and_bf16_rows_switches():
-    # off by default: the plain codes and the one-row bf16 GEMV
+    # the defaults: bf16 word pairs at one row and at the two verify rows (4x1024 tiles); FP8 keeps its plain codes
+    env = {k: v for k, v in os.environ.items() if k not in ("NINFER_GEMV_PAIRS", "NINFER_GEMV_BF16_ROWS")}
+    assert _rules_under({}, base=env) == [2, ["bf16"], True, True, False, False, 4]
+    # switched off: the plain codes and the one-row bf16 GEMV
     assert _rules_under({"NINFER_GEMV_PAIRS": "", "NINFER_GEMV_BF16_ROWS": "1"}) == [1, [], False, False, False,
                                                                                      False, 8]
     # the A/B settings: each format named takes pairs (NVFP4 has no pairs code); bf16 verify rows take 4x1024 pairs

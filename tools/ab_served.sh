@@ -38,7 +38,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
     d = json.loads(f.read_text())
     tree = f.parent.name.rsplit("-", 1)[0]
     for p in d["sections"].get("quant", {}).get("points", []):
-        rows.setdefault((p["format"], tree), []).append(p["decode_b1"]["ms_per_round_best"])
+        if "decode_b1" in p:  # prefill-only and refused points carry no decode figure
+            rows.setdefault((p["format"], tree), []).append(p["decode_b1"]["ms_per_round_best"])
     for p in d["sections"].get("decode", {}).get("points", []):
         if "ms_per_round_best" in p:
             key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"

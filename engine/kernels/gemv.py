@@ -75,11 +75,16 @@ class GemvConfig:
 #          bf16 4x512 0.95 / 1.03 / 0.86 / 0.97 (cuBLAS 0.89 / 0.95 / 0.74 / 0.89; a read-only stream can pass a copy).
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
 #   M = 4 and 8: the tensor-core skinny kernel (and cuBLAS for bf16) win, so the GEMV stops at 2 rows.
-GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": int(os.environ.get("NINFER_GEMV_BF16_ROWS", "1"))}
+# bf16 at 2 rows takes the GEMV as word pairs (below): served qwen3-8b k=1 verify round 4.78 -> 4.68 ms, two
+# interleaved reps each (bench/results/2026-12-01-h200-s17/b); NINFER_GEMV_BF16_ROWS=1 gives the verify rows back to
+# the skinny GEMM.
+GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": int(os.environ.get("NINFER_GEMV_BF16_ROWS", "2"))}
 
-# Formats whose default configs read word pairs (GemvConfig.pairs): a comma list of "bf16" and "fp8",
-# read once at import like GEMV_ROWS, so a served A/B can run one tree under each setting.
-PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "").split(",") if f)
+# Formats whose default configs read word pairs (GemvConfig.pairs): a comma list of "bf16" and "fp8", read once
+# at import like GEMV_ROWS, so a served A/B can run one tree under each setting. bf16 by default: the served
+# qwen3-8b k=0 round 4.26 -> 4.22 ms; FP8 pairs lost there (fp8 step 2.89 -> 2.93 ms; same call, s17 b).
+# NINFER_GEMV_PAIRS= (empty) turns them off.
+PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16").split(",") if f)
 
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
