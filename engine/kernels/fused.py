@@ -31,6 +31,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     dt = o_ptr.dtype.element_ty
+    # the weight is a model constant, so it may load before the PDL wait: its latency then hides under the
+    # kernel before's tail and this row's reduction (loaded after the sum, it was a round trip of its own)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl.wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -39,7 +42,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
         tl.store(ro_ptr + row * stride_ro + offs, x, mask=mask)
         x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         y = x * r * (1.0 + w)                            # the hybrids' twin: one rounding, at the end
     else:
