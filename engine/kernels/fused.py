@@ -124,6 +124,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
         hk = tl.arange(0, KV_HEADS_PAD)
         mk = hk < KV_HEADS
         y1, y2 = _load_halves(k_ptr + t * stride_kt, hk, half, mk, stride_kh, HALF)
+        if WRITE_KV:
+            # V and the slot load beside K, before any store: the compiler must assume a store to k_out or
+            # the pages may alias them, so issued after those stores they were a round trip of their own.
+            # Nor does V's mask wait for the slot: a slot -1 token has a V row too, which _store_kv_token drops
+            slot = tl.load(slot_ptr + t)
+            v1, v2 = _load_halves(v_ptr + t * stride_vt, hk, half, mk, stride_vh, HALF)
         k1, k2 = _norm_rope(y1, y2, kw_ptr, cos, sin, eps, half, dt, HALF)
         k1 = k1.to(dt)
         k2 = k2.to(dt)
@@ -132,10 +138,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
             tl.store(p, k1, mask=mk[:, None])
             tl.store(p + HALF, k2, mask=mk[:, None])
         if WRITE_KV:
-            slot = tl.load(slot_ptr + t)
             _store_kv_token(k1.to(tl.float32), k2.to(tl.float32), kp_ptr, ks_ptr, slot, hk, half, mk,
                             stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
-            v1, v2 = _load_halves(v_ptr + t * stride_vt, hk, half, mk & (slot >= 0), stride_vh, HALF)
             _store_kv_token(v1, v2, vp_ptr, vs_ptr, slot, hk, half, mk,
                             stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
 
