@@ -110,6 +110,15 @@ def test_paged_attention_forced_splits(interpreted_kernels):
     _attention(interpreted_kernels, [1, 1], [1000, 90], 6, 1, 256, 16, I8, 24, config=many)
 
 
+# (tokens, heads, splits, head_dim): all splits in one block (8 x 32, 5 x 64: the one-trip load), and 64 x 256
+# summed 16 splits at a time (the loop)
+@pytest.mark.parametrize("shape", [(2, 4, 8, 32), (3, 2, 5, 64), (1, 2, 64, 256)], ids=str)
+def test_split_merge_drops_empty_splits(interpreted_kernels, shape):
+    """Empty splits' never-written accumulator rows hold NaN and infinities: the merge must drop them."""
+    r = interpreted_kernels.check_split_merge(*shape, BF16, "cpu", seed=sum(shape))
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
+
+
 @pytest.mark.parametrize("case", ["prefill_aligned", "prefill_unaligned", "chunk_after_context",
                                   "chunk_after_context_int8_g8", "tile_edges_prefill"])
 def test_sdpa_prefill(interpreted_kernels, case):

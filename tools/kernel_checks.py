@@ -122,6 +122,30 @@ def check_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     return {"rel_err": rel_err(out, ref), "unwritten": unwritten(out)}
 
 
+def check_split_merge(tokens: int, heads: int, splits: int, head_dim: int, dtype: torch.dtype, device,
+                      seed: int) -> dict:
+    """The split-K merge alone, against a float64 twin, over partial states where about 40 % of the splits
+    are empty (m = -1e30, l = 0) and their never-written accumulator rows hold NaN and infinities, as a
+    reused workspace may: none of it may reach the output. Every (token, head) keeps one live split."""
+    from engine.kernels.attention import merge_splits
+    gen = torch.Generator().manual_seed(seed)
+    pm = torch.randn(tokens, heads, splits, generator=gen) * 8
+    pl = torch.rand(tokens, heads, splits, generator=gen) * 50 + 0.1
+    pacc = torch.randn(tokens, heads, splits, head_dim, generator=gen) * 30
+    empty = torch.rand(tokens, heads, splits, generator=gen) < 0.4
+    empty[..., torch.randint(0, splits, (), generator=gen)] = False
+    pm[empty], pl[empty] = -1.0e30, 0.0
+    m_ref = torch.where(empty, float("-inf"), pm).double().amax(-1, keepdim=True)
+    w = torch.where(empty, 0.0, torch.exp2(pm.double() - m_ref))
+    ref = (w[..., None] * pacc.double()).sum(2) / (w * pl.double()).sum(-1, keepdim=True)
+    pacc[empty] = float("nan")
+    pacc[..., 0][empty] = float("inf")
+    pacc[..., -1][empty] = -float("inf")
+    out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=device)
+    merge_splits(pacc.to(device), pm.to(device), pl.to(device), out)
+    return {"rel_err": rel_err(out, ref.to(device)), "unwritten": unwritten(out)}
+
+
 def check_write_kv(num_tokens: int, kv_heads: int, head_dim: int, page: int, kv_dtype: torch.dtype,
                    dtype: torch.dtype, device, seed: int, skip_every: int = 3) -> dict:
     """Random K/V written to shuffled slots, every `skip_every`-th slot -1; the whole pool (slots

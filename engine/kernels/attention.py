@@ -439,7 +439,11 @@ def _merge_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, num_heads, num_splits, stride
                   SPLITS_PAD: tl.constexpr, SPLIT_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
     """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the key-range splits, the
     partial accumulators summed SPLIT_BLOCK splits at a time (256 splits x head_dim 256 would not fit
-    in registers at once)."""
+    in registers at once).
+
+    An empty split (l = 0) never wrote its accumulator rows: whatever they hold (NaN included) is
+    dropped by a select, not by a mask on the load, so the accumulators load in the same memory trip
+    as m and l rather than one after l arrives, and no NaN * 0 reaches the sum."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -448,17 +452,25 @@ def _merge_kernel(pacc_ptr, pm_ptr, pl_ptr, o_ptr, num_heads, num_splits, stride
     ok = offs_s < num_splits
     m = tl.load(pm_ptr + base + offs_s, mask=ok, other=-1.0e30)
     l = tl.load(pl_ptr + base + offs_s, mask=ok, other=0.0)
-    top = tl.max(m, 0)
-    denom = tl.sum(tl.exp2(m - top) * l, 0)
     out = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_BLOCK):
-        sb = s0 + tl.arange(0, SPLIT_BLOCK)
-        okb = sb < num_splits
-        mb = tl.load(pm_ptr + base + sb, mask=okb, other=-1.0e30)
-        lb = tl.load(pl_ptr + base + sb, mask=okb, other=0.0)
-        acc = tl.load(pacc_ptr + (base + sb)[:, None] * HEAD_DIM + offs_d[None, :], mask=(okb & (lb > 0))[:, None],
-                      other=0.0)
-        out += tl.sum(acc * tl.exp2(mb - top)[:, None], 0)
+    if SPLIT_BLOCK == SPLITS_PAD:
+        # every split in one block: m, l and the accumulators in one trip
+        acc = tl.load(pacc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0)
+        acc = tl.where((l > 0)[:, None], acc, 0.0)
+        top = tl.max(m, 0)
+        denom = tl.sum(tl.exp2(m - top) * l, 0)
+        out += tl.sum(acc * tl.exp2(m - top)[:, None], 0)
+    else:
+        top = tl.max(m, 0)
+        denom = tl.sum(tl.exp2(m - top) * l, 0)
+        for s0 in range(0, num_splits, SPLIT_BLOCK):
+            sb = s0 + tl.arange(0, SPLIT_BLOCK)
+            okb = sb < num_splits
+            mb = tl.load(pm_ptr + base + sb, mask=okb, other=-1.0e30)
+            lb = tl.load(pl_ptr + base + sb, mask=okb, other=0.0)
+            acc = tl.load(pacc_ptr + (base + sb)[:, None] * HEAD_DIM + offs_d[None, :], mask=okb[:, None], other=0.0)
+            acc = tl.where((lb > 0)[:, None], acc, 0.0)
+            out += tl.sum(acc * tl.exp2(mb - top)[:, None], 0)
     out = out / denom
     tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
@@ -617,10 +629,18 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
     if split:
-        _merge_kernel[(T, H)](pacc, pm, pl, out, H, cfg.num_splits, out.stride(0), out.stride(1),
-                              SPLITS_PAD=max(2, triton.next_power_of_2(cfg.num_splits)),
-                              SPLIT_BLOCK=max(2, min(triton.next_power_of_2(cfg.num_splits), 4096 // d)), HEAD_DIM=d,
-                              num_warps=4 if cfg.num_splits * d >= 4096 else 2)
+        merge_splits(pacc, pm, pl, out)
+    return out
+
+
+def merge_splits(pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The split-K merge: partial accumulators pacc [T, H, S, d], maxima pm and sums pl [T, H, S] (float32,
+    contiguous; an empty split has m = -1e30, l = 0 and never-written pacc rows) -> out [T, H, d]."""
+    T, H, splits, d = pacc.shape
+    _merge_kernel[(T, H)](pacc, pm, pl, out, H, splits, out.stride(0), out.stride(1),
+                          SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+                          SPLIT_BLOCK=max(2, min(triton.next_power_of_2(splits), 4096 // d)), HEAD_DIM=d,
+                          num_warps=4 if splits * d >= 4096 else 2)
     return out
 
 

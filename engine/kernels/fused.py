@@ -31,6 +31,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
     offs = tl.arange(0, BLOCK)
     mask = offs < n
     dt = o_ptr.dtype.element_ty
+    # the weight is a model constant, so it may load before the PDL wait: its latency then hides under the
+    # kernel before's tail and this row's reduction (loaded after the sum, it was a round trip of its own)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl.wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -39,7 +42,6 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
         tl.store(ro_ptr + row * stride_ro + offs, x, mask=mask)
         x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         y = x * r * (1.0 + w)                            # the hybrids' twin: one rounding, at the end
     else:
@@ -122,6 +124,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
         hk = tl.arange(0, KV_HEADS_PAD)
         mk = hk < KV_HEADS
         y1, y2 = _load_halves(k_ptr + t * stride_kt, hk, half, mk, stride_kh, HALF)
+        if WRITE_KV:
+            # V and the slot load beside K, before any store: the compiler must assume a store to k_out or
+            # the pages may alias them, so issued after those stores they were a round trip of their own.
+            # Nor does V's mask wait for the slot: a slot -1 token has a V row too, which _store_kv_token drops
+            slot = tl.load(slot_ptr + t)
+            v1, v2 = _load_halves(v_ptr + t * stride_vt, hk, half, mk, stride_vh, HALF)
         k1, k2 = _norm_rope(y1, y2, kw_ptr, cos, sin, eps, half, dt, HALF)
         k1 = k1.to(dt)
         k2 = k2.to(dt)
@@ -130,10 +138,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
             tl.store(p, k1, mask=mk[:, None])
             tl.store(p + HALF, k2, mask=mk[:, None])
         if WRITE_KV:
-            slot = tl.load(slot_ptr + t)
             _store_kv_token(k1.to(tl.float32), k2.to(tl.float32), kp_ptr, ks_ptr, slot, hk, half, mk,
                             stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
-            v1, v2 = _load_halves(v_ptr + t * stride_vt, hk, half, mk & (slot >= 0), stride_vh, HALF)
             _store_kv_token(v1, v2, vp_ptr, vs_ptr, slot, hk, half, mk,
                             stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)
 
