@@ -32,6 +32,17 @@ def test_matches_the_reference(chk, fmt, shape):
     assert r["nan"] == 0 and r["rel_err"] < TOL, r
 
 
+@pytest.mark.parametrize("variant", [(8, 4, True), (16, 2, True), (16, 4, False)], ids=["w8u4c", "w16u2c", "w16u4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
+def test_every_chunk_order_matches_the_reference(chk, fmt, variant):
+    """The warps' chunk orders (interleaved, or batches of adjacent chunks), including K whose chunk count is
+    not a whole number of batches (which falls back to the interleaved order)."""
+    warps, batch, contig = variant
+    for m, n, k in ((2, 4096, 12288), (3, 2048, 6144), (1, 128, 384 if fmt == "fp8" else 640)):
+        r = chk.check(fmt, m, n, k, seed=m + n, warps=warps, batch=batch, contig=contig)
+        assert r["nan"] == 0 and r["rel_err"] < TOL, (m, n, k, r)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "fp8"])
 def test_fp16_activations(chk, fmt):
     r = chk.check(fmt, 4, 4096, 4096, dtype=torch.float16, seed=9)

@@ -70,7 +70,7 @@ step() {
     decode-variant-tests) python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py -k "decode_variants" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     prefill-attn) python3 tools/prefill_attention_check.py ;;   # issue 15 item 5: the TMA prefill kernel against the paged one and SDPA
     prefill-attn-tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels_prefill_tma.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
-    mma-gemv) python3 -m tools.quant_gemv_mma_check --rows "${MMA_ROWS:-1,2,8}" --budget-s "${MMA_BUDGET_S:-200}" ;;   # issue 14: the tensor-core quantized GEMV
+    mma-gemv) python3 -m tools.quant_gemv_mma_check --rows "${MMA_ROWS:-1,2,8}" --budget-s "${MMA_BUDGET_S:-200}" --models "${MMA_MODELS:-}" ;;   # issue 14: the tensor-core quantized GEMV
     small-kernels-tests) python3 -m pytest -q -p no:cacheprovider tests/test_round_prep.py tests/test_gemv_silu.py tests/test_gemv_pairs.py tests/test_kernels_gpu.py -k "pairs or round_prep or gate_up_silu or carry_forward or uniform_context or qk_norm" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;   # the exp/decode-small-kernels branch's kernels
     fp8-gemv) python3 -m tools.gemv_sweep --rows 1 --formats fp8 --budget-s "${SWEEP_BUDGET_S:-170}" ;;   # issue 14: FP8 decode row, scale after the 16-product sums
     mma-tests) python3 -m pytest -q -p no:cacheprovider tests/test_quant_gemv_mma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;

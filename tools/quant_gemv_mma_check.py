@@ -35,8 +35,14 @@ T0 = time.time()
 TOL = 2 ** -8
 
 
-def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS, batch: int = MMA.BATCH):
-    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps, batch=batch)
+def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS, batch: int = MMA.BATCH,
+             contig: bool = MMA.CONTIG):
+    return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps, batch=batch,
+                                      contig=contig)
+
+
+def variant_label(w: int, u: int, contig: bool) -> str:
+    return f"mma_w{w}u{u}{'c' if contig else ''}"
 
 
 def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
@@ -45,10 +51,11 @@ def triton_call(fmt: str, layer: dict, x: torch.Tensor, n: int):
     return lambda: Q.skinny(x, fmt, layer["w"], layer["s"], layer.get("rs"), n)
 
 
-def check(fmt: str, M: int, N: int, K: int, dtype=torch.bfloat16, block=(128, 128), seed=0) -> dict:
+def check(fmt: str, M: int, N: int, K: int, dtype=torch.bfloat16, block=(128, 128), seed=0, **variant) -> dict:
+    """variant: the kernel's warps / batch / contig, else the defaults."""
     wt = QC.make_weights(fmt, N, K, "cuda", seed, block)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed + 1)).to("cuda", dtype)
-    y = MMA.quant_gemv_mma(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"])
+    y = MMA.quant_gemv_mma(x, fmt, wt["weight"], wt["scale"], wt["row_scale"], N, wt["block"], **variant)
     ref = x.float() @ wt["ref"].T
     err = (y.float() - ref).abs()
     r = {"rel_err": float(err.max() / ref.abs().max()), "nan": int(torch.isnan(y).sum())}
@@ -98,6 +105,14 @@ def checks(result: dict) -> bool:
         ok &= good
         result["checks"].append({"fmt": fmt, "M": m, "N": n, "K": k, "ok": good, **r})
         print(f"check {fmt:5s} M={m} {n}x{k}: {'OK ' if good else 'BAD'} {r}", flush=True)
+    # every swept variant on the shapes whose chunk counts are and are not whole batches of 4
+    for (w, u, c) in MMA.VARIANTS:
+        for fmt, m, n, k in (("fp8", 2, 4096, 12288), ("nvfp4", 3, 2048, 6144), ("fp8", 1, 128, 384),
+                             ("nvfp4", 1, 128, 640)):
+            r = check(fmt, m, n, k, seed=m + n + u, warps=w, batch=u, contig=c)
+            good = r["nan"] == 0 and r["rel_err"] < TOL
+            ok &= good
+            print(f"check {variant_label(w, u, c)} {fmt:5s} M={m} {n}x{k}: {'OK ' if good else 'BAD'} {r}", flush=True)
     for fmt in ("nvfp4", "fp8"):
         r = check(fmt, 4, 4096, 4096, dtype=torch.float16, seed=9)
         good = r["nan"] == 0 and r["rel_err"] < TOL
@@ -119,11 +134,13 @@ def checks(result: dict) -> bool:
     return ok
 
 
-def sweep(result: dict, rows: list[int], budget_s: float) -> None:
+def sweep(result: dict, rows: list[int], budget_s: float, models: tuple[str, ...] = ()) -> None:
+    """models: the model groups to keep ("8b", "8b tp2", "32b", "32b tp2"); all shapes when empty."""
     bw = result["copy_Bps"]
     for m in rows:
         for label, n, k in all_shapes():
-            if "lm_head" in label:
+            if "lm_head" in label or (models and not any(
+                    label.split()[0] == p.split()[0] and ("tp2" in label) == ("tp2" in p) for p in models)):
                 continue
             for fmt in ("fp8", "nvfp4"):
                 if time.time() - T0 > budget_s:
@@ -133,7 +150,8 @@ def sweep(result: dict, rows: list[int], budget_s: float) -> None:
                 copies = [one] + [random_layer(fmt, n, k) for _ in range(max(1, -(-200_000_000 // nbytes)) - 1)]
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 routes = [("triton", triton_call)] + [
-                    (f"mma_w{w}u{u}", lambda *a, w=w, u=u: mma_call(*a, warps=w, batch=u)) for w, u in MMA.VARIANTS]
+                    (variant_label(w, u, c), lambda *a, w=w, u=u, c=c: mma_call(*a, warps=w, batch=u, contig=c))
+                    for w, u, c in MMA.VARIANTS]
                 for route, make in routes:
                     if route != "triton" and not MMA.supports(fmt, m, n, k):
                         continue
@@ -160,7 +178,7 @@ def report(result: dict) -> None:
         for m in sorted({p["M"] for p in pts}):
             for gname, pick in groups.items():
                 line = []
-                for route in ("triton",) + tuple(f"mma_w{w}u{u}" for w, u in MMA.VARIANTS):
+                for route in ("triton",) + tuple(variant_label(*v) for v in MMA.VARIANTS):
                     sel = [p for p in pts if p["fmt"] == fmt and p["M"] == m and p["route"] == route and pick(p["shape"])]
                     if len(sel) == 4:
                         frac = sum(p["of_copy"] * p["us"] for p in sel) / sum(p["us"] for p in sel)
@@ -174,6 +192,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,8")
     ap.add_argument("--budget-s", type=float, default=150)
+    ap.add_argument("--models", default="", help="comma-separated model groups, e.g. 8b,32b tp2 (default: all)")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name(), "checks": [], "points": []}
     result["copy_Bps"] = copy_bandwidth_Bps()
@@ -181,7 +200,8 @@ def main() -> int:
     ok = checks(result)
     print(f"checks {'all OK' if ok else 'FAILED'} ({time.time() - T0:.0f} s)", flush=True)
     if ok:
-        sweep(result, [int(r) for r in args.rows.split(",")], args.budget_s)
+        sweep(result, [int(r) for r in args.rows.split(",")], args.budget_s,
+              tuple(p for p in args.models.split(",") if p))
         report(result)
     (OUT / "quant_gemv_mma.json").write_text(json.dumps(result, indent=1))
     print(f"total {time.time() - T0:.0f} s")

@@ -111,18 +111,19 @@ __device__ __forceinline__ u16 to_f16(u16 v, bool bf16) {
 }
 
 // the raw weights of one batch of U chunks (and, NVFP4, their group scales): chunk u of the batch is
-// u * WARPS chunks after the first (the warps of a CTA interleave), `valid` of them exist
-template <int FMT, int WARPS, int U>
+// u * USTRIDE chunks after the first (USTRIDE = WARPS: the warps of a CTA interleave chunk by chunk; 1: a
+// batch is U adjacent chunks, U * 64 contiguous bytes of each row), `valid` of them exist
+template <int FMT, int USTRIDE, int U>
 __device__ __forceinline__ void load_batch(const u8* pa, const u8* pc, const u8* qa, const u8* qc, int valid,
                                            uint4 (&a)[U], uint4 (&c)[U], u32 (&sa)[U], u32 (&sc)[U]) {
     #pragma unroll
     for (int u = 0; u < U; ++u) {
         if (u < valid) {
-            a[u] = ld_stream(pa + u * WARPS * 64);
-            c[u] = ld_stream(pc + u * WARPS * 64);
+            a[u] = ld_stream(pa + u * USTRIDE * 64);
+            c[u] = ld_stream(pc + u * USTRIDE * 64);
             if (FMT == 1) {
-                sa[u] = *(const u16*)(qa + u * WARPS * 8);
-                sc[u] = *(const u16*)(qc + u * WARPS * 8);
+                sa[u] = *(const u16*)(qa + u * USTRIDE * 8);
+                sc[u] = *(const u16*)(qc + u * USTRIDE * 8);
             }
         }
     }
@@ -130,7 +131,7 @@ __device__ __forceinline__ void load_batch(const u8* pa, const u8* pc, const u8*
 
 // the math of one batch: rows g, g + 8 of the block against the staged activations xp (this lane's columns
 // of the batch's first chunk); FP8 scales each chunk's partial sum by its block scale (bsp: the block row)
-template <int FMT, int WARPS, int U>
+template <int FMT, int USTRIDE, int U>
 __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[U], const u32 (&sa)[U],
                                           const u32 (&sc)[U], int valid, const u16* xp,
                                           const float* bsp, int ch, int block_shift, float (&acc)[4]) {
@@ -140,7 +141,7 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
         if (u >= valid) break;
         const u32 wa[4] = {a[u].x, a[u].y, a[u].z, a[u].w};
         const u32 wc[4] = {c[u].x, c[u].y, c[u].z, c[u].w};
-        const uint4* x4 = (const uint4*)(xp + u * WARPS * CHUNK);
+        const uint4* x4 = (const uint4*)(xp + u * USTRIDE * CHUNK);
         if (FMT == 1) {
             u32 b[16];
             #pragma unroll
@@ -174,7 +175,7 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
             for (int q = 0; q < 4; ++q)
                 mma16816(part, e4m3x2_lo(wa[q]), e4m3x2_lo(wc[q]), e4m3x2_hi(wa[q]), e4m3x2_hi(wc[q]),
                          b[2 * q], b[2 * q + 1]);
-            const float s = bsp[(ch + u * WARPS) >> block_shift];
+            const float s = bsp[(ch + u * USTRIDE) >> block_shift];
             #pragma unroll
             for (int j = 0; j < 4; ++j) acc[j] += part[j] * s;
         }
@@ -184,8 +185,9 @@ __device__ __forceinline__ void mma_batch(const uint4 (&a)[U], const uint4 (&c)[
 // FMT 1: NVFP4 (weight u8 [N, K/2], gs e4m3 [N, K/16], rs f32 [N]); FMT 0: FP8 block (weight e4m3 [N, K],
 // bs f32 [N/br, K/bc], bc = 64 << block_shift). x, out: bf16 (XBF16) or fp16, M <= 8 rows.
 // Persistent CTAs of WARPS warps: CTA b takes row blocks b, b + gridDim.x, ... (16 rows each), so x is
-// staged once per CTA; dynamic shared memory M * K * 2 bytes.
-template <int FMT, int WARPS, int U, bool XBF16>
+// staged once per CTA; dynamic shared memory M * K * 2 bytes. CONTIG: a warp's batch is U adjacent chunks
+// (chunks w U .. w U + U - 1, then + U WARPS), else chunk w, w + WARPS, ... (needs K / CHUNK % U == 0).
+template <int FMT, int WARPS, int U, bool XBF16, bool CONTIG>
 __global__ void __launch_bounds__(WARPS * 32)
 qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
           const u8* __restrict__ w, long long w_stride,
@@ -196,6 +198,8 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
     constexpr int CHUNK = FMT == 1 ? 128 : 64;        // columns per chunk: 64 bytes of each row
     // U: chunks per batch; two batches in flight per warp (2 U KB)
     constexpr int STEP = U * WARPS;                   // chunks from one batch of a warp to its next
+    constexpr int USTRIDE = CONTIG ? 1 : WARPS;       // chunks from one chunk of a batch to the next
+    constexpr int FIRST = CONTIG ? U : 1;             // warp w's first chunk is w * FIRST
     extern __shared__ __align__(16) u16 xs[];          // [M][K] fp16 bits, in B order
     __shared__ float red[WARPS][16][8];
 
@@ -203,10 +207,12 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
     const int g = lane >> 2, t = lane & 3;
     const int blocks = N / 16;
     const int nchunks = K / CHUNK;
-    const int mine = warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0;     // this warp's chunks
+    // this warp's chunks (CONTIG: whole batches of U, as nchunks % U == 0)
+    const int mine = CONTIG ? (warp < nchunks / U ? U * ((nchunks / U - warp + WARPS - 1) / WARPS) : 0)
+                            : (warp < nchunks ? (nchunks - warp + WARPS - 1) / WARPS : 0);
     // this lane's bytes of a row block's first chunk: rows g and g + 8 (and, NVFP4, their 2 group scales)
-    const long long lane_w = (long long)g * w_stride + 16 * t + warp * 64;
-    const long long lane_s = (long long)g * gs_stride + 2 * t + warp * 8;
+    const long long lane_w = (long long)g * w_stride + 16 * t + warp * FIRST * 64;
+    const long long lane_s = (long long)g * gs_stride + 2 * t + warp * FIRST * 8;
 
     uint4 a0[U], c0[U], a1[U], c1[U];                // rows g, g + 8 of two batches
     u32 sa0[U], sc0[U], sa1[U], sc1[U];
@@ -214,7 +220,7 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
     {
         const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
         const u8* qa = gs + (long long)rb * 16 * gs_stride + lane_s;
-        load_batch<FMT, WARPS, U>(pa, pa + 8 * w_stride, qa, qa + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
+        load_batch<FMT, USTRIDE, U>(pa, pa + 8 * w_stride, qa, qa + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
     }                                                 // weights only: before the wait
 
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -236,7 +242,7 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
     asm volatile("griddepcontrol.launch_dependents;");
 
     // B column g is activation row g; lanes past the M rows read row 0 into columns that are never stored
-    const u16* xp = xs + (g < M ? g : 0) * K + warp * CHUNK + (FMT == 1 ? 32 : 16) * t;
+    const u16* xp = xs + (g < M ? g : 0) * K + warp * FIRST * CHUNK + (FMT == 1 ? 32 : 16) * t;
     for (; rb < blocks; rb += gridDim.x) {
         const u8* pa = w + (long long)rb * 16 * w_stride + lane_w;
         const u8* pc = pa + 8 * w_stride;
@@ -248,21 +254,21 @@ qgemv_mma(const u16* __restrict__ x, long long x_stride, int M,
         for (int done = 0; done < mine; done += 2 * U) {
             const int v1 = min(U, mine - done - U);
             const long long o1 = (long long)(done / U + 1) * STEP;
-            if (v1 > 0) load_batch<FMT, WARPS, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
-            mma_batch<FMT, WARPS, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
-                                     warp + (done / U) * STEP, block_shift, acc);
+            if (v1 > 0) load_batch<FMT, USTRIDE, U>(pa + o1 * 64, pc + o1 * 64, qa + o1 * 8, qc + o1 * 8, v1, a1, c1, sa1, sc1);
+            mma_batch<FMT, USTRIDE, U>(a0, c0, sa0, sc0, min(U, mine - done), xp + (done / U) * STEP * CHUNK, bsp,
+                                     warp * FIRST + (done / U) * STEP, block_shift, acc);
             if (v1 <= 0) break;
             const int v2 = min(U, mine - done - 2 * U);
             const long long o2 = o1 + STEP;
-            if (v2 > 0) load_batch<FMT, WARPS, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
-            mma_batch<FMT, WARPS, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, warp + (int)o1, block_shift, acc);
+            if (v2 > 0) load_batch<FMT, USTRIDE, U>(pa + o2 * 64, pc + o2 * 64, qa + o2 * 8, qc + o2 * 8, v2, a0, c0, sa0, sc0);
+            mma_batch<FMT, USTRIDE, U>(a1, c1, sa1, sc1, v1, xp + o1 * CHUNK, bsp, warp * FIRST + (int)o1, block_shift, acc);
         }
         // the next row block's first batch goes out before this one's sums meet
         const int next = rb + gridDim.x;
         if (next < blocks) {
             const u8* na = w + (long long)next * 16 * w_stride + lane_w;
             const u8* nq = gs + (long long)next * 16 * gs_stride + lane_s;
-            load_batch<FMT, WARPS, U>(na, na + 8 * w_stride, nq, nq + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
+            load_batch<FMT, USTRIDE, U>(na, na + 8 * w_stride, nq, nq + 8 * gs_stride, min(U, mine), a0, c0, sa0, sc0);
         }
         // lane (g, t) holds rows g, g + 8 of the block for activation rows 2t, 2t + 1
         red[warp][g][2 * t] = acc[0];
@@ -294,12 +300,16 @@ MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (
 
 
 BATCH = 2                          # chunks per batch (two batches in flight per warp)
-# (warps, batch) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
-VARIANTS = ((16, 2), (16, 4), (8, 4), (8, 2))
+# CONTIG: a warp's batch is U adjacent chunks (128 contiguous bytes of each row at U = 2) rather than chunks
+# interleaved across the warps (64 bytes of a row each); NINFER_QUANT_MMA_CONTIG=1 for the served A/B
+CONTIG = os.environ.get("NINFER_QUANT_MMA_CONTIG", "0") == "1"
+# (warps, batch, contig) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
+VARIANTS = ((16, 2, False), (16, 2, True), (16, 4, True), (8, 4, True))
 
 
-def _name(fmt: str, x_bf16: bool, warps: int = WARPS, batch: int = BATCH) -> str:
-    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {batch}, {'true' if x_bf16 else 'false'}>"
+def _name(fmt: str, x_bf16: bool, warps: int = WARPS, batch: int = BATCH, contig: bool = CONTIG) -> str:
+    flag = lambda b: "true" if b else "false"
+    return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {batch}, {flag(x_bf16)}, {flag(contig)}>"
 
 
 _FUNCTIONS: dict[tuple[int, str], object] = {}     # (device index, kernel name) -> cupy RawKernel
@@ -364,20 +374,22 @@ def takes(fmt: str, x: torch.Tensor, N: int, scale_block: tuple[int, int] = (128
 def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
                    row_scale: torch.Tensor | None, out_features: int,
                    scale_block: tuple[int, int] = (128, 128), warps: int = WARPS,
-                   batch: int = BATCH) -> torch.Tensor:
+                   batch: int = BATCH, contig: bool = CONTIG) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
     row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
     M, K = x.shape
     N = out_features
     if not supports(fmt, M, N, K, scale_block):
         raise ValueError(f"quant_gemv_mma: {fmt} M={M} N={N} K={K} block={scale_block} is not supported")
+    if contig and (K // (NVFP4_CHUNK if fmt == "nvfp4" else FP8_CHUNK)) % batch:
+        contig = False                  # whole batches only; the interleaved order takes any chunk count
     if x.stride(1) != 1 or weight.stride(1) != 1 or scale.stride(-1) != 1:
         raise ValueError("quant_gemv_mma: x, weight and scale need unit stride along K")
     if (x.data_ptr() | x.stride(0) * 2 | weight.data_ptr() | weight.stride(0)) % 16:
         x = x.clone() if (x.data_ptr() | x.stride(0) * 2) % 16 else x     # 16-byte rows for the vector loads
         if (weight.data_ptr() | weight.stride(0)) % 16:
             raise ValueError("quant_gemv_mma: weight rows must start on 16 bytes")
-    fn = _function(x.device, _name(fmt, x.dtype == torch.bfloat16, warps, batch))
+    fn = _function(x.device, _name(fmt, x.dtype == torch.bfloat16, warps, batch, contig))
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nvfp4 = fmt == "nvfp4"
     rs = row_scale if nvfp4 else scale
