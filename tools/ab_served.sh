@@ -40,12 +40,14 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
     for p in d["sections"].get("quant", {}).get("points", []):
         if "decode_b1" in p:  # prefill-only and refused points carry no decode figure
             rows.setdefault((p["format"], tree), []).append(p["decode_b1"]["ms_per_round_best"])
+        if "decode_b8" in p:  # 8 streams: the aggregate as ms per token (lower is better, like the rest)
+            rows.setdefault((p["format"] + "/b8", tree), []).append(1e3 / p["decode_b8"]["aggregate_tok_s"])
     for p in d["sections"].get("decode", {}).get("points", []):
         if "ms_per_round_best" in p:
             key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"
             rows.setdefault((key, tree), []).append(p["ms_per_round_best"])
 for (fmt, tree), ms in sorted(rows.items()):
-    print(f"{fmt:14s} {tree:28s} " + " ".join(f"{m:.3f}" for m in ms) + " ms per round")
+    print(f"{fmt:14s} {tree:28s} " + " ".join(f"{m:.3f}" for m in ms) + (" ms per token, 8 streams" if fmt.endswith("/b8") else " ms per round"))
 PY
 # The machine returns at most 8 files a call: the per-run folders go back as one archive beside the summary.
 tar -czf "$OUT/ab_runs.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d ab-*/) && rm -rf "$OUT"/ab-*/
