@@ -39,3 +39,11 @@ def test_routing_keeps_one_fp8_row_on_the_triton_gemv():
     from engine.kernels.quant_gemm import MMA_GEMV_ROWS
     assert 1 in MMA_GEMV_ROWS["nvfp4"] and 8 in MMA_GEMV_ROWS["nvfp4"] and 9 not in MMA_GEMV_ROWS["nvfp4"]
     assert 1 not in MMA_GEMV_ROWS["fp8"] and 2 in MMA_GEMV_ROWS["fp8"]
+
+
+def test_chunk_order_setting_names_formats():
+    assert mma.contig_formats("0") == frozenset() and mma.contig_formats("") == frozenset()
+    assert mma.contig_formats("1") == {"fp8", "nvfp4"}
+    assert mma.contig_formats("fp8") == {"fp8"} and mma.contig_formats(" fp8 , nvfp4") == {"fp8", "nvfp4"}
+    with pytest.raises(ValueError, match="NINFER_QUANT_MMA_CONTIG.*int4"):
+        mma.contig_formats("fp8,int4")

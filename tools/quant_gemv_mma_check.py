@@ -36,7 +36,7 @@ TOL = 2 ** -8
 
 
 def mma_call(fmt: str, layer: dict, x: torch.Tensor, n: int, warps: int = MMA.WARPS, batch: int = MMA.BATCH,
-             contig: bool = MMA.CONTIG):
+             contig: bool | None = None):
     return lambda: MMA.quant_gemv_mma(x, fmt, layer["w"], layer["s"], layer.get("rs"), n, warps=warps, batch=batch,
                                       contig=contig)
 

@@ -301,13 +301,24 @@ MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (
 
 BATCH = 2                          # chunks per batch (two batches in flight per warp)
 # CONTIG: a warp's batch is U adjacent chunks (128 contiguous bytes of each row at U = 2) rather than chunks
-# interleaved across the warps (64 bytes of a row each); NINFER_QUANT_MMA_CONTIG=1 for the served A/B
-CONTIG = os.environ.get("NINFER_QUANT_MMA_CONTIG", "0") == "1"
+# interleaved across the warps (64 bytes of a row each). NINFER_QUANT_MMA_CONTIG names the formats that take
+# it: "fp8,nvfp4", "1" (both) or "0" (neither).
+def contig_formats(setting: str) -> frozenset[str]:
+    names = [f.strip() for f in setting.split(",") if f.strip() not in ("", "0")]
+    if names == ["1"]:
+        return frozenset(("fp8", "nvfp4"))
+    unknown = [f for f in names if f not in ("fp8", "nvfp4")]
+    if unknown:
+        raise ValueError(f"NINFER_QUANT_MMA_CONTIG: {unknown} is not fp8, nvfp4, 1 or 0")
+    return frozenset(names)
+
+
+CONTIG_FORMATS = contig_formats(os.environ.get("NINFER_QUANT_MMA_CONTIG", "0"))
 # (warps, batch, contig) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
 VARIANTS = ((16, 2, False), (16, 2, True), (16, 4, True), (8, 4, True))
 
 
-def _name(fmt: str, x_bf16: bool, warps: int = WARPS, batch: int = BATCH, contig: bool = CONTIG) -> str:
+def _name(fmt: str, x_bf16: bool, warps: int, batch: int, contig: bool) -> str:
     flag = lambda b: "true" if b else "false"
     return f"qgemv_mma<{1 if fmt == 'nvfp4' else 0}, {warps}, {batch}, {flag(x_bf16)}, {flag(contig)}>"
 
@@ -374,13 +385,15 @@ def takes(fmt: str, x: torch.Tensor, N: int, scale_block: tuple[int, int] = (128
 def quant_gemv_mma(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor,
                    row_scale: torch.Tensor | None, out_features: int,
                    scale_block: tuple[int, int] = (128, 128), warps: int = WARPS,
-                   batch: int = BATCH, contig: bool = CONTIG) -> torch.Tensor:
+                   batch: int = BATCH, contig: bool | None = None) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride); weight: packed uint8 [N, K/2] with scale e4m3 [N, K/16] and
     row_scale fp32 [N] (NVFP4), or e4m3 [N, K] with scale fp32 [N/br, K/bc] (FP8 blocks) -> [M, N]."""
     M, K = x.shape
     N = out_features
     if not supports(fmt, M, N, K, scale_block):
         raise ValueError(f"quant_gemv_mma: {fmt} M={M} N={N} K={K} block={scale_block} is not supported")
+    if contig is None:
+        contig = fmt in CONTIG_FORMATS
     if contig and (K // (NVFP4_CHUNK if fmt == "nvfp4" else FP8_CHUNK)) % batch:
         contig = False                  # whole batches only; the interleaved order takes any chunk count
     if x.stride(1) != 1 or weight.stride(1) != 1 or scale.stride(-1) != 1:
