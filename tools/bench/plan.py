@@ -163,7 +163,7 @@ def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, 
         plan.prefill.repeats = {p: repeats for p in plan.prefill.repeats}
         plan.decode.repeats = {c: repeats for c in plan.decode.repeats}
         plan.kv.repeats = plan.tp.repeats = repeats
-        plan.peer.prefill_repeats = repeats
+        plan.peer.prefill_repeats = plan.quant.prefill_repeats = repeats
     if time_scale != 1.0:
         plan.budgets = {k: v * time_scale for k, v in plan.budgets.items()}
         plan.global_s *= time_scale
