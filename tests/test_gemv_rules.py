@@ -55,3 +55,20 @@ def test_pairs_and_bf16_rows_switches():
     assert _rules_under({"NINFER_GEMV_PAIRS": "bf16,fp8", "NINFER_GEMV_BF16_ROWS": "4"}) == [
         4, ["bf16", "fp8"], True, True, True, False, 4]
     assert _rules_under({"NINFER_GEMV_PAIRS": "fp8"})[2:6] == [False, False, True, False]
+
+
+def test_fp8_one_row_tile_switch():
+    # NINFER_GEMV_FP8_TILE replaces the one-row FP8 tile of every layer (warps 4 unless named); more rows keep theirs
+    assert G._fp8_row_tile("") is None
+    assert G._fp8_row_tile("4x1024") == (4, 1024, 4) and G._fp8_row_tile("2X2048x8") == (2, 2048, 8)
+    for bad in ("4", "4x1000", "0x1024", "4x1024x3", "ax1024"):
+        with pytest.raises(ValueError, match="NINFER_GEMV_FP8_TILE"):
+            G._fp8_row_tile(bad)
+    import json
+    import subprocess
+    import sys
+    code = ("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.num_warps] "
+            "for c in (G.default_config('fp8', 1, 6144, 4096), G.default_config('fp8', 2, 6144, 4096))]))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NINFER_GEMV_FP8_TILE": "4x2048"},
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[4, 2048, 4], [8, 512, 4]]

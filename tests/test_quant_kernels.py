@@ -92,6 +92,17 @@ def test_gemv_matches_the_reference(qt, fmt, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (16, 512, 8)], ids=lambda t: "x".join(map(str, t)))
+def test_fp8_one_row_tiles(qt, tile):
+    """The one-row FP8 tiles NINFER_GEMV_FP8_TILE can name, on a whole and a ragged layer."""
+    from engine.kernels.gemv import GemvConfig
+    cfg = GemvConfig(*tile)
+    for n, k in ((1024, 4096), (200, 4160)) if CUDA else ((32, 512), (20, 320)):
+        r = qt.check_gemv("fp8", 1, n, k, DEV, seed=n, config=cfg)
+        assert r["unwritten"] == 0 and r["rel_err"] < TOL, (n, k, r)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["split3", "prefetch", "split2_prefetch", "no_asm"])
 def test_gemv_launch_variants_and_small_scale_blocks(qt, variant):
     """FP8 scale blocks of 64 x 32 (a TP rank's slice inside a 128 block), K split over programs with the

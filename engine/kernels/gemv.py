@@ -92,8 +92,27 @@ PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16")
 # 8.36 ms per 27B TP=2 round, 4.46 -> 4.52 ms per qwen3-8b round (bench/results/2026-12-01-h200-fold/).
 
 
+def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
+    """NINFER_GEMV_FP8_TILE: the one-row FP8 tile as ROWSxCOLS[xWARPS] for a served A/B (None: the default rules)."""
+    if not setting:
+        return None
+    parts = setting.lower().split("x")
+    if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"NINFER_GEMV_FP8_TILE: {setting!r} is not ROWSxCOLS or ROWSxCOLSxWARPS (e.g. 4x1024)")
+    rows, cols, warps = (int(p) for p in (parts + ["4"])[:3])
+    if rows & (rows - 1) or cols & (cols - 1) or warps & (warps - 1) or cols < 16:
+        raise ValueError(f"NINFER_GEMV_FP8_TILE: {setting!r}: rows, columns and warps must be powers of two, "
+                         "columns at least 16")
+    return rows, cols, warps
+
+
+FP8_ROW_TILE = _fp8_row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", ""))
+
+
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
-    if fmt == "fp8":
+    if fmt == "fp8" and M == 1 and FP8_ROW_TILE is not None:
+        cfg = GemvConfig(*FP8_ROW_TILE)
+    elif fmt == "fp8":
         cfg = GemvConfig(8, 1024 if M == 1 else 512)
         if M == 1 and 6144 <= N <= 10240 and K <= 5120:
             # q/k/v-shaped layers: 0.74 / 0.81 of copy against 0.57 / 0.74 in the s15 b sweep (qwen3-8b / 32B), but
