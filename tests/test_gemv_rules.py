@@ -12,14 +12,28 @@ import torch
 G = pytest.importorskip("engine.kernels.gemv", reason="the GEMV is a Triton kernel")
 
 
+def _fp8_configs(tile: str | None, shapes) -> list:
+    import json
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "NINFER_GEMV_FP8_TILE"}
+    if tile is not None:
+        env["NINFER_GEMV_FP8_TILE"] = tile
+    code = ("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.num_warps] "
+            f"for c in (G.default_config('fp8', m, n, k) for m, n, k in {list(shapes)!r})]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_fp8_one_row_tiles_by_layer_shape():
-    # q/k/v-shaped layers (qwen3-8b 6144 x 4096, qwen3-32b 10240 x 5120) take 8 warps; o, gate_up, down take 4
-    assert G.default_config("fp8", 1, 6144, 4096).num_warps == 8
-    assert G.default_config("fp8", 1, 10240, 5120).num_warps == 8
-    for n, k in ((4096, 4096), (24576, 4096), (4096, 12288), (3072, 4096)):
-        cfg = G.default_config("fp8", 1, n, k)
-        assert (cfg.block_n, cfg.block_k, cfg.num_warps) == (8, 1024, 4), (n, k)
-    assert G.default_config("fp8", 2, 6144, 4096).num_warps == 4
+    shapes = [(1, 6144, 4096), (1, 10240, 5120), (1, 4096, 4096), (1, 24576, 4096), (1, 4096, 12288), (2, 6144, 4096)]
+    # the default: 4x2048 on every one-row layer (a K that 2048 does not divide halves the tile: 32B's 5120);
+    # two rows keep 8x512
+    assert _fp8_configs(None, shapes) == [[4, 2048, 4], [4, 1024, 4], [4, 2048, 4], [4, 2048, 4], [4, 2048, 4],
+                                          [8, 512, 4]]
+    # NINFER_GEMV_FP8_TILE= (empty): the old rules, 8x1024 with 8 warps on the q/k/v shapes
+    assert _fp8_configs("", shapes) == [[8, 1024, 8], [8, 1024, 8], [8, 1024, 4], [8, 1024, 4], [8, 1024, 4],
+                                        [8, 512, 4]]
 
 
 def test_fp8_scale_blocks_must_span_16_columns():
@@ -64,11 +78,4 @@ def test_fp8_one_row_tile_switch():
     for bad in ("4", "4x1000", "0x1024", "4x1024x3", "ax1024"):
         with pytest.raises(ValueError, match="NINFER_GEMV_FP8_TILE"):
             G._fp8_row_tile(bad)
-    import json
-    import subprocess
-    import sys
-    code = ("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.num_warps] "
-            "for c in (G.default_config('fp8', 1, 6144, 4096), G.default_config('fp8', 2, 6144, 4096))]))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NINFER_GEMV_FP8_TILE": "4x2048"},
-                         capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[4, 2048, 4], [8, 512, 4]]
+    assert _fp8_configs("2x4096x8", [(1, 6144, 4096), (2, 6144, 4096)]) == [[2, 4096, 8], [8, 512, 4]]

@@ -70,7 +70,8 @@ class GemvConfig:
 #   M = 1: FP8 8x1024 tiles 0.74 / 0.88 / 0.61 / 0.73 (tensor-core skinny 0.43 / 0.50 / 0.32 / 0.41); with the scale
 #          applied per 16 products (bench/results/2026-12-01-h200-s15/b-6e40bfc-fp8-gemv; 8b / 32b / 8b TP2 / 32b TP2)
 #          8x1024 0.79 / 0.81 / 0.68 / 0.73; 16x1024 reached 0.80 / 0.90 / 0.66 / 0.73 there, but the served
-#          qwen3-8b FP8 step was slower with it (3.09 against 3.02 ms, two interleaved reps each, s15 d);
+#          qwen3-8b FP8 step was slower with it (3.09 against 3.02 ms, two interleaved reps each, s15 d); served, the
+#          winner was 4x2048 (FP8_ROW_TILE below, s19);
 #          NVFP4 8x2048 (narrow layers) and 16x1024 (N >= 10240) 0.42 / 0.44 / 0.35 / 0.39 (skinny 0.16-0.18);
 #          bf16 4x512 0.95 / 1.03 / 0.86 / 0.97 (cuBLAS 0.89 / 0.95 / 0.74 / 0.89; a read-only stream can pass a copy).
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17); bf16 loses to cuBLAS.
@@ -93,7 +94,8 @@ PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16")
 
 
 def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
-    """NINFER_GEMV_FP8_TILE: the one-row FP8 tile as ROWSxCOLS[xWARPS] for a served A/B (None: the default rules)."""
+    """NINFER_GEMV_FP8_TILE: the one-row FP8 tile of every layer as ROWSxCOLS[xWARPS] (empty: the per-shape rules
+    of default_config, 8x1024 with 8 warps on q/k/v-shaped layers)."""
     if not setting:
         return None
     parts = setting.lower().split("x")
@@ -106,7 +108,12 @@ def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
     return rows, cols, warps
 
 
-FP8_ROW_TILE = _fp8_row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", ""))
+# One row of FP8 takes 4x2048 tiles (8 KB a step, 4 warps) on every layer: the served qwen3-8b FP8 step went
+# 2.847 -> 2.779 ms, four interleaved reps over two calls (s19 e, f: bench/results/2026-12-02-h200-s19/), where
+# 4x1024 read 2.806, 4x4096 2.835, 8x1024 with 8 warps everywhere 2.821, 4x2048 with 8 warps 2.968 and 2x2048
+# 2.874. Half the rows of the old 8x1024 tile, twice the programs; the same lesson as bf16's 2x1024 (s16).
+# qwen3-32b and TP=2 shards take it too, not yet measured served. NINFER_GEMV_FP8_TILE= restores the old rules.
+FP8_ROW_TILE = _fp8_row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", "4x2048"))
 
 
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
