@@ -84,7 +84,8 @@ def test_quant_flags_narrow_the_plan():
     assert plan.formats == ["bf16", "fp8"] and plan.decode_only
     # --repeats also repeats the quant section's prefill and its batch of streams (one of each scatters)
     repeated = make_plan("cuda", "qwen3-8b", True, 5, 1.0).quant
-    assert (repeated.prefill_repeats, repeated.batch_repeats) == (5, 5) and (plan.prefill_repeats, plan.batch_repeats) == (2, 1)
+    assert (repeated.prefill_repeats, repeated.batch_repeats) == (5, 5)
+    assert (plan.prefill_repeats, plan.batch_repeats) == (2, 1)
 
 
 def test_merge_keeps_sections_not_rerun():

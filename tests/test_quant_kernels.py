@@ -92,7 +92,8 @@ def test_gemv_matches_the_reference(qt, fmt, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (16, 512, 8)], ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize("tile", [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (16, 512, 8)],
+                         ids=lambda t: "x".join(map(str, t)))
 def test_fp8_one_row_tiles(qt, tile):
     """The one-row FP8 tiles NINFER_GEMV_FP8_TILE can name, on a whole and a ragged layer."""
     from engine.kernels.gemv import GemvConfig

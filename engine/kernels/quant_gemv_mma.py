@@ -300,12 +300,10 @@ MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (
 
 
 BATCH = 2                          # chunks per batch (two batches in flight per warp)
-# CONTIG: a warp's batch is U adjacent chunks (128 contiguous bytes of each row at U = 2) rather than chunks
-# interleaved across the warps (64 bytes of a row each). NINFER_QUANT_MMA_CONTIG names the formats that take
-# it: "fp8,nvfp4", "1" (both, the default) or "0" (neither). Served on the H200 (qwen3-8b, s19, three
-# interleaved reps): NVFP4 one row 2.763 -> 2.749 ms a step; FP8 at 2-8 rows +0.03 of copy per model in the
-# sweep (0.713 -> 0.745 at 2 rows), its 8-stream decode within the run-to-run noise (0.704 -> 0.683 ms a token)
+
+
 def contig_formats(setting: str) -> frozenset[str]:
+    """The formats a NINFER_QUANT_MMA_CONTIG setting names ("1": both, "0" or empty: neither)."""
     names = [f.strip() for f in setting.split(",") if f.strip() not in ("", "0")]
     if names == ["1"]:
         return frozenset(("fp8", "nvfp4"))
@@ -315,7 +313,13 @@ def contig_formats(setting: str) -> frozenset[str]:
     return frozenset(names)
 
 
+# CONTIG: a warp's batch is U adjacent chunks (128 contiguous bytes of each row at U = 2) rather than chunks
+# interleaved across the warps (64 bytes of a row each). NINFER_QUANT_MMA_CONTIG names the formats that take
+# it: "fp8,nvfp4", "1" (both, the default) or "0" (neither). Served on the H200 (qwen3-8b, s19, three
+# interleaved reps): NVFP4 one row 2.763 -> 2.749 ms a step; FP8 at 2-8 rows +0.03 of copy per model in the
+# sweep (0.713 -> 0.745 at 2 rows), its 8-stream decode within the run-to-run noise (0.704 -> 0.683 ms a token)
 CONTIG_FORMATS = contig_formats(os.environ.get("NINFER_QUANT_MMA_CONTIG", "1"))
+
 # (warps, batch, contig) compiled on first use; tools/quant_gemv_mma_check.py sweeps these
 VARIANTS = ((16, 2, False), (16, 2, True), (16, 4, True), (8, 4, True))
 
