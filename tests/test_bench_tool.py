@@ -301,10 +301,6 @@ def test_hybrid_section_counts_state_and_full_attention_kv(cpu_run):
     assert one["long_context"]["completion_tokens"] == r["plan"]["hybrid"]["long_decode_tokens"]
 
 
-def plan_batches(r: dict) -> int:
-    return r["plan"]["quant"]["batch_repeats"]
-
-
 def test_quant_section_runs_the_seeds_one_gpu_deployment_on_the_dense_shape(cpu_run):
     """The quant section ends with the seed's deployment: the dense shape in NVFP4, int8 KV, one engine
     of one rank, a decode point against its own floor and the long context decoded whole."""
@@ -314,7 +310,8 @@ def test_quant_section_runs_the_seeds_one_gpu_deployment_on_the_dense_shape(cpu_
     batched = [p["decode_b8"] for p in quant["points"] if "decode_b8" in p]
     assert batched, quant["points"]
     for b8 in batched:   # the best batch of streams is the aggregate, and its streams are the ones reported
-        assert len(b8["aggregate_tok_s_per_batch"]) == plan_batches(r) and len(b8["per_stream_tok_s"]) == b8["streams"]
+        assert len(b8["aggregate_tok_s_per_batch"]) == r["plan"]["quant"]["batch_repeats"]
+        assert len(b8["per_stream_tok_s"]) == b8["streams"]
         assert close(b8["aggregate_tok_s"], max(b8["aggregate_tok_s_per_batch"]))
         assert close(b8["aggregate_tok_s"], sum(b8["per_stream_tok_s"]))
     seed = quant["seed_one_gpu"]

@@ -12,17 +12,22 @@ import torch
 G = pytest.importorskip("engine.kernels.gemv", reason="the GEMV is a Triton kernel")
 
 
-def _fp8_configs(tile: str | None, shapes) -> list:
+def _json_under(code: str, env: dict[str, str]) -> list:
+    # the switches are read at import, so each setting gets its own interpreter; `code` prints one JSON line
     import json
     import subprocess
     import sys
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _fp8_configs(tile: str | None, shapes) -> list:
     env = {k: v for k, v in os.environ.items() if k != "NINFER_GEMV_FP8_TILE"}
     if tile is not None:
         env["NINFER_GEMV_FP8_TILE"] = tile
-    code = ("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.num_warps] "
-            f"for c in (G.default_config('fp8', m, n, k) for m, n, k in {list(shapes)!r})]))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _json_under("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, "
+                       "c.num_warps] for c in (G.default_config('fp8', m, n, k) for m, n, k in "
+                       f"{list(shapes)!r})]))", env)
 
 
 def test_fp8_one_row_tiles_by_layer_shape():
@@ -45,17 +50,11 @@ def test_fp8_scale_blocks_must_span_16_columns():
 
 
 def _rules_under(env: dict[str, str], base: dict[str, str] | None = None) -> list:
-    # the switches are read at import, so each setting gets its own interpreter
-    import json
-    import subprocess
-    import sys
     code = ("import json; from engine.kernels import gemv as G; "
             "print(json.dumps([G.GEMV_ROWS['bf16'], sorted(G.PAIRS_FORMATS)] + "
             "[G.default_config(f, m, 4096, 4096).pairs for f, m in (('bf16', 1), ('bf16', 2), ('fp8', 1), ('nvfp4', 1))]"
             " + [G.default_config('bf16', 2, 4096, 4096).block_n]))")
-    out = subprocess.run([sys.executable, "-c", code], env={**(os.environ if base is None else base), **env}, capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _json_under(code, {**(os.environ if base is None else base), **env})
 
 
 def test_pairs_and_bf16_rows_switches():

@@ -68,10 +68,10 @@ def run(bench, sec: dict) -> None:
             if bw and b1.get("ms_per_round_best"):
                 point["decode_b1"]["roofline_fraction"] = steps / bw / (b1["ms_per_round_best"] / 1e3)
             batches = []
+            sp = SamplingParams(max_tokens=plan.batch_tokens, ignore_eos=True)
             for _ in range(0 if plan.decode_only else plan.batch_repeats):
                 if not bench.budget.allows(2 * plan.batch_tokens * s_tok):
                     break
-                sp = SamplingParams(max_tokens=plan.batch_tokens, ignore_eos=True)
                 stats = session.generate_many([random_prompt(plan.context, session.vocab) for _ in range(plan.streams)],
                                               [sp] * plan.streams)
                 batches.append([compact(s)["decode_tok_s"] for s in stats])
