@@ -47,7 +47,7 @@ from engine.kernels.skinny_dense import DENSE_MAX_ROWS, skinny_dense
 from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gate_up_silu", "gemv",
-           "kernel_code", "linear", "takes", "takes_gate_up_silu", "use_gemv"]
+           "kernel_code", "layer_gate_up_silu", "linear", "takes", "takes_gate_up_silu", "use_gemv"]
 GEMV_MAX_ROWS = 8
 
 
@@ -155,8 +155,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
          silu: bool = False) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride along K); weight: fp8 [N, K] (scale fp32 [N/br, K/bc]),
     packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N].
-    silu (one bf16 row, see `gate_up_silu`): -> silu(gate) * up [1, N/2], a program owning BLOCK_N / 2 gate rows
-    and the matching up rows."""
+    silu (one row, bf16 or FP8, see `gate_up_silu`): -> silu(gate) * up [1, N/2], a program owning BLOCK_N / 2 gate
+    rows and the matching up rows."""
     M, K = x.shape
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {M}")
@@ -182,8 +182,9 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     rs = row_scale if row_scale is not None else s
     even_k = k_per_split * split == K
     even_n = (N // 2) % (block_n // 2) == 0 if silu else N % block_n == 0
-    if code == FP8_PAIRS_CODE and not (even_k and even_n):
-        code = FP8_CODE                                  # the pair loads are unmasked: whole tiles only
+    if code == FP8_PAIRS_CODE and (silu or not (even_k and even_n)):
+        code = FP8_CODE                                  # the pair loads are unmasked: whole tiles only; one scale
+                                                         # row per program
     asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
@@ -195,25 +196,55 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     return out
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: [1, K] bf16/fp16 (unit stride); weight: [2F, K], the gate rows then the up rows -> silu(x @ gate^T) *
-    (x @ up^T) [1, F] in one launch, the SwiGLU of engine.layers.activation folded into the projection's GEMV:
-    each program owns BLOCK_N / 2 gate rows and the matching up rows."""
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                 scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """x: [1, K] bf16/fp16 (unit stride); weight: [2F, K], the gate rows then the up rows, bf16/fp16 or FP8 (scale
+    fp32 [2F/br, K/bc] in blocks of scale_block) -> silu(x @ gate^T) * (x @ up^T) [1, F] in one launch, the SwiGLU
+    of engine.layers.activation folded into the projection's GEMV: each program owns BLOCK_N / 2 gate rows and the
+    matching up rows (FP8: each row reads its own row of block scales)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
     if M != 1 or N % 2:
         raise ValueError(f"gate_up_silu takes one row and an even number of weight rows, got {M} and {N}")
-    cfg = default_config("bf16", 1, N, K)
-    cfg = replace(cfg, block_n=max(cfg.block_n, 4))     # two gate rows and their two up rows at least
-    return gemv(x, "bf16", weight, config=cfg, silu=True)
+    fmt = "fp8" if weight.dtype == torch.float8_e4m3fn else "bf16"
+    if fmt == "fp8" and scale is None:
+        raise ValueError("gate_up_silu: an FP8 weight needs its block scales")
+    cfg = default_config(fmt, 1, N, K)
+    # two gate rows and their two up rows at least; FP8 takes the plain code (the pair code's scales are per program)
+    cfg = replace(cfg, block_n=max(cfg.block_n, 4), pairs=cfg.pairs and fmt == "bf16")
+    return gemv(x, fmt, weight, scale, config=cfg, silu=True, scale_block=scale_block)
+
+
+# FP8 gate/up projections fold the SwiGLU too (one launch and one [1, 2F] round trip less per layer);
+# NINFER_GEMV_FP8_SILU=0 keeps them on the GEMV and silu_and_mul.
+FP8_SILU = os.environ.get("NINFER_GEMV_FP8_SILU", "1") != "0"
 
 
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
-    """Whether an unquantized gate/up layer's input x [..., K] takes `gate_up_silu` (one bf16 row on CUDA)."""
-    return (getattr(layer, "quant", None) is None and takes(x) and x.numel() == x.shape[-1]
-            and x.shape[-1] == layer.weight.shape[1])
+    """Whether a gate/up layer's input x [..., K] takes `gate_up_silu`: one bf16 row on CUDA, the layer unquantized
+    or FP8 where its one row would take this GEMV anyway (not the tensor-core quant GEMV)."""
+    if not (takes(x) and x.numel() == x.shape[-1] and x.shape[-1] == layer.in_features):
+        return False
+    quant = getattr(layer, "quant", None)
+    if quant is None:
+        return True
+    if quant != "fp8" or not FP8_SILU or not use_gemv("fp8", 1) or layer.scale_block[1] % 16:
+        return False
+    from engine.kernels.quant_gemm import MMA_GEMV_ROWS     # quant_gemm imports this module
+    return 1 not in MMA_GEMV_ROWS["fp8"]
+
+
+def layer_gate_up_silu(x: torch.Tensor, layer) -> torch.Tensor:
+    """`gate_up_silu` of a gate/up layer (unquantized or FP8) that `takes_gate_up_silu(x, layer)`: x [..., K] ->
+    [..., F]."""
+    x2 = x.reshape(1, -1)
+    if getattr(layer, "quant", None) is None:
+        act = gate_up_silu(x2, layer.weight)
+    else:
+        act = gate_up_silu(x2, layer.weight, layer.weight_scale_inv, layer.scale_block)
+    return act.view(*x.shape[:-1], act.shape[-1])
 
 
 def kernel_code(fmt: str, cfg: GemvConfig, x: torch.Tensor, weight: torch.Tensor) -> int:

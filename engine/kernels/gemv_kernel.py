@@ -81,7 +81,7 @@ def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_
         prod = w_lo * xe[None, :] + w_hi * xo[None, :]
         part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2) * s    # [BN, BK/16] group scales
     else:
-        # FP8: s is the block scale of each thread's VEC columns, [1, BK/VEC] (1.0 for bf16)
+        # FP8: s is the block scale of each thread's VEC columns, [1, BK/VEC] or per row [BN, BK/VEC] (1.0 for bf16)
         part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2) * s
     return part
 
@@ -130,7 +130,8 @@ def _bf16_pair(words):
 @triton.jit
 def _fp8_scale_row(s_ptr, row_blk, stride_sn, k0, k_end, BLOCK_K: tl.constexpr, SCALE_BC: tl.constexpr,
                    EVEN: tl.constexpr):
-    """The program's FP8 block scales, one per 16 columns from k0: [BK/16] (16 divides the scale block)."""
+    """The program's FP8 block scales, one per 16 columns from k0: [BK/16] (16 divides the scale block), or
+    [BN, BK/16] when row_blk is a column [BN, 1] of each row's block row."""
     offs_v = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     if EVEN:
         return tl.load(s_ptr + row_blk * stride_sn + offs_v // (SCALE_BC // 16))
@@ -218,7 +219,11 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     acc7 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    row_blk = (pid_n * BLOCK_N) // scale_br
+    if SILU and FMT == 0:
+        # the gate rows and the up rows lie in different rows of FP8 block scales: one scale row per weight row
+        row_blk = (tl.minimum(offs_n, N - 1) // scale_br)[:, None]                      # [BN, 1]
+    else:
+        row_blk = (pid_n * BLOCK_N) // scale_br
     if PREFETCH:
         raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
                                 EVEN_K and EVEN_N, SCALE_BC)
@@ -264,7 +269,8 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
             w_lo = raw.to(tl.float32)
             w_hi = w_lo
             if FMT == 0:
-                s = s_raw[None, :]            # [1, BK/16]: applied to each run of 16 products, not to every weight
+                # [1, BK/16] (or [BN, BK/16] under SILU): applied to each run of 16 products, not to every weight
+                s = s_raw if SILU else s_raw[None, :]
             else:
                 s = 1.0
         acc0 = _accumulate(acc0, w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,

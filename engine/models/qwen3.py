@@ -72,8 +72,7 @@ class Qwen3MLP(nn.Module):
         if x.is_cuda:
             from engine.kernels import gemv
             if gemv.takes_gate_up_silu(x, self.gate_up_proj):       # one decode row: SwiGLU in the GEMV's epilogue
-                act = gemv.gate_up_silu(x.reshape(1, -1), self.gate_up_proj.weight)
-                return self.down_proj(act.view(*x.shape[:-1], act.shape[-1]))
+                return self.down_proj(gemv.layer_gate_up_silu(x, self.gate_up_proj))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
