@@ -145,6 +145,8 @@ DECODE_VARIANTS = {
     "prefetch1_bn128": {"prefetch": 1, "block_n": 128},
     "prefetch1_64_splits": {"prefetch": 1, "num_splits": 64},
     "prefetch1_one_split": {"prefetch": 1, "num_splits": 1},           # no split: no merge kernel
+    "prefetch1_fused_merge": {"prefetch": 1, "fused_merge": True},     # the last split merges: no merge kernel
+    "prefetch1_64_splits_fused_merge": {"prefetch": 1, "num_splits": 64, "fused_merge": True},
 }
 
 
@@ -161,17 +163,18 @@ def test_decode_variants(variant, query_len, kv_dtype):
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, (variant, lens, r)
 
 
+@pytest.mark.parametrize("fused_merge", [False, True], ids=["merge_kernel", "fused_merge"])
 @pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
-def test_decode_variants_graph_replays(kv_dtype):
+def test_decode_variants_graph_replays(kv_dtype, fused_merge):
     """The prefetching loop and its merge captured once and replayed over changed seq_lens: each replay
-    right and equal to an eager run bit for bit."""
+    right and equal to an eager run bit for bit (the fused merge's counters re-armed by every launch)."""
     from engine.forward_context import build_forward_context
     from engine.kernels import attention as A
     from engine.layers.attention import paged_attention_reference
     cap = 6000
     q, kv, ctx = testing.attention_case([1] * 3, [cap] * 3, 32, 8, 128, 16, kv_dtype, BF16, DEV, 71)
     tables = [row.tolist() for row in ctx.block_tables.cpu()]
-    cfg = _decode_config(1, kv_dtype, prefetch=1, num_splits=32)
+    cfg = _decode_config(1, kv_dtype, prefetch=1, num_splits=32, fused_merge=fused_merge)
     scale = 128 ** -0.5
     out = torch.full_like(q, float("nan"))
     A.paged_attention(q, kv, ctx, scale, out=out, config=cfg)          # compiles outside capture

@@ -108,6 +108,27 @@ def test_paged_attention_forced_splits(interpreted_kernels):
     # 64 splits of head_dim 256: the merge sums its partials 16 splits at a time
     many = AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, num_splits=64, min_tiles=1)
     _attention(interpreted_kernels, [1, 1], [1000, 90], 6, 1, 256, 16, I8, 24, config=many)
+    # the same splits merged by the last split of each tile (fused_merge): 64 splits of head_dim 256 take
+    # 2 splits a trip; a non-uniform batch merges BLOCK_M rows, programs past a sequence's tiles never arrive
+    fused = dataclasses.replace(decode, fused_merge=True)
+    _attention(interpreted_kernels, [2] * 3, [2, 33, 150], 8, 2, 32, 4, BF16, 23, config=fused)
+    _attention(interpreted_kernels, [1, 1], [1000, 90], 6, 1, 256, 16, I8, 24,
+               config=dataclasses.replace(many, fused_merge=True))
+    _attention(interpreted_kernels, [1, 5, 2], [10, 90, 70], 8, 2, 32, 4, BF16, 25, config=fused)
+
+
+def test_fused_merge_agrees_with_the_merge_kernel_and_rearms(interpreted_kernels):
+    """The fused merge sums the same partials as _merge_kernel in another order (fp32 rounding apart), leaves
+    every arrival counter at zero (a replayed graph finds them armed), and repeats itself exactly."""
+    from engine.kernels import attention as A
+    q, kv, ctx = interpreted_kernels.attention_case([4, 4], [75, 200], 8, 2, 32, 8, BF16, BF16, "cpu", seed=31)
+    two_kernels = _decode_config(4, 4, num_splits=8)
+    a = A.paged_attention(q, kv, ctx, 0.2, config=two_kernels)
+    fused = dataclasses.replace(two_kernels, fused_merge=True)
+    b = A.paged_attention(q, kv, ctx, 0.2, config=fused)
+    assert int(A.merge_counters(q.device).abs().sum()) == 0
+    assert torch.allclose(a.float(), b.float(), rtol=2 ** -7, atol=1e-3)
+    assert torch.equal(b, A.paged_attention(q, kv, ctx, 0.2, config=fused))
 
 
 # (tokens, heads, splits, head_dim): all splits in one block (8 x 32, 5 x 64: the one-trip load), and 64 x 256
@@ -184,6 +205,8 @@ DECODE_VARIANTS = {
     "prefetch1_splits4": {"prefetch": 1, "num_splits": 4},
     "prefetch2_splits4_bn32": {"prefetch": 2, "num_splits": 4, "block_n": 32},
     "prefetch1_splits8": {"prefetch": 1, "num_splits": 8},
+    "fused_merge_splits8": {"num_splits": 8, "fused_merge": True},
+    "prefetch2_fused_merge_splits4_bn32": {"prefetch": 2, "num_splits": 4, "block_n": 32, "fused_merge": True},
 }
 
 

@@ -13,8 +13,10 @@ loaded.
 
 Prefill-shaped calls (many rows) use BLOCK_M = 128 and one program per tile. Decode and verify
 (query_len * GROUP <= 128 rows) split each sequence's keys over `num_splits` programs and merge the
-partial softmax states in a second kernel (split-K "flash-decoding", Dao et al.), so that batch-1
-decode at long context still covers every SM. For those shapes the grid and the split count depend
+partial softmax states (split-K "flash-decoding", Dao et al.), so that batch-1 decode at long context
+still covers every SM: the last split of a tile to finish merges them (an arrival counter per tile and
+KV head, `AttnConfig.fused_merge`), where a long prefill's splits take a second kernel. For those
+shapes the grid and the split count depend
 on tensor shapes only, never on sequence lengths: the pair is CUDA-graph capturable, and each
 program works out its own key range from `seq_lens` on the device (splits past the end of a short
 sequence find an empty range and only record that).
@@ -50,6 +52,12 @@ MAX_SPLITS = 64             # prefill-shaped calls
 # still fills the GPU at long contexts
 MAX_DECODE_SPLITS = 256
 DECODE_MIN_SPLIT_KEYS = 64    # one 64-key tile: short contexts split down to a tile per program
+# Decode and verify plans merge their splits inside the attention kernel (AttnConfig.fused_merge);
+# NINFER_ATTN_FUSED_MERGE=0 gives them the second kernel back.
+FUSED_MERGE = os.environ.get("NINFER_ATTN_FUSED_MERGE", "1") != "0"
+MERGE_TILE_FLOATS = 8192      # a fused merge's [rows, splits, head_dim] fp32 trip: 64 registers a thread at 4 warps
+MERGE_COUNTERS = 1 << 16      # (tile, KV head) arrival counters per device
+_MERGE_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 # -- KV write ------------------------------------------------------------------------------------
@@ -316,14 +324,15 @@ def _attend_loaded(acc, l_i, m_i, q, k, v, ks, vs, qk_scale, QUANT: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["num_seqs", "tiles_per_seq", "num_splits", "min_tiles"])
-def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr,
+def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr,
                  qsl_ptr, seq_lens_ptr, tables_ptr, qk_scale, num_seqs, tiles_per_seq, num_heads,
                  num_splits, min_tiles,
                  stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
                  GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, QUANT: tl.constexpr, SPLIT: tl.constexpr,
-                 UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0):
+                 UPCAST: tl.constexpr, PREFETCH: tl.constexpr = 0, MERGE: tl.constexpr = False,
+                 MERGE_ROWS: tl.constexpr = 16, MERGE_SPLITS: tl.constexpr = 4):
     # grid: (kv_heads, tiles, num_splits); kv head fastest so the heads of one tile run together
     kvh = tl.program_id(0)
     pid = tl.program_id(1)
@@ -425,13 +434,68 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
     if SPLIT:
         # partial state of this key range: unnormalised acc, running max m (log2 units), sum l
         r = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M] rows of [T, H, S]
-        tl.store(pm_ptr + r, m_i, mask=row_ok)
-        tl.store(pl_ptr + r, l_i, mask=row_ok)
-        tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
+        if MERGE:
+            # the merge reads only the splits that hold keys (lo < kv_end): an empty one records nothing
+            keep = row_ok & (hi > lo)
+            tl.store(pm_ptr + r, m_i, mask=keep)
+            tl.store(pl_ptr + r, l_i, mask=keep)
+            tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
+            # every thread's partial is stored before the one arrival; acq_rel orders them against the last
+            # program's reads of the others' partials (which go around L1: .cg)
+            tl.debug_barrier()
+            counter = cnt_ptr + pid * tl.num_programs(0) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                _merge_tile(pacc_ptr, pm_ptr, pl_ptr, o_ptr, q_start, q_len, tile, kvh, kv_end, per, num_heads,
+                            num_splits, stride_ot, stride_oh, GROUP, BLOCK_Q, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        else:
+            tl.store(pm_ptr + r, m_i, mask=row_ok)
+            tl.store(pl_ptr + r, l_i, mask=row_ok)
+            tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_tile(pacc_ptr, pm_ptr, pl_ptr, o_ptr, q_start, q_len, tile, kvh, kv_end, per, num_heads, num_splits,
+                stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """The split-K merge of one tile's rows, run by the last of its splits to finish: out = sum_s 2^(m_s - M)
+    acc_s / sum_s 2^(m_s - M) l_s over the splits that hold keys (the first ceil(kv_end / per)), MERGE_SPLITS
+    of them per memory trip with a running maximum. MERGE_ROWS (a power of two) covers the tile's rows that
+    exist: query_len * GROUP in a uniform decode or verify batch, else BLOCK_M."""
+    offs_r = tl.arange(0, MERGE_ROWS)
+    offs_s = tl.arange(0, MERGE_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = tile * BLOCK_Q + offs_r // GROUP
+    head = kvh * GROUP + offs_r % GROUP
+    ok = (offs_r < BLOCK_Q * GROUP) & (tok < q_len)
+    q_row = (q_start + tok).to(tl.int64)
+    base = (q_row * num_heads + head) * num_splits                            # [R] split 0 of each row
+    active = (kv_end + per - 1) // per
+    top = tl.full([MERGE_ROWS], -1.0e30, tl.float32)
+    denom = tl.zeros([MERGE_ROWS], tl.float32)
+    out = tl.zeros([MERGE_ROWS, HEAD_DIM], tl.float32)
+    for s0 in range(0, active, MERGE_SPLITS):
+        sok = ok[:, None] & (s0 + offs_s < active)[None, :]                    # [R, S]
+        idx = base[:, None] + s0 + offs_s[None, :]
+        m = tl.load(pm_ptr + idx, mask=sok, other=-1.0e30, cache_modifier=".cg")
+        l = tl.load(pl_ptr + idx, mask=sok, other=0.0, cache_modifier=".cg")
+        a = tl.load(pacc_ptr + idx[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=sok[:, :, None],
+                    other=0.0, cache_modifier=".cg")                            # [R, S, D]
+        # a row that sees no key of a split (l = 0) may hold anything there: a select drops it
+        a = tl.where((l > 0)[:, :, None], a, 0.0)
+        new_top = tl.maximum(top, tl.max(m, 1))
+        alpha = tl.exp2(top - new_top)
+        w = tl.exp2(m - new_top[:, None])
+        denom = denom * alpha + tl.sum(w * l, 1)
+        out = out * alpha[:, None] + tl.sum(a * w[:, :, None], 1)
+        top = new_top
+    out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(o_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -492,6 +556,9 @@ class AttnConfig:
     # ptxas register cap per thread (0: the compiler's choice); e.g. 128 keeps 4 programs of 4 warps per SM
     # where a prefetching shape would take ~160 (3 per SM). CUDA only: the interpreter ignores it
     max_regs: int = 0
+    # split plans: the last split of a tile to finish merges the partials itself (_merge_tile), so a call is one
+    # launch rather than the attention kernel and _merge_kernel
+    fused_merge: bool = False
 
 
 # Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
@@ -553,7 +620,7 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             # pipelined loop's prologue). int8 carries K only (prefetch 1): 158 registers, 3 programs per SM;
             # int8 pages without the in-register conversion (fp16 q) keep their old route
             cfg.update(prefetch=1 if kv.quantized else 2, num_stages=1)
-        return AttnConfig(block_m=block_m, num_splits=splits, **cfg)
+        return AttnConfig(block_m=block_m, num_splits=splits, fused_merge=FUSED_MERGE and splits > 1, **cfg)
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
     ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
     splits, min_keys = 1, 2048
@@ -611,6 +678,11 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         raise ValueError(f"block_m {cfg.block_m} is smaller than the group {group}")
     tiles_per_seq, num_tiles = _num_tiles(T, ctx, block_q)
     split = cfg.num_splits > 1
+    merge = split and cfg.fused_merge and num_tiles * kvh <= MERGE_COUNTERS
+    merge_rows = cfg.block_m
+    if ctx.uniform_query_len is not None:
+        merge_rows = min(merge_rows, max(2, triton.next_power_of_2(ctx.uniform_query_len * group)))
+    merge_block = max(1, min(triton.next_power_of_2(cfg.num_splits), MERGE_TILE_FLOATS // (merge_rows * d)))
     if split:
         pacc = torch.empty((T, H, cfg.num_splits, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((T, H, cfg.num_splits), dtype=torch.float32, device=q.device)
@@ -618,19 +690,30 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     else:
         pacc = pm = pl = out                        # placeholders, never touched
     kp, vp, ks, vs, *strides = page_args(kv)
+    counters = merge_counters(q.device) if merge else pm
     _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
-        q, kp, vp, ks, vs, out, pacc, pm, pl, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+        q, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
         scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         *strides, ctx.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
         PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
-        PREFETCH=int(cfg.prefetch),
+        PREFETCH=int(cfg.prefetch), MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
-    if split:
+    if split and not merge:
         merge_splits(pacc, pm, pl, out)
     return out
+
+
+def merge_counters(device: torch.device) -> torch.Tensor:
+    """int32 [MERGE_COUNTERS] arrival counters of the fused merge on this device, zeroed once: the merging
+    program re-arms its own, so they are zero between launches and a CUDA graph replays right. Made on the
+    first call, which the engine's eager warm-up makes before any capture."""
+    key = (device.type, device.index)
+    if key not in _MERGE_COUNTERS:
+        _MERGE_COUNTERS[key] = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
+    return _MERGE_COUNTERS[key]
 
 
 def merge_splits(pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
