@@ -88,9 +88,11 @@ def test_gate_up_silu_takes_one_row_only(kernels):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the layer routes need a CUDA tensor (takes() reads x.is_cuda)")
 def test_fp8_gate_up_layer_routes_one_row_to_the_fused_silu(kernels, monkeypatch):
-    # an FP8 gate/up layer: one decode row takes the fused SwiGLU, two rows and an NVFP4 layer do not; the
-    # fused row equals the layer's unfused forward (quant_linear, then silu_and_mul) bit for bit
+    # with the switch on (NINFER_GEMV_FP8_SILU=1), an FP8 gate/up layer's one decode row takes the fused
+    # SwiGLU, two rows and an NVFP4 layer do not; the fused row equals the layer's unfused forward (quant_linear,
+    # then silu_and_mul) bit for bit; with it off (the default) the layer keeps the two kernels
     gemv, fused = kernels
+    monkeypatch.setattr(gemv, "FP8_SILU", True)
     from engine.layers.linear import MergedColumnParallelLinear
     from engine.quant import formats
     k, f = 1024, 768

@@ -217,9 +217,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     return gemv(x, fmt, weight, scale, config=cfg, silu=True, scale_block=scale_block)
 
 
-# FP8 gate/up projections fold the SwiGLU too (one launch and one [1, 2F] round trip less per layer);
-# NINFER_GEMV_FP8_SILU=0 keeps them on the GEMV and silu_and_mul.
-FP8_SILU = os.environ.get("NINFER_GEMV_FP8_SILU", "1") != "0"
+# FP8 gate/up projections can fold the SwiGLU too (NINFER_GEMV_FP8_SILU=1), but it lost served: the qwen3-8b FP8
+# step 2.741 ms unfused against 2.758 fused, three interleaved reps each (bench/results/2026-12-02-h200-s20/c), where
+# the profile put silu_mul at 0.063 ms a step. Off: the GEMV then silu_and_mul (whose PDL launch overlaps the GEMV).
+FP8_SILU = os.environ.get("NINFER_GEMV_FP8_SILU", "0") == "1"
 
 
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
