@@ -25,15 +25,17 @@ SHAPES = [(24576, 4096), (6144, 1024), (12290, 512)] if CUDA else [(64, 512), (3
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("n,k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_gate_up_silu_equals_the_unfused_kernels(kernels, n, k):
+def test_gate_up_silu_equals_the_unfused_kernels(kernels, n, k, rows):
+    # two rows: a k=1 verify or two streams, on the GEMV's two-row launch shape (word pairs, 4-row tiles)
     gemv, fused = kernels
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to(DEV, torch.bfloat16)
-    x = torch.randn(1, k, generator=g).to(DEV, torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(DEV, torch.bfloat16)
     got = gemv.gate_up_silu(x, w)
     unfused = fused.silu_and_mul(gemv.gemv(x, "bf16", w))
-    assert got.shape == (1, n // 2)
+    assert got.shape == (rows, n // 2)
     # the same launch shape, so each row's sum runs in the same order; the same roundings after it: equal
     assert torch.equal(got, unfused)
     ref64 = x.double() @ w.double().T
@@ -78,11 +80,14 @@ def test_fp8_gate_up_silu_needs_its_scales(kernels):
 
 
 @pytest.mark.gpu
-def test_gate_up_silu_takes_one_row_only(kernels):
+def test_gate_up_silu_takes_at_most_two_rows(kernels):
     gemv, _ = kernels
     w = torch.zeros(16, 256, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="one row"):
-        gemv.gate_up_silu(torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV), w)
+        gemv.gate_up_silu(torch.zeros(3, 256, dtype=torch.bfloat16, device=DEV), w)
+    wq, scale = w.to(torch.float8_e4m3fn), torch.ones(1, 2, device=DEV)
+    with pytest.raises(ValueError, match="one row"):
+        gemv.gate_up_silu(torch.zeros(2, 256, dtype=torch.bfloat16, device=DEV), wq, scale)
 
 
 @pytest.mark.gpu
@@ -108,3 +113,22 @@ def test_fp8_gate_up_layer_routes_one_row_to_the_fused_silu(kernels, monkeypatch
     assert not gemv.takes_gate_up_silu(x, MergedColumnParallelLinear(k, [f, f], quant="nvfp4").to(DEV))
     monkeypatch.setattr(gemv, "FP8_SILU", False)
     assert not gemv.takes_gate_up_silu(x, layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the layer routes need a CUDA tensor (takes() reads x.is_cuda)")
+def test_two_bf16_rows_take_the_fused_silu_when_switched_on(kernels, monkeypatch):
+    # NINFER_GEMV_SILU_ROWS=2: an unquantized gate/up layer's two decode rows take the fused SwiGLU and equal the
+    # unfused forward bit for bit; off (the default), two rows keep the GEMV and silu_and_mul, one row is fused
+    gemv, fused = kernels
+    from engine.layers.linear import MergedColumnParallelLinear
+    k, f = 1024, 768
+    layer = MergedColumnParallelLinear(k, [f, f]).to(DEV, torch.bfloat16)
+    g = torch.Generator().manual_seed(8)
+    layer.weight.data.copy_((torch.randn(2 * f, k, generator=g) * k ** -0.5).to(DEV, torch.bfloat16))
+    x = torch.randn(2, k, generator=g).to(DEV, torch.bfloat16)
+    assert gemv.takes_gate_up_silu(x[:1], layer) and not gemv.takes_gate_up_silu(x, layer)
+    monkeypatch.setattr(gemv, "SILU_ROWS", 2)
+    assert gemv.takes_gate_up_silu(x, layer)
+    assert not gemv.takes_gate_up_silu(torch.cat([x, x[:1]]), layer)
+    assert torch.equal(gemv.layer_gate_up_silu(x, layer), fused.silu_and_mul(layer(x)))

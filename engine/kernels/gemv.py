@@ -155,7 +155,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
          silu: bool = False) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride along K); weight: fp8 [N, K] (scale fp32 [N/br, K/bc]),
     packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N].
-    silu (one row, bf16 or FP8, see `gate_up_silu`): -> silu(gate) * up [1, N/2], a program owning BLOCK_N / 2 gate
+    silu (one or two rows, see `gate_up_silu`): -> silu(gate) * up [M, N/2], a program owning BLOCK_N / 2 gate
     rows and the matching up rows."""
     M, K = x.shape
     if not 1 <= M <= GEMV_MAX_ROWS:
@@ -163,6 +163,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     N = out_features if out_features is not None else weight.shape[0]
     if fmt == "fp8" and scale_block[1] % 16:
         raise ValueError(f"gemv: FP8 scale blocks must span a multiple of 16 columns, got {scale_block[1]}")
+    if silu and M > 2:
+        raise ValueError(f"gemv: the SwiGLU epilogue takes one or two rows, got {M}")
     cfg = config or default_config(fmt, M, N, K)
     code = kernel_code(fmt, cfg, x, weight)
     block_n = cfg.block_n
@@ -198,20 +200,23 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
                  scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """x: [1, K] bf16/fp16 (unit stride); weight: [2F, K], the gate rows then the up rows, bf16/fp16 or FP8 (scale
-    fp32 [2F/br, K/bc] in blocks of scale_block) -> silu(x @ gate^T) * (x @ up^T) [1, F] in one launch, the SwiGLU
+    """x: [M, K] bf16/fp16 (unit stride; M = 1, or 2 with a bf16 weight); weight: [2F, K], the gate rows then the up
+    rows, bf16/fp16 or FP8 (scale fp32 [2F/br, K/bc] in blocks of scale_block) -> silu(x @ gate^T) * (x @ up^T)
+    [M, F] in one launch, with the launch shape of the unfused GEMV of M rows; the SwiGLU
     of engine.layers.activation folded into the projection's GEMV: each program owns BLOCK_N / 2 gate rows and the
     matching up rows (FP8: each row reads its own row of block scales)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    if M != 1 or N % 2:
-        raise ValueError(f"gate_up_silu takes one row and an even number of weight rows, got {M} and {N}")
     fmt = "fp8" if weight.dtype == torch.float8_e4m3fn else "bf16"
+    rows = 2 if fmt == "bf16" else 1
+    if not 1 <= M <= rows or N % 2:
+        raise ValueError(f"gate_up_silu takes one row ({fmt}; bf16 up to two) and an even number of weight rows, "
+                         f"got {M} and {N}")
     if fmt == "fp8" and scale is None:
         raise ValueError("gate_up_silu: an FP8 weight needs its block scales")
-    cfg = default_config(fmt, 1, N, K)
+    cfg = default_config(fmt, M, N, K)
     # two gate rows and their two up rows at least; FP8 takes the plain code (the pair code's scales are per program)
     cfg = replace(cfg, block_n=max(cfg.block_n, 4), pairs=cfg.pairs and fmt == "bf16")
     return gemv(x, fmt, weight, scale, config=cfg, silu=True, scale_block=scale_block)
@@ -223,14 +228,23 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 FP8_SILU = os.environ.get("NINFER_GEMV_FP8_SILU", "0") == "1"
 
 
+# The GEMV's two bf16 rows (a k=1 verify, two streams) could fold the SwiGLU too: NINFER_GEMV_SILU_ROWS=2. The s20
+# profile of a k=1 round had silu_mul at 0.073 ms (37 launches) where k=0 has none. Off until it is measured served.
+SILU_ROWS = max(1, min(2, int(os.environ.get("NINFER_GEMV_SILU_ROWS", "1"))))
+
+
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
-    """Whether a gate/up layer's input x [..., K] takes `gate_up_silu`: one bf16 row on CUDA, the layer unquantized
-    or FP8 where its one row would take this GEMV anyway (not the tensor-core quant GEMV)."""
-    if not (takes(x) and x.numel() == x.shape[-1] and x.shape[-1] == layer.in_features):
+    """Whether a gate/up layer's input x [..., K] takes `gate_up_silu`: bf16 on CUDA, one row (or SILU_ROWS for an
+    unquantized layer), the layer unquantized or FP8 where its one row would take this GEMV anyway (not the
+    tensor-core quant GEMV)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not (takes(x) and 1 <= rows and x.shape[-1] == layer.in_features):
         return False
     quant = getattr(layer, "quant", None)
     if quant is None:
-        return True
+        return rows <= SILU_ROWS
+    if rows != 1:
+        return False
     if quant != "fp8" or not FP8_SILU or not use_gemv("fp8", 1) or layer.scale_block[1] % 16:
         return False
     from engine.kernels.quant_gemm import MMA_GEMV_ROWS     # quant_gemm imports this module
@@ -240,7 +254,7 @@ def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
 def layer_gate_up_silu(x: torch.Tensor, layer) -> torch.Tensor:
     """`gate_up_silu` of a gate/up layer (unquantized or FP8) that `takes_gate_up_silu(x, layer)`: x [..., K] ->
     [..., F]."""
-    x2 = x.reshape(1, -1)
+    x2 = x.reshape(-1, x.shape[-1])
     if getattr(layer, "quant", None) is None:
         act = gate_up_silu(x2, layer.weight)
     else:

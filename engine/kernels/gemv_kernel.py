@@ -192,7 +192,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if SILU:
         # a fused gate/up projection (N = 2F rows, gate then up): this program's first BLOCK_N / 2 rows are gate
-        # rows, the rest the up rows of the same outputs, and it stores silu(gate) * up (one row, no split)
+        # rows, the rest the up rows of the same outputs, and it stores silu(gate) * up (one or two rows, no split)
         HB: tl.constexpr = BLOCK_N // 2
         j = tl.arange(0, BLOCK_N)
         out_row = pid_n * HB + j % HB
@@ -303,11 +303,14 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     else:
         rs = tl.full((BLOCK_N,), 1.0, tl.float32)
     if SILU:
-        _finish_silu(tl.sum(acc0, axis=1), o_ptr, pid_n, N // 2, BLOCK_N)
+        # one or two rows (M <= 2, no split): each row's silu(gate) * up
+        _finish_silu(tl.sum(acc0, axis=1), o_ptr, pid_n, N // 2, BLOCK_N, True)
+        if M > 1:
+            _finish_silu(tl.sum(acc1, axis=1), o_ptr + stride_om, pid_n, N // 2, BLOCK_N, M_rows > 1)
     else:
         _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
                 pid_n, pid_k, SPLIT, M, M_rows)
-    if M > 1:
+    if M > 1 and not SILU:
         _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
                 pid_n, pid_k, SPLIT, M, M_rows)
     if M > 2:
@@ -333,7 +336,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
 
 
 @triton.jit
-def _finish_silu(y, o_ptr, pid_n, F, BLOCK_N: tl.constexpr):
+def _finish_silu(y, o_ptr, pid_n, F, BLOCK_N: tl.constexpr, row_ok):
     # y: [BN] fp32, gate rows then up rows of BN / 2 outputs -> silu(gate) * up, rounded where the unfused
     # twins round (the projection's output, silu before the product: engine/kernels/fused.py silu_and_mul)
     dt = o_ptr.dtype.element_ty
@@ -341,7 +344,7 @@ def _finish_silu(y, o_ptr, pid_n, F, BLOCK_N: tl.constexpr):
     g, u = tl.split(tl.permute(tl.reshape(y.to(dt).to(tl.float32), (2, HB)), (1, 0)))
     s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
     rows = pid_n * HB + tl.arange(0, HB)
-    tl.store(o_ptr + rows, (s * u).to(dt), mask=rows < F)
+    tl.store(o_ptr + rows, (s * u).to(dt), mask=(rows < F) & row_ok)
 
 
 @triton.jit
