@@ -16,10 +16,9 @@ Prefill-shaped calls (many rows) use BLOCK_M = 128 and one program per tile. Dec
 partial softmax states (split-K "flash-decoding", Dao et al.), so that batch-1 decode at long context
 still covers every SM: the last split of a tile to finish merges them (an arrival counter per tile and
 KV head, `AttnConfig.fused_merge`), where a long prefill's splits take a second kernel. For those
-shapes the grid and the split count depend
-on tensor shapes only, never on sequence lengths: the pair is CUDA-graph capturable, and each
-program works out its own key range from `seq_lens` on the device (splits past the end of a short
-sequence find an empty range and only record that).
+shapes the grid and the split count depend on tensor shapes only, never on sequence lengths: the call
+is CUDA-graph capturable, and each program works out its own key range from `seq_lens` on the device
+(splits past the end of a short sequence find an empty range and only record that).
 
 Decode/verify switches (`AttnConfig`, off by default, swept by tools/tune_decode_attention.py --variants):
 `prefetch` software-pipelines the whole-tile loop (the next tile's loads issued before this tile's

@@ -202,9 +202,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
                  scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """x: [M, K] bf16/fp16 (unit stride; M = 1, or 2 with a bf16 weight); weight: [2F, K], the gate rows then the up
     rows, bf16/fp16 or FP8 (scale fp32 [2F/br, K/bc] in blocks of scale_block) -> silu(x @ gate^T) * (x @ up^T)
-    [M, F] in one launch, with the launch shape of the unfused GEMV of M rows; the SwiGLU
-    of engine.layers.activation folded into the projection's GEMV: each program owns BLOCK_N / 2 gate rows and the
-    matching up rows (FP8: each row reads its own row of block scales)."""
+    [M, F] in one launch: the SwiGLU of engine.layers.activation folded into the projection's GEMV, on the launch
+    shape of the unfused GEMV of M rows. Each program owns BLOCK_N / 2 gate rows and the matching up rows (FP8: each
+    row reads its own row of block scales)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     M, K = x.shape
@@ -223,7 +223,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 
 
 # FP8 gate/up projections can fold the SwiGLU too (NINFER_GEMV_FP8_SILU=1), but it lost served: the qwen3-8b FP8
-# step 2.741 ms unfused against 2.758 fused, three interleaved reps each (bench/results/2026-12-02-h200-s20/c), where
+# step 2.741 ms unfused against 2.758 fused, three interleaved reps each (bench/results/2026-12-02-h200-s20/d), where
 # the profile put silu_mul at 0.063 ms a step. Off: the GEMV then silu_and_mul (whose PDL launch overlaps the GEMV).
 FP8_SILU = os.environ.get("NINFER_GEMV_FP8_SILU", "0") == "1"
 
