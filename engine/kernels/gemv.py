@@ -43,6 +43,7 @@ import triton
 from engine.kernels import pdl
 from engine.kernels.gemv_kernel import (BF16_CODE, BF16_PAIRS_CODE, E2M1_ASM, FP8_CODE, FP8_PAIRS_CODE, NVFP4_CODE,
                                         gemv_kernel)
+from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
 from engine.kernels.skinny_dense import DENSE_MAX_ROWS, skinny_dense
 from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 
@@ -247,7 +248,6 @@ def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
         return False
     if quant != "fp8" or not FP8_SILU or not use_gemv("fp8", 1) or layer.scale_block[1] % 16:
         return False
-    from engine.kernels.quant_gemm import MMA_GEMV_ROWS     # quant_gemm imports this module
     return 1 not in MMA_GEMV_ROWS["fp8"]
 
 

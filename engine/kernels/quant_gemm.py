@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import gemv, quant_gemv_mma
+from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
 from engine.kernels.gemv_kernel import E2M1_ASM
 from engine.kernels.splitk import num_sms
 
@@ -258,13 +259,6 @@ def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
 FP8_PREFILL = "cublas"
 
 
-# Decode rows that go to the tensor-core GEMV of quant_gemv_mma.py (CUDA C) where it takes the layer; the
-# Triton GEMV and skinny kernels keep the rest (and all of them with NINFER_QUANT_MMA_GEMV=0). From the H200
-# sweep (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps), fraction of copy summed over a
-# qwen3-8b layer: NVFP4 1 row 0.48 (Triton 0.42), 2 rows 0.46 (0.22); FP8 2 rows 0.70 (0.38). FP8 at one row
-# stays on the Triton GEMV, 0.76 against 0.71: with so few instructions per byte it was not issue-bound.
-# NINFER_QUANT_MMA_FP8_MIN_ROWS=1 sends FP8's one-row decode there too (a served A/B switch).
-MMA_GEMV_ROWS = {"nvfp4": range(1, 9), "fp8": range(int(os.environ.get("NINFER_QUANT_MMA_FP8_MIN_ROWS", "2")), 9)}
 
 
 def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
