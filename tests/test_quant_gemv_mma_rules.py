@@ -36,7 +36,7 @@ def test_cpu_tensors_never_take_it():
 
 def test_routing_keeps_one_fp8_row_on_the_triton_gemv():
     pytest.importorskip("triton", reason="quant_gemm is a Triton module (CUDA installs carry Triton)")
-    from engine.kernels.quant_gemm import MMA_GEMV_ROWS
+    from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
     assert 1 in MMA_GEMV_ROWS["nvfp4"] and 8 in MMA_GEMV_ROWS["nvfp4"] and 9 not in MMA_GEMV_ROWS["nvfp4"]
     assert 1 not in MMA_GEMV_ROWS["fp8"] and 2 in MMA_GEMV_ROWS["fp8"]
 

@@ -436,11 +436,13 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
         # partial state of this key range: unnormalised acc, running max m (log2 units), sum l
         r = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M] rows of [T, H, S]
         if MERGE:
-            # the merge reads only the splits that hold keys (lo < kv_end): an empty one records nothing
-            keep = row_ok & (hi > lo)
-            tl.store(pm_ptr + r, m_i, mask=keep)
-            tl.store(pl_ptr + r, l_i, mask=keep)
-            tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=keep[:, None])
+            stored = row_ok & (hi > lo)      # the fused merge reads only the splits that hold keys (lo < kv_end)
+        else:
+            stored = row_ok                  # _merge_kernel reads every split's m and l
+        tl.store(pm_ptr + r, m_i, mask=stored)
+        tl.store(pl_ptr + r, l_i, mask=stored)
+        tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
+        if MERGE:
             # every thread's partial is stored before the one arrival; acq_rel orders them against the last
             # program's reads of the others' partials (which go around L1: .cg)
             tl.debug_barrier()
@@ -449,10 +451,6 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
                 _merge_tile(pacc_ptr, pm_ptr, pl_ptr, o_ptr, q_start, q_len, tile, kvh, kv_end, per, num_heads,
                             num_splits, stride_ot, stride_oh, GROUP, BLOCK_Q, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-        else:
-            tl.store(pm_ptr + r, m_i, mask=row_ok)
-            tl.store(pl_ptr + r, l_i, mask=row_ok)
-            tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -680,10 +678,12 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     tiles_per_seq, num_tiles = _num_tiles(T, ctx, block_q)
     split = cfg.num_splits > 1
     merge = split and cfg.fused_merge and num_tiles * kvh <= MERGE_COUNTERS
-    merge_rows = cfg.block_m
-    if ctx.uniform_query_len is not None:
-        merge_rows = min(merge_rows, max(2, triton.next_power_of_2(ctx.uniform_query_len * group)))
-    merge_block = max(1, min(triton.next_power_of_2(cfg.num_splits), MERGE_TILE_FLOATS // (merge_rows * d)))
+    merge_rows, merge_block = 16, 4             # the kernel's defaults where there is no fused merge (one variant)
+    if merge:
+        merge_rows = cfg.block_m
+        if ctx.uniform_query_len is not None:
+            merge_rows = min(merge_rows, max(2, triton.next_power_of_2(ctx.uniform_query_len * group)))
+        merge_block = max(1, min(triton.next_power_of_2(cfg.num_splits), MERGE_TILE_FLOATS // (merge_rows * d)))
     if split:
         pacc = torch.empty((T, H, cfg.num_splits, d), dtype=torch.float32, device=q.device)
         pm = torch.empty((T, H, cfg.num_splits), dtype=torch.float32, device=q.device)

@@ -186,8 +186,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     even_k = k_per_split * split == K
     even_n = (N // 2) % (block_n // 2) == 0 if silu else N % block_n == 0
     if code == FP8_PAIRS_CODE and (silu or not (even_k and even_n)):
-        code = FP8_CODE                                  # the pair loads are unmasked: whole tiles only; one scale
-                                                         # row per program
+        code = FP8_CODE           # the pair loads are unmasked (whole tiles only) and share one scale row a program
     asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
@@ -218,8 +217,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     if fmt == "fp8" and scale is None:
         raise ValueError("gate_up_silu: an FP8 weight needs its block scales")
     cfg = default_config(fmt, M, N, K)
-    # two gate rows and their two up rows at least; FP8 takes the plain code (the pair code's scales are per program)
-    cfg = replace(cfg, block_n=max(cfg.block_n, 4), pairs=cfg.pairs and fmt == "bf16")
+    cfg = replace(cfg, block_n=max(cfg.block_n, 4))     # two gate rows and their two up rows at least
     return gemv(x, fmt, weight, scale, config=cfg, silu=True, scale_block=scale_block)
 
 
@@ -238,17 +236,14 @@ def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
     """Whether a gate/up layer's input x [..., K] takes `gate_up_silu`: bf16 on CUDA, one row (or SILU_ROWS for an
     unquantized layer), the layer unquantized or FP8 where its one row would take this GEMV anyway (not the
     tensor-core quant GEMV)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (takes(x) and 1 <= rows and x.shape[-1] == layer.in_features):
+    if not (takes(x) and x.shape[-1] == layer.in_features):
         return False
+    rows = x.numel() // x.shape[-1]
     quant = getattr(layer, "quant", None)
     if quant is None:
-        return rows <= SILU_ROWS
-    if rows != 1:
-        return False
-    if quant != "fp8" or not FP8_SILU or not use_gemv("fp8", 1) or layer.scale_block[1] % 16:
-        return False
-    return 1 not in MMA_GEMV_ROWS["fp8"]
+        return 1 <= rows <= SILU_ROWS
+    return (quant == "fp8" and FP8_SILU and rows == 1 and use_gemv("fp8", 1) and 1 not in MMA_GEMV_ROWS["fp8"]
+            and layer.scale_block[1] % 16 == 0)
 
 
 def layer_gate_up_silu(x: torch.Tensor, layer) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
   mma gemv  decode at 1..8 rows (engine/kernels/quant_gemv_mma.py, CUDA C): the weight streamed once in
             its checkpoint layout, decoded into the A operand of mma.sync; `quant_linear` takes it for
-            the rows of MMA_GEMV_ROWS where it takes the shape, else the two below.
+            the rows of quant_gemv_mma.MMA_GEMV_ROWS where it takes the shape, else the two below.
   gemv      decode at 1..8 rows (engine/kernels/gemv.py): no tensor cores, the weight streamed once;
             `quant_linear` takes it up to gemv.GEMV_ROWS rows, then `skinny`.
   skinny    decode (M <= 64 rows): the weight tile is the dot's first operand, so it goes from
@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from engine.kernels import gemv, quant_gemv_mma
-from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
 from engine.kernels.gemv_kernel import E2M1_ASM
 from engine.kernels.splitk import num_sms
 
@@ -259,8 +258,6 @@ def _scaled_mm_blockwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
 FP8_PREFILL = "cublas"
 
 
-
-
 def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
     # x: [..., in] bf16/fp16 -> [..., out] (other dtypes take the reference path in engine.quant.linear)
     import torch.nn.functional as F
@@ -277,7 +274,7 @@ def quant_linear(layer, x: torch.Tensor) -> torch.Tensor:
         scale, row_scale, block = layer.weight_scale_inv, None, layer.scale_block
     else:
         scale, row_scale, block = layer.weight_scale, layer.weight_scale_2, (128, 128)
-    if rows in MMA_GEMV_ROWS[fmt] and quant_gemv_mma.takes(fmt, x2, n, block):
+    if rows in quant_gemv_mma.MMA_GEMV_ROWS[fmt] and quant_gemv_mma.takes(fmt, x2, n, block):
         y = quant_gemv_mma.quant_gemv_mma(x2, fmt, layer.weight, scale, row_scale, n, block)
     elif gemv.use_gemv(fmt, rows) and (not fp8 or block[1] % 16 == 0):
         y = gemv.gemv(x2, fmt, layer.weight, scale, row_scale, n, block)
