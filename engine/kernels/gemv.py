@@ -227,9 +227,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
 FP8_SILU = os.environ.get("NINFER_GEMV_FP8_SILU", "0") == "1"
 
 
-# The GEMV's two bf16 rows (a k=1 verify, two streams) could fold the SwiGLU too: NINFER_GEMV_SILU_ROWS=2. The s20
-# profile of a k=1 round had silu_mul at 0.073 ms (37 launches) where k=0 has none. Off until it is measured served.
-SILU_ROWS = max(1, min(2, int(os.environ.get("NINFER_GEMV_SILU_ROWS", "1"))))
+# The GEMV's two bf16 rows (a k=1 verify, two streams) fold the SwiGLU too; NINFER_GEMV_SILU_ROWS=1 turns that off.
+# The s20 profile of a k=1 round had silu_mul at 0.073 ms (37 launches) where k=0 has none. Served qwen3-8b, one
+# interleaved rep (bench/results/2026-12-02-h200-s21/a): k=1 (32k draft vocab) 4.654 -> 4.612 ms, k=0 4.172 -> 4.173.
+SILU_ROWS = max(1, min(2, int(os.environ.get("NINFER_GEMV_SILU_ROWS", "2"))))
 
 
 def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
