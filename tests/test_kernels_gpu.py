@@ -147,6 +147,10 @@ DECODE_VARIANTS = {
     "prefetch1_one_split": {"prefetch": 1, "num_splits": 1},           # no split: no merge kernel
     "prefetch1_fused_merge": {"prefetch": 1, "fused_merge": True},     # the last split merges: no merge kernel
     "prefetch1_64_splits_fused_merge": {"prefetch": 1, "num_splits": 64, "fused_merge": True},
+    # the TMA page kernel (attention_decode_tma.py): a page a step, 4 pages in flight at num_stages 9
+    "tma_pages": {"tma_pages": True, "block_n": 16, "num_stages": 9, "num_warps": 2, "min_tiles": 4},
+    "tma_pages_64_splits_fused_merge_w4": {"tma_pages": True, "block_n": 16, "num_stages": 5, "num_warps": 4,
+                                           "min_tiles": 4, "num_splits": 64, "fused_merge": True},
 }
 
 
@@ -163,11 +167,13 @@ def test_decode_variants(variant, query_len, kv_dtype):
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, (variant, lens, r)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma_pages"])
 @pytest.mark.parametrize("fused_merge", [False, True], ids=["merge_kernel", "fused_merge"])
 @pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
-def test_decode_variants_graph_replays(kv_dtype, fused_merge):
-    """The prefetching loop and its merge captured once and replayed over changed seq_lens: each replay
-    right and equal to an eager run bit for bit (the fused merge's counters re-armed by every launch)."""
+def test_decode_variants_graph_replays(kv_dtype, fused_merge, tma):
+    """The prefetching loop or the TMA page loop, and its merge, captured once and replayed over changed
+    seq_lens: each replay right and equal to an eager run bit for bit (the fused merge's counters re-armed by
+    every launch; the TMA descriptors are kernel parameters, captured by value)."""
     from engine.forward_context import build_forward_context
     from engine.kernels import attention as A
     from engine.layers.attention import paged_attention_reference
@@ -175,6 +181,8 @@ def test_decode_variants_graph_replays(kv_dtype, fused_merge):
     q, kv, ctx = testing.attention_case([1] * 3, [cap] * 3, 32, 8, 128, 16, kv_dtype, BF16, DEV, 71)
     tables = [row.tolist() for row in ctx.block_tables.cpu()]
     cfg = _decode_config(1, kv_dtype, prefetch=1, num_splits=32, fused_merge=fused_merge)
+    if tma:
+        cfg = _decode_config(1, kv_dtype, num_splits=32, fused_merge=fused_merge, **DECODE_VARIANTS["tma_pages"])
     scale = 128 ** -0.5
     out = torch.full_like(q, float("nan"))
     A.paged_attention(q, kv, ctx, scale, out=out, config=cfg)          # compiles outside capture

@@ -46,7 +46,7 @@ TOL = 1e-2
 def interpreted_kernels():
     """Define (or redefine) the kernels in interpreter mode and patch two interpreter gaps."""
     from tools import kernel_checks as testing
-    for name in ("engine.kernels.attention", "engine.kernels.fused"):
+    for name in ("engine.kernels.attention", "engine.kernels.attention_decode_tma", "engine.kernels.fused"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
         else:
@@ -244,3 +244,39 @@ def test_prefetch_matches_the_plain_loop(interpreted_kernels):
     for depth in (1, 2):
         b = A.paged_attention(q, kv, ctx, 0.2, config=dataclasses.replace(plain, prefetch=depth))
         assert torch.equal(a, b), depth
+
+
+# the TMA page kernel (attention_decode_tma.py): pages of 16 (the engine's), so a page is one step; a batch of
+# unequal lengths whose last pages are partial (the masked pointer tail), verify rows that straddle the
+# diagonal, splits that end inside a sequence and splits past its end; merged by _merge_kernel and fused
+TMA_CASES = {
+    "decode_b3": ([1] * 3, [1, 40, 300], 8, 2, 32),
+    "verify_q4_b2": ([4] * 2, [4, 150], 8, 2, 32),
+    "decode_b1_d128": ([1], [260], 8, 2, 128),
+    "decode_b2_d256_g6": ([1] * 2, [37, 200], 6, 1, 256),
+}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
+@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
+def test_tma_page_decode_matches_twin(interpreted_kernels, case, kv_dtype, fused):
+    from engine.kernels import attention as A
+    query_lens, seq_lens, heads, kv_heads, d = TMA_CASES[case]
+    q, kv, ctx = interpreted_kernels.attention_case(query_lens, seq_lens, heads, kv_heads, d, 16, kv_dtype, BF16,
+                                                    "cpu", seed=sum(map(ord, case)))
+    cfg = _decode_config(query_lens[0], heads // kv_heads, num_splits=4, min_tiles=2, tma_pages=True,
+                         num_stages=3, fused_merge=fused)
+    r = interpreted_kernels.check_attention(q, kv, ctx, config=cfg)
+    assert r["unwritten"] == 0 and r["rel_err"] < TOL, (cfg, r)
+    if fused:
+        assert int(A.merge_counters(q.device).abs().sum()) == 0
+
+
+def test_tma_page_decode_plan_rules():
+    """The plan takes TMA pages only on an sm90 GPU: a CPU call keeps the pointer kernel whatever the context."""
+    from engine.kernels import attention as A
+    from tools import kernel_checks as testing
+    q, kv, ctx = testing.attention_case([1], [20000], 32, 8, 128, 16, BF16, BF16, "cpu", seed=1)
+    assert not A.plan(q, kv, ctx).tma_pages
+    assert not A.takes_tma_decode(q, kv, ctx, 16)

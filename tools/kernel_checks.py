@@ -68,8 +68,10 @@ def patch_interpreter() -> None:
     for name in ("create_si_to_fp", "create_ui_to_fp", "create_fp_trunc"):
         setattr(builder, name, lambda self, src, dst_type: self.cast_impl(src, dst_type))
     builder.create_dot = lambda self, a, b, d, *args: dot(self, widen(a), widen(b), d, *args)
-    builder.create_masked_load = lambda self, ptrs, mask, *args: load(self, ptrs, as_bool(mask), *args)
-    builder.create_masked_store = lambda self, ptrs, value, mask, *args: store(self, ptrs, value, as_bool(mask), *args)
+    # (the descriptor loads pass their trailing arguments by keyword)
+    builder.create_masked_load = lambda self, ptrs, mask, *args, **kw: load(self, ptrs, as_bool(mask), *args, **kw)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *args, **kw: store(self, ptrs, value, as_bool(mask),
+                                                                                     *args, **kw)
     builder._ninfer_patched = True
 
 

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 import torch
@@ -103,7 +104,8 @@ class Case:
 
 
 def label(cfg: A.AttnConfig) -> str:
-    return (f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} sp{cfg.num_splits} "
+    return (f"{'tma ' if cfg.tma_pages else ''}bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+            f"sp{cfg.num_splits} "
             f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}{f' pf{cfg.prefetch}' if cfg.prefetch else ''}"
             f"{f' r{cfg.max_regs}' if cfg.max_regs else ''}")
 
@@ -249,6 +251,7 @@ def main() -> int:
                     help="time the decode switches (prefetch, register cap, splits) over --cases, not the grid")
     ap.add_argument("--cases", default="1x32768,1x512,1x2048,8x8192",
                     help="--variants: BATCHxCONTEXT list (run in this order: a budget cut loses the last)")
+    ap.add_argument("--variant-qlens", default="1", help="--variants: new tokens per sequence (4: verify of 3)")
     ap.add_argument("--dry-run", action="store_true", help="--variants: print the configs, run nothing (CPU)")
     ap.add_argument("--regs", action="store_true", help="--dry-run: also compile each for sm_90, print registers")
     args = ap.parse_args()
@@ -281,7 +284,7 @@ def main() -> int:
     dtypes = [d for d in args.dtypes.split(",") if d in ("bf16", "int8")]
     cases: list[Case] = []
     if args.variants:
-        shapes, qlens = variant_cases(args.cases), [1]
+        shapes, qlens = variant_cases(args.cases), ints(args.variant_qlens)
     else:
         shapes, qlens = [(b, c) for c, b in itertools.product(ints(args.contexts), ints(args.batches))], ints(args.qlens)
     for seed, (batch, ctx_len) in enumerate(shapes, 1):
@@ -377,7 +380,11 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
 
 # -- --variants: the decode switches ---------------------------------------------------------------
 
-VARIANT_TAGS = ["default", "pf1", "pf2", "pf1-r128", "pf1-bn128", "splits"]
+VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "tma-s5w4", "tma-s9w4", "tma-s9w2",
+                "tma-s13w2", "splits"]
+# TMA page kernel (attention_decode_tma.py): (num_stages, num_warps). Triton 3.6 splits the stages between the
+# block-table load and the page boxes that depend on it: num_stages 5 / 9 / 13 keep 2 / 4 / 6 pages in flight
+TMA_SHAPES = [(5, 4), (9, 4), (9, 2), (13, 2)]
 
 
 def variant_cases(text: str) -> list[tuple[int, int]]:
@@ -390,12 +397,32 @@ def variant_cases(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def named_variants(plan: A.AttnConfig, batch: int, ctx_len: int, sms: int) -> list[tuple[str, A.AttnConfig]]:
-    """The switches on top of a case's plan (the plan itself is timed as "default")."""
+def pointer_plan(case: Case) -> A.AttnConfig:
+    """The plan with the TMA page kernel switched off: the pointer kernel's shape for this case."""
+    was, A.DECODE_TMA_ON = A.DECODE_TMA_ON, False
+    try:
+        return A.plan(case.q, case.kvs[0], case.ctx)
+    finally:
+        A.DECODE_TMA_ON = was
+
+
+def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
+    """The switches on top of a case's plan (the plan itself is timed as "default"): the pointer kernel's plan
+    ("ptr", when the plan takes TMA pages), its prefetch variants, and the TMA page kernel at its pipeline depths
+    (split plans, pages of 16 or more)."""
     r = dataclasses.replace
+    plan = pointer_plan(case)
     pf1 = r(plan, prefetch=1, num_stages=1)
-    return [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
+    out = [("ptr", plan)] if case.plan.tma_pages else []
+    out += [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
             ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
+    if plan.num_splits > 1 and PAGE >= 16:
+        for stages, warps in TMA_SHAPES:
+            out.append((f"tma-s{stages}w{warps}", r(plan, tma_pages=True, block_n=PAGE, num_stages=stages,
+                                                    num_warps=warps, prefetch=0, max_regs=0,
+                                                    min_tiles=max(1, A.DECODE_MIN_SPLIT_KEYS // PAGE),
+                                                    int8_upcast=case.dtype == "int8")))
+    return out
 
 
 def split_variants(cfg: A.AttnConfig) -> list[A.AttnConfig]:
@@ -418,7 +445,7 @@ def run_variants(args, cases: list[Case], elapsed, state: dict, save) -> None:
         row = measure(case, case.plan, "default")
         if "ms" in row:
             case.default_out = A.paged_attention(case.q, case.kvs[0], case.ctx, case.scale, config=case.plan).clone()
-        for tag, cfg in named_variants(case.plan, case.batch, case.ctx_len, A.sm_count(DEV)):
+        for tag, cfg in named_variants(case):
             measure(case, cfg, tag)
         save()
     print(f"phase A done at {elapsed():.0f} s", flush=True)
@@ -529,9 +556,10 @@ def dry_run(args) -> int:
                                torch.empty(1, PAGE, KVH, D, dtype=torch.bfloat16)))
             plan = A.plan(q, kv, ctx)
             print(f"{dtype} b{batch} q1 ctx{ctx_len}")
-            for tag, cfg in [("default", plan), *named_variants(plan, batch, ctx_len, A.sm_count(cpu))]:
+            shape = types.SimpleNamespace(q=q, kvs=[kv], ctx=ctx, plan=plan, dtype=dtype)
+            for tag, cfg in [("default", plan), *named_variants(shape)]:
                 res = ""
-                if args.regs:
+                if args.regs and not cfg.tma_pages:             # sm90_resources compiles the pointer kernel
                     key = dataclasses.replace(cfg, num_splits=min(cfg.num_splits, 2), min_tiles=1)
                     if (key, dtype) not in seen:
                         seen[(key, dtype)] = sm90_resources(cfg, dtype)

@@ -433,28 +433,41 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
                                      qk_scale, offs_n, offs_d, PAGE, QUANT, True, UPCAST)
 
     if SPLIT:
-        # partial state of this key range: unnormalised acc, running max m (log2 units), sum l
-        r = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M] rows of [T, H, S]
-        if MERGE:
-            stored = row_ok & (hi > lo)      # the fused merge reads only the splits that hold keys (lo < kv_end)
-        else:
-            stored = row_ok                  # _merge_kernel reads every split's m and l
-        tl.store(pm_ptr + r, m_i, mask=stored)
-        tl.store(pl_ptr + r, l_i, mask=stored)
-        tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
-        if MERGE:
-            # every thread's partial is stored before the one arrival; acq_rel orders them against the last
-            # program's reads of the others' partials (which go around L1: .cg)
-            tl.debug_barrier()
-            counter = cnt_ptr + pid * tl.num_programs(0) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                _merge_tile(pacc_ptr, pm_ptr, pl_ptr, o_ptr, q_start, q_len, tile, kvh, kv_end, per, num_heads,
-                            num_splits, stride_ot, stride_oh, GROUP, BLOCK_Q, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        _store_split(acc, l_i, m_i, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr, o_ptr, q_start, q_len, q_row, head, row_ok,
+                     tile, pid, kvh, split, lo, hi, kv_end, per, num_heads, num_splits, stride_ot, stride_oh,
+                     GROUP, BLOCK_Q, HEAD_DIM, MERGE, MERGE_ROWS, MERGE_SPLITS)
     else:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _store_split(acc, l_i, m_i, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr, o_ptr, q_start, q_len, q_row, head, row_ok,
+                 tile, pid, kvh, split, lo, hi, kv_end, per, num_heads, num_splits, stride_ot, stride_oh,
+                 GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE: tl.constexpr,
+                 MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    """The partial state of one split's key range [lo, hi): unnormalised acc [BLOCK_M, HEAD_DIM], running max
+    m_i (log2 units) and sum l_i [BLOCK_M], stored at rows [T, H, S]; MERGE: the last split of the (tile, KV
+    head) to arrive merges them all (_merge_tile) and re-arms its counter."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    r = (q_row * num_heads + head) * num_splits + split  # [BLOCK_M] rows of [T, H, S]
+    if MERGE:
+        stored = row_ok & (hi > lo)      # the fused merge reads only the splits that hold keys (lo < kv_end)
+    else:
+        stored = row_ok                  # _merge_kernel reads every split's m and l
+    tl.store(pm_ptr + r, m_i, mask=stored)
+    tl.store(pl_ptr + r, l_i, mask=stored)
+    tl.store(pacc_ptr + r[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & (hi > lo))
+    if MERGE:
+        # every thread's partial is stored before the one arrival; acq_rel orders them against the last
+        # program's reads of the others' partials (which go around L1: .cg)
+        tl.debug_barrier()
+        counter = cnt_ptr + pid * tl.num_programs(0) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            _merge_tile(pacc_ptr, pm_ptr, pl_ptr, o_ptr, q_start, q_len, tile, kvh, kv_end, per, num_heads,
+                        num_splits, stride_ot, stride_oh, GROUP, BLOCK_Q, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -558,6 +571,9 @@ class AttnConfig:
     # split plans: the last split of a tile to finish merges the partials itself (_merge_tile), so a call is one
     # launch rather than the attention kernel and _merge_kernel
     fused_merge: bool = False
+    # split decode/verify over long contexts: one page a step, its K and V boxes loaded by TMA num_stages - 1
+    # pages ahead (attention_decode_tma.py); block_n is then the page size
+    tma_pages: bool = False
 
 
 # Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
@@ -573,6 +589,12 @@ PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # wave) at 44 warp-instructions per key against 65 before; NOTES.md, "int8 decode". Confirm or move
 # with tools/tune_decode_attention.py.
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
+# Long-context decode/verify with TMA page loads (attention_decode_tma.py): from this many keys (the plan's
+# max_seq_len; a length class when graphed), NUM_STAGES pages in flight per program. NOT yet measured:
+# tools/tune_decode_attention.py --variants times it against the pointer kernel; NINFER_ATTN_DECODE_TMA=0 is off.
+DECODE_TMA = {"num_warps": 2, "num_stages": 9, "int8_upcast": True}
+DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
+DECODE_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)
@@ -619,6 +641,10 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             # pipelined loop's prologue). int8 carries K only (prefetch 1): 158 registers, 3 programs per SM;
             # int8 pages without the in-register conversion (fp16 q) keep their old route
             cfg.update(prefetch=1 if kv.quantized else 2, num_stages=1)
+        if splits > 1 and ctx.max_seq_len >= DECODE_TMA_MIN_KEYS and takes_tma_decode(q, kv, ctx, block_m):
+            page = kv.k.shape[1]
+            cfg = dict(DECODE_TMA, block_n=page, min_tiles=max(1, DECODE_MIN_SPLIT_KEYS // page), tma_pages=True,
+                       int8_upcast=DECODE_TMA["int8_upcast"] and q.dtype == torch.bfloat16)
         return AttnConfig(block_m=block_m, num_splits=splits, fused_merge=FUSED_MERGE and splits > 1, **cfg)
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
     ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
@@ -692,6 +718,13 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         pacc = pm = pl = out                        # placeholders, never touched
     kp, vp, ks, vs, *strides = page_args(kv)
     counters = merge_counters(q.device) if merge else pm
+    if cfg.tma_pages:
+        from engine.kernels.attention_decode_tma import decode_attention_tma
+        decode_attention_tma(q, kv, ctx, scale, out, cfg, merge, merge_rows, merge_block, pacc, pm, pl, counters,
+                             upcast_int8(cfg, kv, q))
+        if split and not merge:
+            merge_splits(pacc, pm, pl, out)
+        return out
     _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
         q, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
         scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
@@ -761,6 +794,21 @@ def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool
     keys = sum(ctx.host_seq_lens)
     return (2 * keys * kvh * d * kv.k.element_size() <= PREFILL_GATHER_MAX_BYTES
             and sum(ctx.host_query_lens) >= keys * PREFILL_GATHER_MIN_QUERIES_PER_KEY)
+
+
+def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m: int) -> bool:
+    """Whether a split decode/verify call can take the TMA page kernel: an sm90 GPU, a uniform query length,
+    one page of one KV head a TMA box and an MMA operand (head_dim 64-256, a power-of-two page of at least 16
+    tokens, each KV layer's pool contiguous
+    and 16-byte aligned), the 16-64-row tiles of batch-1 and small-batch decode. Host shapes only: graph-safe."""
+    if not (q.is_cuda and DECODE_TMA_ON and ctx.uniform_query_len is not None and block_m <= 64):
+        return False
+    pages, page, kvh, d = kv.k.shape
+    if not (64 <= d <= 256 and 16 <= page <= 256 and page & (page - 1) == 0 and kv.k.is_contiguous() and kv.v.is_contiguous()):
+        return False
+    if kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16 or (kvh * d * kv.k.element_size()) % 16:
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] == 9
 
 
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:

@@ -1,0 +1,151 @@
+"""Decode and verify attention over paged K/V with TMA page loads: long contexts at batch 1.
+
+Why a second decode kernel. `_attn_kernel` (attention.py) gathers each K/V tile with per-row
+pointer loads into registers and waits for it at the top of the loop: a program has one tile in
+flight, and latency is hidden only by the other programs resident on its SM. At 32k keys that
+route stays at ~0.6 of the copy bandwidth for bf16 pages and ~0.4 for int8 ones, where half the
+bytes do not halve the wait (engine/kernels/NOTES.md, "int8 decode" and "Session 13"); registers
+bound how many raw tiles a program can carry ahead (`AttnConfig.prefetch`).
+
+Here a key page (PAGE tokens of one KV head, [PAGE, head_dim], contiguous in the page pool) is one
+TMA box: `cp.async.bulk.tensor` copies it into shared memory and completes on an mbarrier, with
+no address arithmetic in the warps. The page loop is a `tl.range(..., num_stages=S)`, which
+Triton software-pipelines: the K and V boxes of the next S - 1 pages are in flight while this
+page's q·k, softmax and p·v run, and they wait in shared memory, not in registers. The block-table
+entry that names a page is a scalar load a few pages ahead of its box (one 128-byte line covers
+32 pages, so it is an L1 hit after the first).
+
+Everything else is `_attn_kernel`'s decode path: one program per (KV head, query tile, split),
+the GROUP query heads of the KV head packed into BLOCK_M rows, the online softmax in the log2
+domain, int8 scales folded into the score and probability columns, the split's partial state
+stored and merged by the last split to arrive (`_store_split`). Pages that straddle the causal
+diagonal (verify rounds) take the masked pointer path of `_attend_tile` with BLOCK_N = PAGE.
+
+Descriptors: one per layer's K and V pool, viewed as [num_pages * PAGE, kv_heads * head_dim] with
+box [PAGE, head_dim]; built on the host (`triton.tools.tensor_descriptor`) and cached per pool, so
+a CUDA graph captures them by value (the pools never move).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.forward_context import ForwardContext
+from engine.kernels.attention import (AttnConfig, _accumulate_pv, _attend_tile, _int8_operand, _online_softmax,
+                                      _store_split, page_args)
+from engine.kv_pages import LayerKV
+
+try:                                            # Triton >= 3.4: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:                             # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+_DESCRIPTORS: dict[tuple, object] = {}
+
+
+@triton.jit(do_not_specialize=["tiles_per_seq", "num_splits", "min_pages"])
+def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr,
+                       qsl_ptr, seq_lens_ptr, tables_ptr, qk_scale, tiles_per_seq, num_heads, num_splits, min_pages,
+                       stride_qt, stride_qh, stride_ot, stride_oh,
+                       stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
+                       GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       PAGE: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr,
+                       MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
+    # grid: (kv_heads, B * tiles_per_seq, num_splits); every sequence has the same query_len
+    kvh = tl.program_id(0)
+    pid = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // tiles_per_seq
+    tile = tiles_per_seq - 1 - pid % tiles_per_seq
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    first_pos = seq_len - q_len + tile * BLOCK_Q            # position of the tile's first query
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_p = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = tile * BLOCK_Q + offs_m // GROUP                  # row -> query index within the sequence
+    head = kvh * GROUP + offs_m % GROUP                      # row -> query head
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)       # keys after the last query: never seen
+    n_pages = (seq_len + PAGE - 1) // PAGE
+    per = tl.maximum((n_pages + num_splits - 1) // num_splits, min_pages) * PAGE
+    lo = split * per
+    hi = tl.minimum(lo + per, kv_end)
+    # keys < first_pos + 1 are visible to every row: whole pages below that need no mask
+    mid = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // PAGE * PAGE
+
+    table_ptr = tables_ptr + seq.to(tl.int64) * stride_tab
+    col = kvh * HEAD_DIM                                     # the KV head's columns in the [rows, heads * D] view
+    shead_off = kvh.to(tl.int64) * stride_sh
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)            # finite: fully masked rows stay NaN-free
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start in tl.range(lo, mid, PAGE, num_stages=NUM_STAGES):
+        blk = tl.load(table_ptr + start // PAGE)
+        k = k_desc.load([blk * PAGE, col])                   # [PAGE, D] page dtype
+        if QUANT:
+            k = _int8_operand(k, UPCAST)
+        s = tl.dot(q, tl.trans(k).to(q.dtype))               # [BLOCK_M, PAGE] float32
+        if QUANT:
+            srow = blk.to(tl.int64) * stride_sb + offs_p * stride_st + shead_off
+            ks = tl.load(ks_ptr + srow)
+            vs = tl.load(vs_ptr + srow)
+            s = s * (ks * qk_scale)[None, :]
+        else:
+            s = s * qk_scale
+            vs = qk_scale                                    # a placeholder, never read
+        p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
+        v = v_desc.load([blk * PAGE, col])                   # [PAGE, D]
+        acc = _accumulate_pv(acc, alpha, p, v, vs, q, QUANT, UPCAST)
+    head_off = kvh.to(tl.int64) * stride_ph
+    for start in range(mid, hi, PAGE):
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr,
+                                     vs_ptr, head_off, shead_off, stride_pb, stride_pt, stride_sb, stride_st,
+                                     qk_scale, offs_p, offs_d, PAGE, QUANT, True, UPCAST)
+    _store_split(acc, l_i, m_i, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr, o_ptr, q_start, q_len, q_row, head, row_ok,
+                 tile, pid, kvh, split, lo, hi, kv_end, per, num_heads, num_splits, stride_ot, stride_oh,
+                 GROUP, BLOCK_Q, HEAD_DIM, MERGE, MERGE_ROWS, MERGE_SPLITS)
+
+
+def page_descriptors(kv: LayerKV) -> tuple:
+    """(K, V) TMA descriptors of one layer's page pools, viewed as [num_pages * PAGE, kv_heads * head_dim]
+    with one page of one KV head, [PAGE, head_dim], per box. Cached per pool: the pools never move."""
+    key = (kv.k.data_ptr(), kv.v.data_ptr(), tuple(kv.k.shape), kv.k.dtype)
+    if key not in _DESCRIPTORS:
+        pages, page, kvh, d = kv.k.shape
+        _DESCRIPTORS[key] = tuple(TensorDescriptor.from_tensor(t.view(pages * page, kvh * d), [page, d])
+                                  for t in (kv.k, kv.v))
+    return _DESCRIPTORS[key]
+
+
+def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, out: torch.Tensor,
+                         cfg: AttnConfig, merge: bool, merge_rows: int, merge_block: int,
+                         pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, counters: torch.Tensor,
+                         upcast: bool) -> torch.Tensor:
+    """One split decode/verify call (cfg.tma_pages): q [T, heads, head_dim] -> out [T, heads, head_dim], the
+    split partials in pacc [T, H, S, d], pm, pl [T, H, S] (merged here when `merge`, else by the caller)."""
+    T, H, d = q.shape
+    kvh, page = kv.k.shape[2], kv.k.shape[1]
+    group = H // kvh
+    block_q = cfg.block_m // group
+    tiles_per_seq = -(-ctx.uniform_query_len // block_q)
+    k_desc, v_desc = page_descriptors(kv)
+    kp, vp, ks, vs, *strides = page_args(kv)
+    _decode_tma_kernel[(kvh, ctx.num_seqs * tiles_per_seq, cfg.num_splits)](
+        q, k_desc, v_desc, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens,
+        ctx.block_tables, scale * 1.4426950408889634, tiles_per_seq, H, cfg.num_splits,
+        max(1, cfg.min_tiles * cfg.block_n // page),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, ctx.block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=d, PAGE=page, QUANT=kv.quantized,
+        UPCAST=upcast, NUM_STAGES=cfg.num_stages, MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
