@@ -117,6 +117,30 @@ def test_plan_converts_int8_in_registers_for_decode_and_verify_only():
     assert not cfg.int8_upcast and cfg.block_m == A.PREFILL["block_m"], cfg
 
 
+def test_plan_takes_128_key_tiles_for_int8_at_long_contexts(monkeypatch):
+    """int8 pages past one-tile splits: 128-key tiles, prefetch 1, splits halved until at most 3 programs per SM
+    (the plan reads shapes and lengths only; the CPU plans as for 132 SMs). bf16 pages keep DECODE there."""
+    from engine.forward_context import build_forward_context
+    from engine.kernels import attention as A
+    gen = torch.Generator().manual_seed(5)
+    for batch, keys in ((1, 32768), (1, 8192), (8, 8192), (8, 32768)):
+        need = keys // 16
+        _, ctx = build_forward_context([1] * batch, [keys] * batch, [list(range(need))] * batch, 16,
+                                       torch.device("cpu"))
+        q = torch.randn(batch, 32, 128, generator=gen).to(BF16)
+        _, kv, _ = _decode_inputs(BF16, I8)
+        cfg = A.plan(q, kv, ctx)
+        programs = batch * 8 * cfg.num_splits
+        assert (cfg.block_n, cfg.prefetch, cfg.num_stages, cfg.int8_upcast) == (128, 1, 1, True), cfg
+        assert programs <= 3 * 132 < 2 * programs, cfg
+        monkeypatch.setattr(A, "INT8_LONG", False)
+        old = A.plan(q, kv, ctx)
+        monkeypatch.setattr(A, "INT8_LONG", True)
+        assert (old.block_n, old.prefetch) == (64, 0) and old.num_splits >= cfg.num_splits, old
+        _, bf16_kv, _ = _decode_inputs(BF16, BF16)
+        assert A.plan(q, bf16_kv, ctx).block_n == A.DECODE["block_n"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")
 @pytest.mark.parametrize("query_len", [1, 4])

@@ -589,12 +589,20 @@ PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # wave) at 44 warp-instructions per key against 65 before; NOTES.md, "int8 decode". Confirm or move
 # with tools/tune_decode_attention.py.
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
-# Long-context decode/verify with TMA page loads (attention_decode_tma.py): from this many keys (the plan's
-# max_seq_len; a length class when graphed), NUM_STAGES pages in flight per program. NOT yet measured:
-# tools/tune_decode_attention.py --variants times it against the pointer kernel; NINFER_ATTN_DECODE_TMA=0 is off.
+# Long-context decode/verify with TMA page loads (attention_decode_tma.py): OFF, it lost. From this many keys
+# (the plan's max_seq_len) when NINFER_ATTN_DECODE_TMA=1. H200, qwen3-8b shapes, us per call in a CUDA graph
+# (bench/results/2026-12-02-h200-s21/b): b1 32k bf16 45.4-49.7 against the pointer kernel's 43.8-53.9, int8
+# 58-70 against 45.0; b8 slower for both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a
+# step is too little work per pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes.
 DECODE_TMA = {"num_warps": 2, "num_stages": 9, "int8_upcast": True}
 DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
-DECODE_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "1") != "0"
+DECODE_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "0") == "1"
+# int8 pages over long contexts (splits of several tiles): 128-key tiles, the next tile's K loaded before this
+# tile's math (prefetch 1), and at most 3 programs per SM (158+ registers: a fourth would start a second wave).
+# H200 (s21 b, us per call): b1 32k 45.0 -> 39.1, b1 8k 18.1 -> 15.1, b8 8k 72.1 -> 70.1; s13 found the same
+# row best at 32k. NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
+INT8_LONG = os.environ.get("NINFER_ATTN_INT8_LONG", "1") != "0"
+INT8_LONG_PROGRAMS_PER_SM = 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -641,6 +649,10 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             # pipelined loop's prologue). int8 carries K only (prefetch 1): 158 registers, 3 programs per SM;
             # int8 pages without the in-register conversion (fp16 q) keep their old route
             cfg.update(prefetch=1 if kv.quantized else 2, num_stages=1)
+        elif INT8_LONG and base is DECODE_INT8 and block_m <= 64 and d <= 128:
+            cfg.update(block_n=128, prefetch=1, num_stages=1)
+            while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
+                splits //= 2
         if splits > 1 and ctx.max_seq_len >= DECODE_TMA_MIN_KEYS and takes_tma_decode(q, kv, ctx, block_m):
             page = kv.k.shape[1]
             cfg = dict(DECODE_TMA, block_n=page, min_tiles=max(1, DECODE_MIN_SPLIT_KEYS // page), tma_pages=True,
