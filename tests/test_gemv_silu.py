@@ -117,9 +117,9 @@ def test_fp8_gate_up_layer_routes_one_row_to_the_fused_silu(kernels, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the layer routes need a CUDA tensor (takes() reads x.is_cuda)")
-def test_two_bf16_rows_take_the_fused_silu_when_switched_on(kernels, monkeypatch):
-    # NINFER_GEMV_SILU_ROWS=2: an unquantized gate/up layer's two decode rows take the fused SwiGLU and equal the
-    # unfused forward bit for bit; off (the default), two rows keep the GEMV and silu_and_mul, one row is fused
+def test_two_bf16_rows_take_the_fused_silu(kernels, monkeypatch):
+    # SILU_ROWS 2 (the default): an unquantized gate/up layer's two decode rows take the fused SwiGLU and equal the
+    # unfused forward bit for bit; NINFER_GEMV_SILU_ROWS=1: two rows keep the GEMV and silu_and_mul, one row is fused
     gemv, fused = kernels
     from engine.layers.linear import MergedColumnParallelLinear
     k, f = 1024, 768
@@ -127,6 +127,7 @@ def test_two_bf16_rows_take_the_fused_silu_when_switched_on(kernels, monkeypatch
     g = torch.Generator().manual_seed(8)
     layer.weight.data.copy_((torch.randn(2 * f, k, generator=g) * k ** -0.5).to(DEV, torch.bfloat16))
     x = torch.randn(2, k, generator=g).to(DEV, torch.bfloat16)
+    monkeypatch.setattr(gemv, "SILU_ROWS", 1)
     assert gemv.takes_gate_up_silu(x[:1], layer) and not gemv.takes_gate_up_silu(x, layer)
     monkeypatch.setattr(gemv, "SILU_ROWS", 2)
     assert gemv.takes_gate_up_silu(x, layer)
