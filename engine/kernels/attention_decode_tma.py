@@ -21,6 +21,11 @@ domain, int8 scales folded into the score and probability columns, the split's p
 stored and merged by the last split to arrive (`_store_split`). Pages that straddle the causal
 diagonal (verify rounds) take the masked pointer path of `_attend_tile` with BLOCK_N = PAGE.
 
+Status: OFF by default (`NINFER_ATTN_DECODE_TMA=1` turns it on): correct, and slower than the pointer kernel at
+every shape measured on the H200 (b1 32k int8 58-70 against 45 us a call; engine/kernels/NOTES.md, "Session 21").
+A 16-key page per pipeline step is too little work: each step pays two mbarrier waits, a shared-memory round trip
+for p and four small MMAs. It stays as the tested base for a producer-warp version.
+
 Descriptors: one per layer's K and V pool, viewed as [num_pages * PAGE, kv_heads * head_dim] with
 box [PAGE, head_dim]; built on the host (`triton.tools.tensor_descriptor`) and cached per pool, so
 a CUDA graph captures them by value (the pools never move).
