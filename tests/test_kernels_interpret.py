@@ -46,7 +46,8 @@ TOL = 1e-2
 def interpreted_kernels():
     """Define (or redefine) the kernels in interpreter mode and patch two interpreter gaps."""
     from tools import kernel_checks as testing
-    for name in ("engine.kernels.attention", "engine.kernels.attention_decode_tma", "engine.kernels.fused"):
+    for name in ("engine.kernels.attention_tiles", "engine.kernels.attention", "engine.kernels.attention_decode_tma",
+                 "engine.kernels.fused"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
         else:

@@ -38,8 +38,7 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.kernels.attention import (AttnConfig, _accumulate_pv, _attend_tile, _int8_operand, _online_softmax,
-                                      _store_split, page_args)
+from engine.kernels.attention_tiles import _accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _store_split
 from engine.kv_pages import LayerKV
 
 try:                                            # Triton >= 3.4: host-side TMA descriptors
@@ -133,24 +132,25 @@ def page_descriptors(kv: LayerKV) -> tuple:
 
 
 def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, out: torch.Tensor,
-                         cfg: AttnConfig, merge: bool, merge_rows: int, merge_block: int,
-                         pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, counters: torch.Tensor,
-                         upcast: bool) -> torch.Tensor:
-    """One split decode/verify call (cfg.tma_pages): q [T, heads, head_dim] -> out [T, heads, head_dim], the
-    split partials in pacc [T, H, S, d], pm, pl [T, H, S] (merged here when `merge`, else by the caller)."""
+                         pages: tuple, *, block_m: int, num_splits: int, min_pages: int, num_warps: int,
+                         num_stages: int, upcast: bool, merge: bool, merge_rows: int, merge_block: int,
+                         pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor,
+                         counters: torch.Tensor) -> torch.Tensor:
+    """One split decode/verify call over a uniform query length (attention.paged_attention with
+    `AttnConfig.tma_pages`): q [T, heads, head_dim] -> out [T, heads, head_dim]. `pages`: attention.page_args(kv).
+    The split partials go to pacc [T, H, S, d], pm, pl [T, H, S], merged here when `merge`, else by the caller."""
     T, H, d = q.shape
     kvh, page = kv.k.shape[2], kv.k.shape[1]
     group = H // kvh
-    block_q = cfg.block_m // group
+    block_q = block_m // group
     tiles_per_seq = -(-ctx.uniform_query_len // block_q)
     k_desc, v_desc = page_descriptors(kv)
-    kp, vp, ks, vs, *strides = page_args(kv)
-    _decode_tma_kernel[(kvh, ctx.num_seqs * tiles_per_seq, cfg.num_splits)](
+    kp, vp, ks, vs, *strides = pages
+    _decode_tma_kernel[(kvh, ctx.num_seqs * tiles_per_seq, num_splits)](
         q, k_desc, v_desc, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens,
-        ctx.block_tables, scale * 1.4426950408889634, tiles_per_seq, H, cfg.num_splits,
-        max(1, cfg.min_tiles * cfg.block_n // page),
+        ctx.block_tables, scale * 1.4426950408889634, tiles_per_seq, H, num_splits, min_pages,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, ctx.block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, HEAD_DIM=d, PAGE=page, QUANT=kv.quantized,
-        UPCAST=upcast, NUM_STAGES=cfg.num_stages, MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=d, PAGE=page, QUANT=kv.quantized,
+        UPCAST=upcast, NUM_STAGES=num_stages, MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
+        num_warps=num_warps, num_stages=num_stages)
     return out
