@@ -42,7 +42,8 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.kernels.attention_tiles import _accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _store_split
+from engine.kernels.attention_tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
+                                            _store_split)
 from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, LayerKV, gather_kv
 
 LOG2E = 1.4426950408889634
@@ -259,16 +260,10 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len + tile * BLOCK_Q            # position of the tile's first query
 
-    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    tok = tile * BLOCK_Q + offs_m // GROUP                  # row -> query index within the sequence
-    head = kvh * GROUP + offs_m % GROUP                      # row -> query head
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
-    q_pos = seq_len - q_len + tok
-    q_row = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q, head, row_ok, q_pos, q_row = _query_tile(q_ptr, q_start, q_len, seq_len, tile, kvh, stride_qt, stride_qh,
+                                                GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
 
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)       # keys after the last query: never seen
     if SPLIT:

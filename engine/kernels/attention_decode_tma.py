@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.kernels.attention_tiles import _accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _store_split
+from engine.kernels.attention_tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
+                                            _scale_scores, _store_split)
 from engine.kv_pages import LayerKV
 
 try:                                            # Triton >= 3.4: host-side TMA descriptors
@@ -68,16 +69,10 @@ def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_pt
     seq_len = tl.load(seq_lens_ptr + seq)
     first_pos = seq_len - q_len + tile * BLOCK_Q            # position of the tile's first query
 
-    offs_m = tl.arange(0, BLOCK_M)
     offs_p = tl.arange(0, PAGE)
     offs_d = tl.arange(0, HEAD_DIM)
-    tok = tile * BLOCK_Q + offs_m // GROUP                  # row -> query index within the sequence
-    head = kvh * GROUP + offs_m % GROUP                      # row -> query head
-    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
-    q_pos = seq_len - q_len + tok
-    q_row = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q, head, row_ok, q_pos, q_row = _query_tile(q_ptr, q_start, q_len, seq_len, tile, kvh, stride_qt, stride_qh,
+                                                GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
 
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)       # keys after the last query: never seen
     n_pages = (seq_len + PAGE - 1) // PAGE
@@ -99,14 +94,8 @@ def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_pt
         if QUANT:
             k = _int8_operand(k, UPCAST)
         s = tl.dot(q, tl.trans(k).to(q.dtype))               # [BLOCK_M, PAGE] float32
-        if QUANT:
-            srow = blk.to(tl.int64) * stride_sb + offs_p * stride_st + shead_off
-            ks = tl.load(ks_ptr + srow)
-            vs = tl.load(vs_ptr + srow)
-            s = s * (ks * qk_scale)[None, :]
-        else:
-            s = s * qk_scale
-            vs = qk_scale                                    # a placeholder, never read
+        srow = blk.to(tl.int64) * stride_sb + offs_p * stride_st + shead_off
+        s, vs = _scale_scores(s, ks_ptr, vs_ptr, srow, None, qk_scale, QUANT, False)
         p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
         v = v_desc.load([blk * PAGE, col])                   # [PAGE, D]
         acc = _accumulate_pv(acc, alpha, p, v, vs, q, QUANT, UPCAST)

@@ -49,6 +49,41 @@ def _int8_operand(x, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(q_ptr, q_start, q_len, seq_len, tile, kvh, stride_qt, stride_qh, GROUP: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """A program's rows: up to BLOCK_Q new tokens of one sequence times the GROUP query heads of KV head kvh,
+    packed into BLOCK_M rows -> (q [BLOCK_M, HEAD_DIM], query head, row valid, position, token row) per row."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = tile * BLOCK_Q + offs_m // GROUP                  # row -> query index within the sequence
+    head = kvh * GROUP + offs_m % GROUP                      # row -> query head
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok
+    q_row = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    return q, head, row_ok, q_pos, q_row
+
+
+@triton.jit
+def _scale_scores(s, ks_ptr, vs_ptr, srow, kmask, qk_scale, QUANT: tl.constexpr, MASKED: tl.constexpr):
+    """q·k products s [BLOCK_M, BLOCK_N] -> scores in the log2 domain, and V's per-key scales [BLOCK_N] (int8 pages:
+    K's scale multiplies each score column, V's is folded into p later; srow: the keys' scale offsets)."""
+    if QUANT:
+        if MASKED:
+            ks = tl.load(ks_ptr + srow, mask=kmask, other=0.0)
+            vs = tl.load(vs_ptr + srow, mask=kmask, other=0.0)
+        else:
+            ks = tl.load(ks_ptr + srow)
+            vs = tl.load(vs_ptr + srow)
+        s = s * (ks * qk_scale)[None, :]
+    else:
+        s = s * qk_scale
+        vs = qk_scale                                             # a placeholder, never read
+    return s, vs
+
+
+@triton.jit
 def _online_softmax(s, m_i, l_i):
     """Scores s [BLOCK_M, BLOCK_N] (log2 domain, scaled) into the running max and sum: -> (p, alpha, l, m)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -75,8 +110,8 @@ def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks
     """One BLOCK_N-key step of the online softmax (log2 domain). Unmasked steps load whole tiles
     that every row sees; masked steps also drop keys >= hi and keys after each row's position."""
     keys = start + offs_n                                        # [BLOCK_N] positions
+    kmask = keys < hi                                            # read only where MASKED
     if MASKED:
-        kmask = keys < hi
         blk = tl.load(table_ptr + keys // PAGE, mask=kmask, other=0).to(tl.int64)
     else:
         blk = tl.load(table_ptr + keys // PAGE).to(tl.int64)
@@ -88,18 +123,8 @@ def _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks
     if QUANT:
         k = _int8_operand(k, UPCAST)                              # int8 -> (float32 ->) q's dtype, exact
     s = tl.dot(q, k.to(q.dtype))                                  # [BLOCK_M, BLOCK_N] float32
-    if QUANT:
-        srow = blk * stride_sb + (keys % PAGE) * stride_st + shead_off
-        if MASKED:
-            ks = tl.load(ks_ptr + srow, mask=kmask, other=0.0)
-            vs = tl.load(vs_ptr + srow, mask=kmask, other=0.0)
-        else:
-            ks = tl.load(ks_ptr + srow)
-            vs = tl.load(vs_ptr + srow)
-        s = s * (ks * qk_scale)[None, :]
-    else:
-        s = s * qk_scale
-        vs = qk_scale                                             # a placeholder, never read
+    srow = blk * stride_sb + (keys % PAGE) * stride_st + shead_off
+    s, vs = _scale_scores(s, ks_ptr, vs_ptr, srow, kmask, qk_scale, QUANT, MASKED)
     if MASKED:
         visible = (keys[None, :] <= q_pos[:, None]) & kmask[None, :]
         s = tl.where(visible, s, float("-inf"))
