@@ -4,6 +4,8 @@ under Triton's interpreter on the CPU when NINFER_TRITON_INTERPRET_TESTS=1."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -127,6 +129,8 @@ def test_two_bf16_rows_take_the_fused_silu(kernels, monkeypatch):
     g = torch.Generator().manual_seed(8)
     layer.weight.data.copy_((torch.randn(2 * f, k, generator=g) * k ** -0.5).to(DEV, torch.bfloat16))
     x = torch.randn(2, k, generator=g).to(DEV, torch.bfloat16)
+    if "NINFER_GEMV_SILU_ROWS" not in os.environ:
+        assert gemv.SILU_ROWS == 2
     monkeypatch.setattr(gemv, "SILU_ROWS", 1)
     assert gemv.takes_gate_up_silu(x[:1], layer) and not gemv.takes_gate_up_silu(x, layer)
     monkeypatch.setattr(gemv, "SILU_ROWS", 2)

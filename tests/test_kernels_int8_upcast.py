@@ -139,6 +139,14 @@ def test_plan_takes_128_key_tiles_for_int8_at_long_contexts(monkeypatch):
         assert (old.block_n, old.prefetch) == (64, 0) and old.num_splits >= cfg.num_splits, old
         _, bf16_kv, _ = _decode_inputs(BF16, BF16)
         assert A.plan(q, bf16_kv, ctx).block_n == A.DECODE["block_n"]
+    # a verify of 3 drafts (4 tokens x group 4: still 16 rows) takes it too; 8 tokens (32 rows, not measured)
+    # keep DECODE_INT8; 64 sequences at 8k fill the GPU without splitting
+    for q_len, batch, keys, block_n, splits in ((4, 1, 32768, 128, 32), (8, 1, 32768, 64, None), (1, 64, 8192, 128, 1)):
+        _, ctx = build_forward_context([q_len] * batch, [keys] * batch, [list(range(keys // 16))] * batch, 16,
+                                       torch.device("cpu"))
+        q = torch.randn(q_len * batch, 32, 128, generator=gen).to(BF16)
+        cfg = A.plan(q, kv, ctx)
+        assert cfg.block_n == block_n and (splits is None or cfg.num_splits == splits), (q_len, batch, cfg)
 
 
 @pytest.mark.gpu

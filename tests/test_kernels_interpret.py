@@ -274,10 +274,16 @@ def test_tma_page_decode_matches_twin(interpreted_kernels, case, kv_dtype, fused
         assert int(A.merge_counters(q.device).abs().sum()) == 0
 
 
-def test_tma_page_decode_plan_rules():
-    """The plan takes TMA pages only on an sm90 GPU: a CPU call keeps the pointer kernel whatever the context."""
+def test_tma_page_decode_plan_rules(monkeypatch):
+    """Switched on, the plan still takes TMA pages only on an sm90 GPU: a CPU call keeps the pointer kernel
+    whatever the context. A TMA config without splits is refused rather than run (its partials would land in
+    the output)."""
     from engine.kernels import attention as A
     from tools import kernel_checks as testing
+    monkeypatch.setattr(A, "DECODE_TMA_ON", True)
     q, kv, ctx = testing.attention_case([1], [20000], 32, 8, 128, 16, BF16, BF16, "cpu", seed=1)
     assert not A.plan(q, kv, ctx).tma_pages
     assert not A.takes_tma_decode(q, kv, ctx, 16)
+    one_split = _decode_config(1, 4, tma_pages=True, num_stages=3, min_tiles=4)
+    with pytest.raises(ValueError, match="split plan"):
+        A.paged_attention(q, kv, ctx, 0.1, config=one_split)

@@ -25,9 +25,11 @@ Prints the copy bandwidth, one line per timing, then the summary table (last). -
 it as JSON (after each phase, so a crash keeps what was measured).
 
 --variants (under 150 s on one H200): the switches of the decode kernel instead of the grid, over
---cases (default batch 1 at 32768, 512, 2048 and batch 8 at 8192; query_len 1; bf16 and int8):
-  A. named variants of each case's plan: `prefetch` 1 and 2 (software-pipelined whole-tile loop,
-     num_stages 1), prefetch 1 capped at 128 registers, prefetch 1 with 128-key tiles;
+--cases (default batch 1 at 32768, 512, 2048 and batch 8 at 8192; --variant-qlens, default 1; bf16 and int8):
+  A. named variants of each case's plan: the pointer kernel's plan ("ptr", when the plan takes TMA
+     pages), `prefetch` 1 and 2 (software-pipelined whole-tile loop, num_stages 1), prefetch 1 capped
+     at 128 registers, prefetch 1 with 128-key tiles, and the TMA page kernel ("tma-sSwW": num_stages
+     S, W warps; split plans only);
   B. num_splits /2, x2, x4 (min_tiles 1, so short contexts get one-tile splits) around the two
      fastest rows of A.
 Ends with a variant-by-case table (us) and the table "case | default us | best us | best config".
@@ -429,7 +431,7 @@ def split_variants(cfg: A.AttnConfig) -> list[A.AttnConfig]:
     """num_splits /2, x2, x4 with one-tile splits allowed (min_tiles 1)."""
     out = []
     for splits in (cfg.num_splits // 2, cfg.num_splits * 2, cfg.num_splits * 4):
-        if 1 <= splits <= A.MAX_DECODE_SPLITS:
+        if (2 if cfg.tma_pages else 1) <= splits <= A.MAX_DECODE_SPLITS:     # the TMA kernel always splits
             out.append(dataclasses.replace(cfg, num_splits=splits, min_tiles=1))
     return out
 
@@ -556,8 +558,8 @@ def dry_run(args) -> int:
                                torch.empty(1, PAGE, KVH, D, dtype=torch.bfloat16)))
             plan = A.plan(q, kv, ctx)
             print(f"{dtype} b{batch} q1 ctx{ctx_len}")
-            shape = types.SimpleNamespace(q=q, kvs=[kv], ctx=ctx, plan=plan, dtype=dtype)
-            for tag, cfg in [("default", plan), *named_variants(shape)]:
+            case_like = types.SimpleNamespace(q=q, kvs=[kv], ctx=ctx, plan=plan, dtype=dtype)
+            for tag, cfg in [("default", plan), *named_variants(case_like)]:
                 res = ""
                 if args.regs and not cfg.tma_pages:             # sm90_resources compiles the pointer kernel
                     key = dataclasses.replace(cfg, num_splits=min(cfg.num_splits, 2), min_tiles=1)

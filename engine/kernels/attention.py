@@ -16,13 +16,15 @@ Prefill-shaped calls (many rows) use BLOCK_M = 128 and one program per tile. Dec
 partial softmax states (split-K "flash-decoding", Dao et al.), so that batch-1 decode at long context
 still covers every SM: the last split of a tile to finish merges them (an arrival counter per tile and
 KV head, `AttnConfig.fused_merge`), where a long prefill's splits take a second kernel. For those
-shapes the grid and the split count depend on tensor shapes only, never on sequence lengths: the call
-is CUDA-graph capturable, and each program works out its own key range from `seq_lens` on the device
+shapes the grid and the split count depend on tensor shapes and the context's length bound only
+(`ctx.max_seq_len`: a length class when graphed), never on each sequence's length: the call is
+CUDA-graph capturable, and each program works out its own key range from `seq_lens` on the device
 (splits past the end of a short sequence find an empty range and only record that).
 
-Decode/verify switches (`AttnConfig`, off by default, swept by tools/tune_decode_attention.py --variants):
-`prefetch` software-pipelines the whole-tile loop (the next tile's loads issued before this tile's
-math).
+Decode/verify switches (`AttnConfig`, swept by tools/tune_decode_attention.py --variants): `prefetch`
+software-pipelines the whole-tile loop (the next tile's loads issued before this tile's math); plans take
+it for one-tile splits and for int8 pages at long contexts. `tma_pages` (off by default) hands a call to
+the TMA page kernel of attention_decode_tma.py.
 
 int8 pages are read as int8 and converted in registers: K's per-token scale multiplies the score
 column after the q·k product, V's scale multiplies the probability column before p·v. Decode and
@@ -396,8 +398,8 @@ class AttnConfig:
     # split plans: the last split of a tile to finish merges the partials itself (_merge_tile), so a call is one
     # launch rather than the attention kernel and _merge_kernel
     fused_merge: bool = False
-    # split decode/verify over long contexts: one page a step, its K and V boxes loaded by TMA num_stages - 1
-    # pages ahead (attention_decode_tma.py); block_n is then the page size
+    # split decode/verify over long contexts: one page a step, its K and V boxes loaded by TMA about
+    # (num_stages - 1) / 2 pages ahead (attention_decode_tma.py); block_n is then the page size
     tma_pages: bool = False
 
 
@@ -409,24 +411,24 @@ DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=1)
 # head_dim 256: half the tile sizes in both directions, two stages (see `plan`)
 PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # Decode over int8 pages with bf16 q: K/V converted in registers (int8_upcast), no cp.async stage
-# (num_stages 1). Not yet measured: chosen from ptxas for sm_90 (Triton 3.6), where it is the one
-# int8 shape in 128 registers (4 programs per SM, so the 512 programs of a batch-1 step run in one
-# wave) at 44 warp-instructions per key against 65 before; NOTES.md, "int8 decode". Confirm or move
-# with tools/tune_decode_attention.py.
+# (num_stages 1); 128 registers for sm_90, 44 warp-instructions per key (NOTES.md, "int8 decode"). Short
+# contexts add prefetch 1 (one-tile splits); long ones take INT8_LONG's 128-key tiles (below).
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
 # Long-context decode/verify with TMA page loads (attention_decode_tma.py): OFF, it lost. From this many keys
 # (the plan's max_seq_len) when NINFER_ATTN_DECODE_TMA=1. H200, qwen3-8b shapes, us per call in a CUDA graph
-# (bench/results/2026-12-02-h200-s21/b): b1 32k bf16 45.4-49.7 against the pointer kernel's 43.8-53.9, int8
-# 58-70 against 45.0; b8 slower for both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a
-# step is too little work per pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes.
+# (bench/results/2026-12-02-h200-s21/b): int8 b1 32k 58-70 against the pointer plan's 45.0 (39.1 with INT8_LONG);
+# bf16 b1 32k 45.4-49.7 against 53.9 for the plan in that run but 43.8 for its prefetch variant; b8 slower for
+# both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a step is too little work per
+# pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes.
 DECODE_TMA = {"num_warps": 2, "num_stages": 9, "int8_upcast": True}
 DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
 DECODE_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "0") == "1"
 # int8 pages over long contexts (splits of several tiles): 128-key tiles, the next tile's K loaded before this
 # tile's math (prefetch 1), and at most 2 programs per SM (249 registers for sm_90: a third would start a second
-# wave).
-# H200 (s21 b, us per call): b1 32k 45.0 -> 39.1, b1 8k 18.1 -> 15.1, b8 8k 72.1 -> 70.1; s13 found the same
-# row best at 32k. NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
+# wave). Measured for 16-row tiles only (decode; verify up to 4 tokens at group 4): larger tiles keep
+# DECODE_INT8.
+# H200 (s21 b, us per call): b1 32k 45.0 -> 39.1, b1 8k 18.1 -> 15.1, b8 8k 72.1 -> 70.1, b8 32k 263.9 -> 257.3;
+# s13 found the same row best at 32k. NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
 INT8_LONG = os.environ.get("NINFER_ATTN_INT8_LONG", "1") != "0"
 INT8_LONG_PROGRAMS_PER_SM = 2
 
@@ -445,10 +447,11 @@ def sm_count(device: torch.device) -> int:
 def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
     """Pick the launch shape from host ints only (no device read).
 
-    Decode/verify shapes (query_len * group <= DECODE_MAX_ROWS) look at tensor shapes and the batch
-    size alone, so a CUDA graph captured once replays right for any seq_lens, and eager and graphed
-    runs take the same plan. Prefill shapes (never captured) also read ctx.max_seq_len to decide
-    whether splitting the keys pays (few query tiles over a long context).
+    Decode/verify shapes (query_len * group <= DECODE_MAX_ROWS) look at tensor shapes, the batch size
+    and ctx.max_seq_len (a length class when graphed) alone, so a CUDA graph captured once replays right
+    for any seq_lens within its class, and eager and graphed runs of one class take the same plan.
+    Prefill shapes (never captured) read ctx.max_seq_len to decide whether splitting the keys pays (few
+    query tiles over a long context).
     """
     T, H, d = q.shape
     kvh = kv.k.shape[2]
@@ -475,14 +478,14 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             # pipelined loop's prologue). int8 carries K only (prefetch 1): 158 registers, 3 programs per SM;
             # int8 pages without the in-register conversion (fp16 q) keep their old route
             cfg.update(prefetch=1 if kv.quantized else 2, num_stages=1)
-        elif INT8_LONG and base is DECODE_INT8 and block_m <= 64 and d <= 128:
-            cfg.update(block_n=128, prefetch=1, num_stages=1)
-            while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
-                splits //= 2
         if splits > 1 and ctx.max_seq_len >= DECODE_TMA_MIN_KEYS and takes_tma_decode(q, kv, ctx, block_m):
             page = kv.k.shape[1]
             cfg = dict(DECODE_TMA, block_n=page, min_tiles=max(1, DECODE_MIN_SPLIT_KEYS // page), tma_pages=True,
                        int8_upcast=DECODE_TMA["int8_upcast"] and q.dtype == torch.bfloat16)
+        elif INT8_LONG and base is DECODE_INT8 and not cfg.get("prefetch") and block_m == 16 and d <= 128:
+            cfg.update(block_n=128, prefetch=1, num_stages=1)
+            while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
+                splits //= 2
         return AttnConfig(block_m=block_m, num_splits=splits, fused_merge=FUSED_MERGE and splits > 1, **cfg)
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
     ctas = _num_tiles(T, ctx, block_m // group)[1] * kvh
@@ -557,6 +560,8 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     kp, vp, ks, vs, *strides = page_args(kv)
     counters = merge_counters(q.device) if merge else pm
     if cfg.tma_pages:
+        if not split or ctx.uniform_query_len is None:
+            raise ValueError("the TMA page kernel needs a split plan (num_splits > 1) and a uniform query length")
         from engine.kernels.attention_decode_tma import decode_attention_tma
         decode_attention_tma(q, kv, ctx, scale, out, (kp, vp, ks, vs, *strides), block_m=cfg.block_m,
                              num_splits=cfg.num_splits, min_pages=max(1, cfg.min_tiles * cfg.block_n // kv.k.shape[1]),
@@ -638,14 +643,17 @@ def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool
 
 
 def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m: int) -> bool:
-    """Whether a split decode/verify call can take the TMA page kernel: an sm90 GPU, a uniform query length,
-    one page of one KV head a TMA box and an MMA operand (head_dim 64-256, a power-of-two page of at least 16
-    tokens, each KV layer's pool contiguous
-    and 16-byte aligned), the 16-64-row tiles of batch-1 and small-batch decode. Host shapes only: graph-safe."""
+    """Whether a split decode/verify call can take the TMA page kernel (when NINFER_ATTN_DECODE_TMA=1): an sm90
+    GPU, a Triton with host-side descriptors, a uniform query length, the shapes compiled and tested on the
+    H200 (pages of 16 tokens, head_dim 128 or 256, tiles of 16-64 rows), each KV layer's pool contiguous and
+    16-byte aligned. Host shapes only: graph-safe."""
     if not (q.is_cuda and DECODE_TMA_ON and ctx.uniform_query_len is not None and block_m <= 64):
         return False
-    pages, page, kvh, d = kv.k.shape
-    if not (64 <= d <= 256 and 16 <= page <= 256 and page & (page - 1) == 0):
+    _, page, kvh, d = kv.k.shape
+    if not (d in (128, 256) and page == 16):
+        return False
+    from engine.kernels.attention_decode_tma import TensorDescriptor
+    if TensorDescriptor is None:
         return False
     if not (kv.k.is_contiguous() and kv.v.is_contiguous()):
         return False

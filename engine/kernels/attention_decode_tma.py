@@ -10,10 +10,10 @@ bound how many raw tiles a program can carry ahead (`AttnConfig.prefetch`).
 Here a key page (PAGE tokens of one KV head, [PAGE, head_dim], contiguous in the page pool) is one
 TMA box: `cp.async.bulk.tensor` copies it into shared memory and completes on an mbarrier, with
 no address arithmetic in the warps. The page loop is a `tl.range(..., num_stages=S)`, which
-Triton software-pipelines: the K and V boxes of the next S - 1 pages are in flight while this
-page's q·k, softmax and p·v run, and they wait in shared memory, not in registers. The block-table
-entry that names a page is a scalar load a few pages ahead of its box (one 128-byte line covers
-32 pages, so it is an L1 hit after the first).
+Triton software-pipelines: the K and V boxes of the next pages are in flight while this page's
+q·k, softmax and p·v run, and they wait in shared memory, not in registers. The block-table entry
+that names a page is itself a pipelined load ahead of its box, and Triton 3.6 splits the stages
+between the two: S = 5 / 9 / 13 keep 2 / 4 / 6 pages in flight.
 
 Everything else is `_attn_kernel`'s decode path: one program per (KV head, query tile, split),
 the GROUP query heads of the KV head packed into BLOCK_M rows, the online softmax in the log2
@@ -21,14 +21,15 @@ domain, int8 scales folded into the score and probability columns, the split's p
 stored and merged by the last split to arrive (`_store_split`). Pages that straddle the causal
 diagonal (verify rounds) take the masked pointer path of `_attend_tile` with BLOCK_N = PAGE.
 
-Status: OFF by default (`NINFER_ATTN_DECODE_TMA=1` turns it on): correct, and slower than the pointer kernel at
-every shape measured on the H200 (b1 32k int8 58-70 against 45 us a call; engine/kernels/NOTES.md, "Session 21").
+Status: OFF by default (`NINFER_ATTN_DECODE_TMA=1` turns it on): correct, and slower than the pointer kernel's
+best configuration at every shape measured on the H200 (b1 32k int8 58-70 against 39-45 us a call;
+engine/kernels/NOTES.md, "Session 21").
 A 16-key page per pipeline step is too little work: each step pays two mbarrier waits, a shared-memory round trip
 for p and four small MMAs. It stays as the tested base for a producer-warp version.
 
 Descriptors: one per layer's K and V pool, viewed as [num_pages * PAGE, kv_heads * head_dim] with
-box [PAGE, head_dim]; built on the host (`triton.tools.tensor_descriptor`) and cached per pool, so
-a CUDA graph captures them by value (the pools never move).
+box [PAGE, head_dim]; built on the host (`triton.tools.tensor_descriptor`) per call and passed as
+kernel parameters, so a CUDA graph captures them by value (the pools never move while it lives).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ try:                                            # Triton >= 3.4: host-side TMA d
 except ImportError:                             # pragma: no cover - older Triton
     TensorDescriptor = None
 
-_DESCRIPTORS: dict[tuple, object] = {}
+LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["tiles_per_seq", "num_splits", "min_pages"])
@@ -111,13 +112,9 @@ def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_pt
 
 def page_descriptors(kv: LayerKV) -> tuple:
     """(K, V) TMA descriptors of one layer's page pools, viewed as [num_pages * PAGE, kv_heads * head_dim]
-    with one page of one KV head, [PAGE, head_dim], per box. Cached per pool: the pools never move."""
-    key = (kv.k.data_ptr(), kv.v.data_ptr(), tuple(kv.k.shape), kv.k.dtype)
-    if key not in _DESCRIPTORS:
-        pages, page, kvh, d = kv.k.shape
-        _DESCRIPTORS[key] = tuple(TensorDescriptor.from_tensor(t.view(pages * page, kvh * d), [page, d])
-                                  for t in (kv.k, kv.v))
-    return _DESCRIPTORS[key]
+    with one page of one KV head, [PAGE, head_dim], per box. Not cached: a descriptor holds its pool."""
+    pages, page, kvh, d = kv.k.shape
+    return tuple(TensorDescriptor.from_tensor(t.view(pages * page, kvh * d), [page, d]) for t in (kv.k, kv.v))
 
 
 def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, out: torch.Tensor,
@@ -128,7 +125,7 @@ def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scal
     """One split decode/verify call over a uniform query length (attention.paged_attention with
     `AttnConfig.tma_pages`): q [T, heads, head_dim] -> out [T, heads, head_dim]. `pages`: attention.page_args(kv).
     The split partials go to pacc [T, H, S, d], pm, pl [T, H, S], merged here when `merge`, else by the caller."""
-    T, H, d = q.shape
+    H, d = q.shape[1], q.shape[2]
     kvh, page = kv.k.shape[2], kv.k.shape[1]
     group = H // kvh
     block_q = block_m // group
@@ -137,7 +134,7 @@ def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scal
     kp, vp, ks, vs, *strides = pages
     _decode_tma_kernel[(kvh, ctx.num_seqs * tiles_per_seq, num_splits)](
         q, k_desc, v_desc, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens,
-        ctx.block_tables, scale * 1.4426950408889634, tiles_per_seq, H, num_splits, min_pages,
+        ctx.block_tables, scale * LOG2E, tiles_per_seq, H, num_splits, min_pages,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, ctx.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=d, PAGE=page, QUANT=kv.quantized,
         UPCAST=upcast, NUM_STAGES=num_stages, MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
