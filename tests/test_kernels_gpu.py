@@ -156,6 +156,9 @@ DECODE_VARIANTS = {
     "tma_pages": {"tma_pages": True, "block_n": 16, "num_stages": 9, "num_warps": 2, "min_tiles": 4},
     "tma_pages_64_splits_fused_merge_w4": {"tma_pages": True, "block_n": 16, "num_stages": 5, "num_warps": 4,
                                            "min_tiles": 4, "num_splits": 64, "fused_merge": True},
+    # four pages a step under one softmax update (NOT yet run on a GPU when written)
+    "tma_4_pages_a_step": {"tma_pages": True, "pages_per_step": 4, "block_n": 16, "num_stages": 5, "num_warps": 2,
+                           "min_tiles": 4},
 }
 
 

@@ -258,16 +258,18 @@ TMA_CASES = {
 }
 
 
+@pytest.mark.parametrize("pages_per_step", [1, 4])
 @pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
 @pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
 @pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
-def test_tma_page_decode_matches_twin(interpreted_kernels, case, kv_dtype, fused):
+def test_tma_page_decode_matches_twin(interpreted_kernels, case, kv_dtype, fused, pages_per_step):
+    # four pages a step: splits of 2-3 whole steps plus pages left over (the masked loop takes them)
     from engine.kernels import attention as A
     query_lens, seq_lens, heads, kv_heads, d = TMA_CASES[case]
     q, kv, ctx = interpreted_kernels.attention_case(query_lens, seq_lens, heads, kv_heads, d, 16, kv_dtype, BF16,
                                                     "cpu", seed=sum(map(ord, case)))
     cfg = _decode_config(query_lens[0], heads // kv_heads, num_splits=4, min_tiles=2, tma_pages=True,
-                         num_stages=3, fused_merge=fused)
+                         num_stages=3, fused_merge=fused, pages_per_step=pages_per_step)
     r = interpreted_kernels.check_attention(q, kv, ctx, config=cfg)
     assert r["unwritten"] == 0 and r["rel_err"] < TOL, (cfg, r)
     if fused:

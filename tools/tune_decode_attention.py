@@ -29,7 +29,7 @@ it as JSON (after each phase, so a crash keeps what was measured).
   A. named variants of each case's plan: the pointer kernel's plan ("ptr", when the plan takes TMA
      pages), `prefetch` 1 and 2 (software-pipelined whole-tile loop, num_stages 1), prefetch 1 capped
      at 128 registers, prefetch 1 with 128-key tiles, and the TMA page kernel ("tma-sSwW": num_stages
-     S, W warps; split plans only);
+     S, W warps; "tma4-": four pages a step; split plans only);
   B. num_splits /2, x2, x4 (min_tiles 1, so short contexts get one-tile splits) around the two
      fastest rows of A.
 Ends with a variant-by-case table (us) and the table "case | default us | best us | best config".
@@ -107,7 +107,7 @@ class Case:
 
 def label(cfg: A.AttnConfig) -> str:
     return (f"{'tma ' if cfg.tma_pages else ''}bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-            f"sp{cfg.num_splits} "
+            f"sp{cfg.num_splits} {f'pps{cfg.pages_per_step} ' if cfg.pages_per_step > 1 else ''}"
             f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}{f' pf{cfg.prefetch}' if cfg.prefetch else ''}"
             f"{f' r{cfg.max_regs}' if cfg.max_regs else ''}")
 
@@ -382,11 +382,12 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
 
 # -- --variants: the decode switches ---------------------------------------------------------------
 
-VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "tma-s5w4", "tma-s9w4", "tma-s9w2",
-                "tma-s13w2", "splits"]
-# TMA page kernel (attention_decode_tma.py): (num_stages, num_warps). Triton 3.6 splits the stages between the
-# block-table load and the page boxes that depend on it: num_stages 5 / 9 / 13 keep 2 / 4 / 6 pages in flight
-TMA_SHAPES = [(5, 4), (9, 4), (9, 2), (13, 2)]
+VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "tma-s9w2", "tma-s13w2", "tma4-s3w2",
+                "tma4-s5w2", "tma4-s5w4", "splits"]
+# TMA page kernel (attention_decode_tma.py): (pages a step, num_stages, num_warps). Triton 3.6 splits the stages
+# between the block-table load and the page boxes that depend on it: num_stages 5 / 9 / 13 keep 2 / 4 / 6 steps in
+# flight. One page a step lost everywhere in s21 (s5w4 and s9w4 included, the slowest); four a step is untimed.
+TMA_SHAPES = [(1, 9, 2), (1, 13, 2), (4, 3, 2), (4, 5, 2), (4, 5, 4)]
 
 
 def variant_cases(text: str) -> list[tuple[int, int]]:
@@ -399,13 +400,15 @@ def variant_cases(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def pointer_plan(case: Case) -> A.AttnConfig:
-    """The plan with the TMA page kernel switched off: the pointer kernel's shape for this case."""
-    was, A.DECODE_TMA_ON = A.DECODE_TMA_ON, False
+def pointer_plan(case: Case, int8_long: bool = True) -> A.AttnConfig:
+    """The plan with the TMA page kernel switched off: the pointer kernel's shape for this case (int8_long False:
+    without the int8 long-context tiles either, whose halved splits the TMA plan does not take)."""
+    was = A.DECODE_TMA_ON, A.INT8_LONG
+    A.DECODE_TMA_ON, A.INT8_LONG = False, int8_long and A.INT8_LONG
     try:
         return A.plan(case.q, case.kvs[0], case.ctx)
     finally:
-        A.DECODE_TMA_ON = was
+        A.DECODE_TMA_ON, A.INT8_LONG = was
 
 
 def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
@@ -419,11 +422,12 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
     out += [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
             ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
     if plan.num_splits > 1 and PAGE >= 16:
-        for stages, warps in TMA_SHAPES:
-            out.append((f"tma-s{stages}w{warps}", r(plan, tma_pages=True, block_n=PAGE, num_stages=stages,
-                                                    num_warps=warps, prefetch=0, max_regs=0,
-                                                    min_tiles=max(1, A.DECODE_MIN_SPLIT_KEYS // PAGE),
-                                                    int8_upcast=case.dtype == "int8")))
+        splits = pointer_plan(case, int8_long=False).num_splits
+        for per_step, stages, warps in TMA_SHAPES:
+            tag = f"tma{per_step if per_step > 1 else ''}-s{stages}w{warps}"
+            out.append((tag, r(plan, tma_pages=True, pages_per_step=per_step, block_n=PAGE, num_stages=stages,
+                               num_warps=warps, num_splits=splits, prefetch=0, max_regs=0,
+                               min_tiles=max(1, A.DECODE_MIN_SPLIT_KEYS // PAGE), int8_upcast=case.dtype == "int8")))
     return out
 
 

@@ -399,8 +399,10 @@ class AttnConfig:
     # launch rather than the attention kernel and _merge_kernel
     fused_merge: bool = False
     # split decode/verify over long contexts: one page a step, its K and V boxes loaded by TMA about
-    # (num_stages - 1) / 2 pages ahead (attention_decode_tma.py); block_n is then the page size
+    # (num_stages - 1) / 2 steps ahead (attention_decode_tma.py); block_n is then the page size
     tma_pages: bool = False
+    # the TMA page kernel's pages per step (1 or 4: four under one softmax update)
+    pages_per_step: int = 1
 
 
 # Defaults, per call shape; tools/gpu_kernels_check.py sweeps the alternatives on the H200.
@@ -560,12 +562,14 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     kp, vp, ks, vs, *strides = page_args(kv)
     counters = merge_counters(q.device) if merge else pm
     if cfg.tma_pages:
-        if not split or ctx.uniform_query_len is None:
-            raise ValueError("the TMA page kernel needs a split plan (num_splits > 1) and a uniform query length")
+        if not split or ctx.uniform_query_len is None or cfg.pages_per_step not in (1, 4):
+            raise ValueError("the TMA page kernel needs a split plan (num_splits > 1), a uniform query length and "
+                             f"1 or 4 pages a step, got {cfg.num_splits} splits, {cfg.pages_per_step} pages a step")
         from engine.kernels.attention_decode_tma import decode_attention_tma
         decode_attention_tma(q, kv, ctx, scale, out, (kp, vp, ks, vs, *strides), block_m=cfg.block_m,
                              num_splits=cfg.num_splits, min_pages=max(1, cfg.min_tiles * cfg.block_n // kv.k.shape[1]),
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, upcast=upcast_int8(cfg, kv, q),
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, pages_per_step=cfg.pages_per_step,
+                             upcast=upcast_int8(cfg, kv, q),
                              merge=merge, merge_rows=merge_rows, merge_block=merge_block, pacc=pacc, pm=pm, pl=pl,
                              counters=counters)
         if split and not merge:

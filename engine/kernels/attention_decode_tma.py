@@ -25,7 +25,9 @@ Status: OFF by default (`NINFER_ATTN_DECODE_TMA=1` turns it on): correct, and sl
 best configuration at every shape measured on the H200 (b1 32k int8 58-70 against 39-45 us a call;
 engine/kernels/NOTES.md, "Session 21").
 A 16-key page per pipeline step is too little work: each step pays two mbarrier waits, a shared-memory round trip
-for p and four small MMAs. It stays as the tested base for a producer-warp version.
+for p and four small MMAs. `AttnConfig.pages_per_step` 4 takes four pages a step under one softmax update
+(fewer instructions per key in sm_90 SASS; NOT yet timed on a GPU). It stays as the tested base for that and for a
+producer-warp version.
 
 Descriptors: one per layer's K and V pool, viewed as [num_pages * PAGE, kv_heads * head_dim] with
 box [PAGE, head_dim]; built on the host (`triton.tools.tensor_descriptor`) per call and passed as
@@ -39,8 +41,8 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
-from engine.kernels.attention_tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
-                                            _scale_scores, _store_split)
+from engine.kernels.attention_tiles import (_attend_tile, _int8_operand, _online_softmax, _query_tile, _scale_scores,
+                                            _store_split)
 from engine.kv_pages import LayerKV
 
 try:                                            # Triton >= 3.4: host-side TMA descriptors
@@ -51,6 +53,31 @@ except ImportError:                             # pragma: no cover - older Trito
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _page_scores(q, k_desc, table_ptr, page_idx, col, ks_ptr, vs_ptr, offs_p, stride_sb, stride_st, shead_off, qk_scale,
+                 PAGE: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr):
+    """The scores of one page: q [BLOCK_M, D] against the page's K box -> (s [BLOCK_M, PAGE] in the log2 domain,
+    V's scales [PAGE] (int8 pages), the page id)."""
+    blk = tl.load(table_ptr + page_idx)
+    k = k_desc.load([blk * PAGE, col])                       # [PAGE, D] page dtype
+    if QUANT:
+        k = _int8_operand(k, UPCAST)
+    s = tl.dot(q, tl.trans(k).to(q.dtype))                   # [BLOCK_M, PAGE] float32
+    srow = blk.to(tl.int64) * stride_sb + offs_p * stride_st + shead_off
+    s, vs = _scale_scores(s, ks_ptr, vs_ptr, srow, None, qk_scale, QUANT, False)
+    return s, vs, blk
+
+
+@triton.jit
+def _page_pv(acc, p, vs, v_desc, blk, col, q, PAGE: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr):
+    """acc [BLOCK_M, D] (already rescaled) + p @ V of one page, V's int8 scales folded into p's columns."""
+    v = v_desc.load([blk * PAGE, col])                       # [PAGE, D]
+    if QUANT:
+        p = p * vs[None, :]
+        v = _int8_operand(v, UPCAST)
+    return tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+
+
 @triton.jit(do_not_specialize=["tiles_per_seq", "num_splits", "min_pages"])
 def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, pl_ptr, cnt_ptr,
                        qsl_ptr, seq_lens_ptr, tables_ptr, qk_scale, tiles_per_seq, num_heads, num_splits, min_pages,
@@ -58,6 +85,7 @@ def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_pt
                        stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, stride_tab,
                        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                        PAGE: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, NUM_STAGES: tl.constexpr,
+                       PAGES_PER_STEP: tl.constexpr,
                        MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr):
     # grid: (kv_heads, B * tiles_per_seq, num_splits); every sequence has the same query_len
     kvh = tl.program_id(0)
@@ -89,17 +117,42 @@ def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_pt
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)            # finite: fully masked rows stay NaN-free
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for start in tl.range(lo, mid, PAGE, num_stages=NUM_STAGES):
-        blk = tl.load(table_ptr + start // PAGE)
-        k = k_desc.load([blk * PAGE, col])                   # [PAGE, D] page dtype
-        if QUANT:
-            k = _int8_operand(k, UPCAST)
-        s = tl.dot(q, tl.trans(k).to(q.dtype))               # [BLOCK_M, PAGE] float32
-        srow = blk.to(tl.int64) * stride_sb + offs_p * stride_st + shead_off
-        s, vs = _scale_scores(s, ks_ptr, vs_ptr, srow, None, qk_scale, QUANT, False)
-        p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
-        v = v_desc.load([blk * PAGE, col])                   # [PAGE, D]
-        acc = _accumulate_pv(acc, alpha, p, v, vs, q, QUANT, UPCAST)
+    if PAGES_PER_STEP == 4:
+        # four pages a step under one softmax update: one max, one rescale of acc, the boxes of four pages issued
+        # together per pipeline stage (sm_90 SASS: 642 / 1330 instructions per warp per 64 keys, bf16 / int8 at 2
+        # warps, against 936 / 1680 for four one-page steps)
+        step_end = lo + (mid - lo) // (4 * PAGE) * (4 * PAGE)
+        for start in tl.range(lo, step_end, 4 * PAGE, num_stages=NUM_STAGES):
+            first = start // PAGE
+            s0, vs0, b0 = _page_scores(q, k_desc, table_ptr, first, col, ks_ptr, vs_ptr, offs_p, stride_sb, stride_st,
+                                       shead_off, qk_scale, PAGE, QUANT, UPCAST)
+            s1, vs1, b1 = _page_scores(q, k_desc, table_ptr, first + 1, col, ks_ptr, vs_ptr, offs_p, stride_sb,
+                                       stride_st, shead_off, qk_scale, PAGE, QUANT, UPCAST)
+            s2, vs2, b2 = _page_scores(q, k_desc, table_ptr, first + 2, col, ks_ptr, vs_ptr, offs_p, stride_sb,
+                                       stride_st, shead_off, qk_scale, PAGE, QUANT, UPCAST)
+            s3, vs3, b3 = _page_scores(q, k_desc, table_ptr, first + 3, col, ks_ptr, vs_ptr, offs_p, stride_sb,
+                                       stride_st, shead_off, qk_scale, PAGE, QUANT, UPCAST)
+            m_new = tl.maximum(tl.maximum(m_i, tl.max(s0, 1)), tl.maximum(tl.max(s1, 1), tl.maximum(tl.max(s2, 1),
+                                                                                                  tl.max(s3, 1))))
+            alpha = tl.exp2(m_i - m_new)
+            p0 = tl.exp2(s0 - m_new[:, None])
+            p1 = tl.exp2(s1 - m_new[:, None])
+            p2 = tl.exp2(s2 - m_new[:, None])
+            p3 = tl.exp2(s3 - m_new[:, None])
+            l_i = l_i * alpha + (tl.sum(p0, 1) + tl.sum(p1, 1)) + (tl.sum(p2, 1) + tl.sum(p3, 1))
+            m_i = m_new
+            acc = acc * alpha[:, None]
+            acc = _page_pv(acc, p0, vs0, v_desc, b0, col, q, PAGE, QUANT, UPCAST)
+            acc = _page_pv(acc, p1, vs1, v_desc, b1, col, q, PAGE, QUANT, UPCAST)
+            acc = _page_pv(acc, p2, vs2, v_desc, b2, col, q, PAGE, QUANT, UPCAST)
+            acc = _page_pv(acc, p3, vs3, v_desc, b3, col, q, PAGE, QUANT, UPCAST)
+        mid = step_end                                       # whole pages left over go to the masked loop below
+    else:
+        for start in tl.range(lo, mid, PAGE, num_stages=NUM_STAGES):
+            s, vs, blk = _page_scores(q, k_desc, table_ptr, start // PAGE, col, ks_ptr, vs_ptr, offs_p, stride_sb,
+                                      stride_st, shead_off, qk_scale, PAGE, QUANT, UPCAST)
+            p, alpha, l_i, m_i = _online_softmax(s, m_i, l_i)
+            acc = _page_pv(acc * alpha[:, None], p, vs, v_desc, blk, col, q, PAGE, QUANT, UPCAST)
     head_off = kvh.to(tl.int64) * stride_ph
     for start in range(mid, hi, PAGE):
         acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, start, hi, q_pos, table_ptr, k_ptr, v_ptr, ks_ptr,
@@ -119,8 +172,8 @@ def page_descriptors(kv: LayerKV) -> tuple:
 
 def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: float, out: torch.Tensor,
                          pages: tuple, *, block_m: int, num_splits: int, min_pages: int, num_warps: int,
-                         num_stages: int, upcast: bool, merge: bool, merge_rows: int, merge_block: int,
-                         pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor,
+                         num_stages: int, pages_per_step: int, upcast: bool, merge: bool, merge_rows: int,
+                         merge_block: int, pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor,
                          counters: torch.Tensor) -> torch.Tensor:
     """One split decode/verify call over a uniform query length (attention.paged_attention with
     `AttnConfig.tma_pages`): q [T, heads, head_dim] -> out [T, heads, head_dim]. `pages`: attention.page_args(kv).
@@ -137,6 +190,6 @@ def decode_attention_tma(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scal
         ctx.block_tables, scale * LOG2E, tiles_per_seq, H, num_splits, min_pages,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, ctx.block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=d, PAGE=page, QUANT=kv.quantized,
-        UPCAST=upcast, NUM_STAGES=num_stages, MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
-        num_warps=num_warps, num_stages=num_stages)
+        UPCAST=upcast, NUM_STAGES=num_stages, PAGES_PER_STEP=pages_per_step, MERGE=merge, MERGE_ROWS=merge_rows,
+        MERGE_SPLITS=merge_block, num_warps=num_warps, num_stages=num_stages)
     return out
