@@ -572,19 +572,17 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
                              upcast=upcast_int8(cfg, kv, q),
                              merge=merge, merge_rows=merge_rows, merge_block=merge_block, pacc=pacc, pm=pm, pl=pl,
                              counters=counters)
-        if split and not merge:
-            merge_splits(pacc, pm, pl, out)
-        return out
-    _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
-        q, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
-        scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        *strides, ctx.block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-        PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
-        PREFETCH=int(cfg.prefetch), MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
+    else:
+        _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
+            q, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+            scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            *strides, ctx.block_tables.stride(0),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+            PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
+            PREFETCH=int(cfg.prefetch), MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
     if split and not merge:
         merge_splits(pacc, pm, pl, out)
     return out

@@ -41,16 +41,10 @@ import triton
 import triton.language as tl
 
 from engine.forward_context import ForwardContext
+from engine.kernels.attention_prefill import LOG2E, TensorDescriptor   # TensorDescriptor: None before Triton 3.4
 from engine.kernels.attention_tiles import (_attend_tile, _int8_operand, _online_softmax, _query_tile, _scale_scores,
                                             _store_split)
 from engine.kv_pages import LayerKV
-
-try:                                            # Triton >= 3.4: host-side TMA descriptors
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:                             # pragma: no cover - older Triton
-    TensorDescriptor = None
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
