@@ -382,8 +382,11 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
 
 # -- --variants: the decode switches ---------------------------------------------------------------
 
-VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "tma-s9w2", "tma-s13w2", "tma4-s3w2",
-                "tma4-s5w2", "tma4-s5w4", "splits"]
+VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "i8-np-w4", "i8-np-w8", "i8-pf1-w8",
+                "tma-s9w2", "tma-s13w2", "tma4-s3w2", "tma4-s5w2", "tma4-s5w4", "splits"]
+# int8 128-key tiles around INT8_LONG's (prefetch 1, 4 warps: 249 registers, 2 programs per SM), each with the
+# splits halved until its programs fit one wave (sm_90 registers, s21): (tag, prefetch, warps, programs per SM)
+INT8_LONG_SHAPES = [("i8-np-w4", 0, 4, 3), ("i8-np-w8", 0, 8, 2), ("i8-pf1-w8", 1, 8, 1)]
 # TMA page kernel (attention_decode_tma.py): (pages a step, num_stages, num_warps). Triton 3.6 splits the stages
 # between the block-table load and the page boxes that depend on it: num_stages 5 / 9 / 13 keep 2 / 4 / 6 steps in
 # flight. One page a step lost everywhere in s21 (s5w4 and s9w4 included, the slowest); four a step is untimed.
@@ -421,6 +424,13 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
     out = [("ptr", plan)] if case.plan.tma_pages else []
     out += [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
             ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
+    if case.dtype == "int8" and plan.block_n == 128 and plan.prefetch == 1 and plan.num_splits > 1:
+        ctas = A._num_tiles(case.q.shape[0], case.ctx, plan.block_m // (H // KVH))[1] * KVH
+        for tag, prefetch, warps, per_sm in INT8_LONG_SHAPES:
+            splits = pointer_plan(case, int8_long=False).num_splits
+            while splits > 1 and ctas * splits > per_sm * A.sm_count(case.q.device):
+                splits //= 2
+            out.append((tag, r(plan, prefetch=prefetch, num_warps=warps, num_splits=splits)))
     if plan.num_splits > 1 and PAGE >= 16:
         splits = pointer_plan(case, int8_long=False).num_splits
         for per_step, stages, warps in TMA_SHAPES:
