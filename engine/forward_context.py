@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv_pages import GatherPlan, gather_plan
+from engine.kv_pages import GatherPlan, SegmentPlan, gather_plan, segment_plan
 
 
 @dataclass
@@ -44,6 +44,8 @@ class ForwardContext:
     host_seq_lens: tuple[int, ...] | None = None
     # The pages' gather into contiguous K/V, made by the first layer that asks (`gather_plan`).
     _gather_plans: dict[int, GatherPlan] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _segment_plans: dict[tuple[int, int], SegmentPlan] = field(default_factory=dict, init=False, repr=False,
+                                                               compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -55,6 +57,14 @@ class ForwardContext:
         if page not in self._gather_plans:
             self._gather_plans[page] = gather_plan(self.block_tables, list(self.host_seq_lens), page)
         return self._gather_plans[page]
+
+    def segment_plan(self, page: int, segment_keys: int) -> SegmentPlan:
+        """The one sequence's keys in segments (host lengths set, one sequence): built once per forward."""
+        key = (page, segment_keys)
+        if key not in self._segment_plans:
+            self._segment_plans[key] = segment_plan(self.block_tables, self.host_seq_lens[0],
+                                                    self.host_query_lens[0], page, segment_keys)
+        return self._segment_plans[key]
 
     def host_lens(self) -> tuple[list[int], list[int]]:
         """(query lengths, sequence lengths) on the host; a device read, for the CPU path only."""

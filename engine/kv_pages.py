@@ -54,6 +54,29 @@ def gather_plan(block_tables: torch.Tensor, seq_lens: list[int], page: int) -> G
     return GatherPlan(pages, keep, sum(seq_lens), cu.to(dev, non_blocking=True))
 
 
+@dataclass(frozen=True)
+class SegmentPlan:
+    """One sequence's keys in segments that are gathered and attended one after another (prefill past the
+    gather bound: engine/kernels/attention_prefill.py `prefill_segments`). Every segment but the last ends at or
+    before the sequence's first new token, so all of its keys are visible to every query."""
+
+    bounds: tuple[tuple[int, int], ...]    # key ranges [lo, hi); lo a multiple of segment_keys
+    gathers: tuple[GatherPlan, ...]        # each range's gather (cu_seqlens [0, hi - lo])
+
+
+def segment_plan(block_tables: torch.Tensor, seq_len: int, query_len: int, page: int,
+                 segment_keys: int) -> SegmentPlan:
+    """block_tables: [1, max_blocks] (one sequence); seq_len keys once the chunk's query_len are written;
+    segment_keys a multiple of page. Segments of segment_keys up to the first new token, then one segment from
+    there to seq_len (at most segment_keys + query_len - 1 keys)."""
+    if segment_keys <= 0 or segment_keys % page:
+        raise ValueError(f"segment_keys {segment_keys} must be a positive multiple of the page size {page}")
+    last = (seq_len - query_len) // segment_keys * segment_keys
+    bounds = [(lo, lo + segment_keys) for lo in range(0, last, segment_keys)] + [(last, seq_len)]
+    gathers = [gather_plan(block_tables[:1, lo // page:-(-hi // page)], [hi - lo], page) for lo, hi in bounds]
+    return SegmentPlan(tuple(bounds), tuple(gathers))
+
+
 def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.Tensor,
               seq_lens: list[int], *, scales_k: torch.Tensor | None = None, scales_v: torch.Tensor | None = None,
               dtype: torch.dtype | None = None, out: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -74,6 +97,12 @@ def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.
     dtype = dtype or (torch.bfloat16 if pages_k.dtype == torch.int8 else pages_k.dtype)
 
     def one(pages, scales):
+        if scales is not None and pages.is_cuda:
+            # one pass, no float32 temporaries (engine/kernels/kv_dequant.py); same rounding as below
+            from engine.kernels.kv_dequant import dequant_rows
+            rows = plan.pages.shape[0] * pages.shape[1] if plan.keep is not None else plan.total
+            x = dequant_rows(pages, scales, plan.pages, rows, pages.new_empty((rows, *pages.shape[2:]), dtype=dtype))
+            return x.index_select(0, plan.keep) if plan.keep is not None else x
         x = pages.index_select(0, plan.pages).flatten(0, 1)        # [sum(n_pages) * page, kv_heads, D]
         if scales is not None:
             x = x.float() * scales.index_select(0, plan.pages).flatten(0, 1).unsqueeze(-1)

@@ -154,6 +154,67 @@ def test_interpreted_from_pages(P):
     assert rel_err(out, ref) < TOL
 
 
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+@pytest.mark.parametrize("lens", [([40], [200]), ([40], [72]), ([64], [64])], ids=["segments", "two", "one"])
+def test_interpreted_segments(P, kv_dtype, lens):
+    """prefill_segments: keys in segments of 32 (the last from the boundary before the chunk to its end), the
+    float32 state carried across launches, against the twin. 200 keys after 160: segments [0,32) .. [128,160)
+    then [160,200); 72 after 32: [0,32) then [32,72); 64 of 64: one causal segment."""
+    _cpu_only()
+    from engine.layers.attention import paged_attention_reference
+    from tools.kernel_checks import attention_case, rel_err
+    q, kv, ctx = attention_case(*lens, 4, 2, 32, 16, kv_dtype, torch.bfloat16, "cpu", seed=12)
+    q = (q.float() * 4).to(torch.bfloat16)                        # a peaked softmax: a wrong key range shows
+    out = torch.full_like(q, float("nan"))
+    P.prefill_segments(q, kv, ctx, 32 ** -0.5, 32, out=out, config=_small(P))
+    ref = paged_attention_reference(q.double(), kv, ctx, 32 ** -0.5)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < TOL
+    seg = ctx.segment_plan(16, 32)
+    assert seg.bounds[-1][1] == lens[1][0] and all(hi - lo == 32 for lo, hi in seg.bounds[:-1])
+
+
+def test_segment_plan():
+    """Segments of segment_keys up to the chunk's first token, then one to the end; each gathers its own pages."""
+    from engine.kv_pages import gather_kv, segment_plan
+    gen = torch.Generator().manual_seed(3)
+    page, kvh, d = 4, 2, 8
+    pk = torch.randn(40, page, kvh, d, generator=gen)
+    table = torch.randperm(40, generator=gen).int()[None, :]
+    for seq_len, q_len, seg_keys, want in [(50, 10, 8, [(0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 50)]),
+                                           (50, 11, 8, [(0, 8), (8, 16), (16, 24), (24, 32), (32, 50)]),
+                                           (12, 12, 8, [(0, 12)]), (17, 1, 16, [(0, 16), (16, 17)])]:
+        plan = segment_plan(table, seq_len, q_len, page, seg_keys)
+        assert list(plan.bounds) == want
+        whole = pk[table[0].long()].flatten(0, 1)                 # [keys, kvh, d] in position order
+        for (lo, hi), g in zip(plan.bounds, plan.gathers):
+            k, _, cu = gather_kv(pk, pk, table, [hi - lo], plan=g)
+            assert torch.equal(k, whole[lo:hi]) and cu.tolist() == [0, hi - lo]
+    with pytest.raises(ValueError, match="multiple of the page"):
+        segment_plan(table, 50, 10, page, 6)
+
+
+@needs_triton
+def test_interpreted_dequant_rows(P):
+    """The int8 gather kernel equals the torch gather bit for bit (same float32 product, same rounding),
+    a cut last page and 3 KV heads (not a power of two) included."""
+    _cpu_only()
+    from engine.kernels.kv_dequant import dequant_rows
+    gen = torch.Generator().manual_seed(4)
+    blocks, page, kvh, d = 9, 4, 3, 16
+    pages = torch.randint(-127, 128, (blocks, page, kvh, d), generator=gen, dtype=torch.int8)
+    scales = torch.rand(blocks, page, kvh, generator=gen) * 0.03
+    ids = torch.tensor([5, 0, 7, 2])
+    for rows in (16, 13):
+        out = torch.full((rows, kvh, d), float("nan"), dtype=torch.bfloat16)
+        dequant_rows(pages, scales, ids, rows, out)
+        want = (pages[ids].float() * scales[ids].unsqueeze(-1)).flatten(0, 1)[:rows].to(torch.bfloat16)
+        assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="rows from"):
+        dequant_rows(pages, scales, ids, 17, torch.empty(17, kvh, d, dtype=torch.bfloat16))
+
+
 def test_gather_kv():
     """Plain torch: whole pages, a cut last page, several sequences, into a preallocated buffer."""
     from engine.kv_pages import gather_kv
@@ -257,8 +318,15 @@ def test_gpu_paged_attention_routes_prefill_to_tma(P, monkeypatch):
     monkeypatch.setenv("NINFER_PREFILL_TMA", "0")
     assert not A.takes_tma_prefill(q, kv, ctx)
     monkeypatch.delenv("NINFER_PREFILL_TMA")
+    # int8 pages: dequantized by the gather (engine/kernels/kv_dequant.py), then the same kernel
     q8, kv8, ctx8 = attention_case([500], [3000], 32, 8, 128, 16, torch.int8, torch.bfloat16, "cuda", seed=7)
+    assert A.takes_tma_prefill(q8, kv8, ctx8)
+    routed8 = A.paged_attention(q8, kv8, ctx8, scale)
+    assert rel_err(routed8, paged_attention_reference(q8.float(), kv8, ctx8, scale)) < TOL
+    assert rel_err(routed8, A.paged_attention(q8, kv8, ctx8, scale, config=A.plan(q8, kv8, ctx8))) < TOL
+    monkeypatch.setattr(A, "PREFILL_TMA_INT8", False)
     assert not A.takes_tma_prefill(q8, kv8, ctx8)
+    monkeypatch.undo()
     qd, kvd, ctxd = attention_case([1, 1], [3000, 64], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=8)
     assert not A.takes_tma_prefill(qd, kvd, ctxd)
     # float32 (the engine allows it on CUDA): the paged kernel, not an error
@@ -268,3 +336,31 @@ def test_gpu_paged_attention_routes_prefill_to_tma(P, monkeypatch):
     # a short chunk after a long context (a new turn over a cached prefix): too little attention for the gather
     qs, kvs, ctxs = attention_case([64], [30000], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=11)
     assert not A.takes_tma_prefill(qs, kvs, ctxs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_gpu_long_prefill_takes_segments(P, monkeypatch, kv_dtype):
+    """One sequence past the gather bound (the bound shrunk to 8 MB: 2,048 keys of qwen3-8b K/V) takes the
+    kernel segment by segment: equal to the paged kernel and the twin; several sequences, fewer than
+    PREFILL_SEGMENT_MIN_QUERIES new tokens, and NINFER_PREFILL_TMA=0 stay on the paged kernel."""
+    from engine.kernels import attention as A
+    from engine.layers.attention import paged_attention_reference
+    from tools.kernel_checks import attention_case, rel_err
+    scale = 128 ** -0.5
+    monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 8 << 20)
+    monkeypatch.setattr(A, "SEGMENT_MIN_KEYS", 256)
+    q, kv, ctx = attention_case([1100], [9000], 32, 8, 128, 16, kv_dtype, torch.bfloat16, "cuda", seed=13)
+    assert not A.takes_tma_prefill(q, kv, ctx)
+    keys = A.prefill_segment_keys(q, kv, ctx)
+    assert keys and keys % 256 == 0 and len(ctx.segment_plan(16, keys).bounds) >= 3
+    routed = A.paged_attention(q, kv, ctx, scale)
+    twin = paged_attention_reference(q.float(), kv, ctx, scale)
+    assert rel_err(routed, twin) < TOL
+    assert rel_err(routed, A.paged_attention(q, kv, ctx, scale, config=A.plan(q, kv, ctx))) < TOL
+    qb, kvb, ctxb = attention_case([1100, 64], [9000, 64], 32, 8, 128, 16, kv_dtype, torch.bfloat16, "cuda", seed=14)
+    assert not A.prefill_segment_keys(qb, kvb, ctxb)
+    qs, kvs, ctxs = attention_case([1000], [9000], 32, 8, 128, 16, kv_dtype, torch.bfloat16, "cuda", seed=15)
+    assert not A.prefill_segment_keys(qs, kvs, ctxs)
+    monkeypatch.setenv("NINFER_PREFILL_TMA", "0")
+    assert not A.prefill_segment_keys(q, kv, ctx)

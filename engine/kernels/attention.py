@@ -536,10 +536,14 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     group = H // kvh
     if config is None and takes_tma_prefill(q, kv, ctx):
         from engine.kernels.attention_prefill import prefill_attention
-        k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens), dtype=q.dtype,
-                                       plan=ctx.gather_plan(kv.k.shape[1]))
+        k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens), scales_k=kv.k_scale,
+                                       scales_v=kv.v_scale, dtype=q.dtype, plan=ctx.gather_plan(kv.k.shape[1]))
         # the queries' offsets are the context's own query_start_loc (int32 [B + 1], on the device)
         return prefill_attention(q, k, v, ctx.query_start_loc, cu_seqlens_k, ctx.max_query_len, scale, out=out)
+    segment_keys = prefill_segment_keys(q, kv, ctx) if config is None else 0
+    if segment_keys:
+        from engine.kernels.attention_prefill import prefill_segments
+        return prefill_segments(q, kv, ctx, scale, segment_keys, out=out)
     cfg = plan(q, kv, ctx) if config is None else config
     block_q = cfg.block_m // group
     if block_q < 1:
@@ -609,39 +613,71 @@ def merge_splits(pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, out: to
     return out
 
 
-# Prefill over 16-bit pages takes the TMA kernel of attention_prefill.py on gathered K/V: 1.2-1.7x this
-# file's kernel on the H200 (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; session 13's
-# prefill-attn.log). The gather is a transient copy of every key of the chunk's sequences, so it is bounded,
-# and it must be paid for by the chunk's attention: a short chunk after a long context (a new turn over a
-# cached prefix) reads the pages in place. Longer contexts and int8 pages (whose gather would dequantize in
-# float32) stay on the paged kernel too.
+# Prefill takes the TMA kernel of attention_prefill.py on gathered K/V: 1.2-1.7x this file's kernel on the H200
+# (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; session 13's prefill-attn.log). The gather is
+# a transient copy of every key of the chunk's sequences (int8 pages dequantized into q's dtype by
+# engine/kernels/kv_dequant.py), so it is bounded, and it must be paid for by the chunk's attention: a short chunk
+# after a long context (a new turn over a cached prefix) reads the pages in place.
 PREFILL_GATHER_MIN_QUERIES_PER_KEY = 1 / 32     # the measured win at chunk 1024 after 28k keys is 1 / 29
+# One sequence past the gather bound takes the kernel segment by segment (prefill_segments), from this many new
+# tokens: the gather costs a fixed amount per key and the attention it speeds up grows with the queries, so the
+# break-even is a query count. 1,024 is s13's measured win (chunk 1024 after 28k keys).
+PREFILL_SEGMENT_MIN_QUERIES = 1024
+# Segments are whole multiples of this (the kernel's key tiles, the page size) and at least SEGMENT_MIN_KEYS.
+SEGMENT_ALIGN, SEGMENT_MIN_KEYS = 256, 4096
+# int8 pages join both routes unless NINFER_PREFILL_TMA_INT8=0 (they used to stay on this file's kernel).
+PREFILL_TMA_INT8 = os.environ.get("NINFER_PREFILL_TMA_INT8", "1") != "0"
 
 
-def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
-    """Whether a call goes to the TMA prefill kernel: a prefill shape (more rows than the decode plan takes)
-    on an sm90 GPU, outside any CUDA-graph capture, with host lengths in the context; bf16/fp16 q and pages of
-    its dtype; head_dim 128 (measured; 256 is not); q laid out as TMA needs it; the gathered K/V within
-    PREFILL_GATHER_MAX_BYTES and at least PREFILL_GATHER_MIN_QUERIES_PER_KEY new tokens per key.
-    `NINFER_PREFILL_TMA=0` turns it off."""
-    if not q.is_cuda or ctx.host_seq_lens is None or ctx.host_query_lens is None or kv.quantized:
+def _tma_prefill_shape(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
+    """What both TMA prefill routes need: a prefill shape (more rows than the decode plan takes) on an sm90 GPU,
+    outside any CUDA-graph capture, with host lengths in the context; bf16/fp16 q, pages of its dtype or int8
+    (with bf16 q); head_dim 128 (measured; 256 is not); q laid out as TMA needs it. `NINFER_PREFILL_TMA=0` turns
+    both off."""
+    if not q.is_cuda or ctx.host_seq_lens is None or ctx.host_query_lens is None:
         return False
     T, H, d = q.shape
     kvh = kv.k.shape[2]
     q_len = ctx.uniform_query_len if ctx.uniform_query_len is not None else ctx.max_query_len
     if q_len * (H // kvh) <= DECODE_MAX_ROWS or d != 128:
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.k.dtype != q.dtype:
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if kv.k.dtype != q.dtype and not (kv.quantized and q.dtype == torch.bfloat16 and PREFILL_TMA_INT8):
         return False
     if q.stride(2) != 1 or q.stride(1) != d or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
         return False
     if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    if torch.cuda.is_current_stream_capturing():      # host lengths and descriptors must not be baked in
+    return not torch.cuda.is_current_stream_capturing()      # host lengths and descriptors must not be baked in
+
+
+def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
+    """Whether a call gathers all its sequences' keys at once and takes the TMA prefill kernel: the shape rules
+    of `_tma_prefill_shape`, the gathered 16-bit K/V within PREFILL_GATHER_MAX_BYTES and at least
+    PREFILL_GATHER_MIN_QUERIES_PER_KEY new tokens per key."""
+    if not _tma_prefill_shape(q, kv, ctx):
         return False
     keys = sum(ctx.host_seq_lens)
-    return (2 * keys * kvh * d * kv.k.element_size() <= PREFILL_GATHER_MAX_BYTES
+    return (2 * keys * kv.k.shape[2] * q.shape[2] * q.element_size() <= PREFILL_GATHER_MAX_BYTES
             and sum(ctx.host_query_lens) >= keys * PREFILL_GATHER_MIN_QUERIES_PER_KEY)
+
+
+def prefill_segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> int:
+    """Keys per segment when a call takes the TMA kernel segment by segment (0: it does not): one sequence with
+    at least PREFILL_SEGMENT_MIN_QUERIES new tokens. A segment's gathered K/V and the carried float32 state
+    together stay within 1.5 x PREFILL_GATHER_MAX_BYTES, what the memory plan holds for a gather
+    (engine/capacity.py); the last segment holds up to segment_keys + the new tokens."""
+    if ctx.num_seqs != 1 or not _tma_prefill_shape(q, kv, ctx):
+        return 0
+    T, H, d = q.shape
+    if T < PREFILL_SEGMENT_MIN_QUERIES:
+        return 0
+    per_key = 2 * kv.k.shape[2] * d * q.element_size()
+    state = T * H * (d + 2) * 4
+    keys = (PREFILL_GATHER_MAX_BYTES * 3 // 2 - state) // per_key - T
+    keys = keys // SEGMENT_ALIGN * SEGMENT_ALIGN
+    return keys if keys >= SEGMENT_MIN_KEYS and keys % kv.k.shape[1] == 0 else 0
 
 
 def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m: int) -> bool:

@@ -123,9 +123,38 @@ def _store_rows(out, o_ptr, q_start, m0, q_len, head, stride_ot, stride_oh, BLOC
 
 
 @triton.jit
+def _state_offsets(q_start, m0, q_len, head, num_heads, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # the float32 state of prefill_segments: acc [T, heads, D], m and l [T, heads] (contiguous)
+    tok = m0 + tl.arange(0, BLOCK_M)
+    row = (q_start + tok).to(tl.int64) * num_heads + head              # [BLOCK_M]
+    return row, row[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], tok < q_len
+
+
+@triton.jit
+def _load_state(acc_ptr, m_ptr, l_ptr, q_start, m0, q_len, head, num_heads, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr):
+    row, cell, valid = _state_offsets(q_start, m0, q_len, head, num_heads, BLOCK_M, HEAD_DIM)
+    acc = tl.load(acc_ptr + cell, mask=valid[:, None], other=0.0)
+    m_i = tl.load(m_ptr + row, mask=valid, other=-1.0e30)
+    l_i = tl.load(l_ptr + row, mask=valid, other=0.0)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_state(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, q_start, m0, q_len, head, num_heads, BLOCK_M: tl.constexpr,
+                 HEAD_DIM: tl.constexpr):
+    row, cell, valid = _state_offsets(q_start, m0, q_len, head, num_heads, BLOCK_M, HEAD_DIM)
+    tl.store(acc_ptr + cell, acc, mask=valid[:, None])
+    tl.store(m_ptr + row, m_i, mask=valid)
+    tl.store(l_ptr + row, l_i, mask=valid)
+
+
+@triton.jit
 def _prefill_attn_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, cu_q_ptr, cu_k_ptr, qk_scale, stride_ot, stride_oh,
+                         acc_ptr, m_ptr, l_ptr, num_heads, pos_shift,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr):
+                         NUM_STAGES: tl.constexpr, TMA_STORE: tl.constexpr,
+                         CARRY_IN: tl.constexpr, CARRY_OUT: tl.constexpr):
     # grid (heads, sequences, max query tiles), heads fastest: the GQA siblings of one tile run side
     # by side and share K/V tiles in L2
     head = tl.program_id(0)
@@ -140,23 +169,32 @@ def _prefill_attn_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, cu_q_ptr, cu_k_p
     k_start = tl.load(cu_k_ptr + seq)
     k_len = tl.load(cu_k_ptr + seq + 1) - k_start
     m0 = tile * BLOCK_M                                     # the tile's first query within the sequence
-    first_pos = k_len - q_len + m0                          # its position
+    # its position relative to the first key given; pos_shift > 0 for a segment that ends before the
+    # sequence does (prefill_segments: every query sees all of its keys)
+    first_pos = k_len - q_len + m0 + pos_shift
     q_pos = first_pos + tl.arange(0, BLOCK_M)               # [BLOCK_M]; rows past q_len: dropped at the store
 
     q = desc_q.load([q_start + m0, head * HEAD_DIM])        # [BLOCK_M, D]
     kv_col = (head // GROUP) * HEAD_DIM
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)           # finite: no inf - inf on a fully masked tile
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CARRY_IN:                                            # the softmax state after the earlier segments
+        acc, m_i, l_i = _load_state(acc_ptr, m_ptr, l_ptr, q_start, m0, q_len, head, num_heads, BLOCK_M, HEAD_DIM)
+    else:
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)       # finite: no inf - inf on a fully masked tile
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    # keys <= first_pos are visible to every row of the tile: whole tiles below need no mask
-    mid = (first_pos + 1) // BLOCK_N * BLOCK_N
+    # keys <= first_pos are visible to every row of the tile: whole tiles below need no mask (a segment
+    # before the queries, a multiple of BLOCK_N keys, is all such tiles)
+    mid = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, k_len)
     hi = tl.minimum(k_len, first_pos + BLOCK_M)              # keys after the tile's last query: never seen
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, 0, mid, q_pos, qk_scale,
                             BLOCK_N, False, NUM_STAGES)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, desc_k, desc_v, k_start, kv_col, mid, hi, q_pos, qk_scale,
                             BLOCK_N, True, NUM_STAGES)
 
+    if CARRY_OUT:
+        _store_state(acc, m_i, l_i, acc_ptr, m_ptr, l_ptr, q_start, m0, q_len, head, num_heads, BLOCK_M, HEAD_DIM)
+        return
     out = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
     if TMA_STORE:
         if m0 + BLOCK_M <= q_len:
@@ -232,18 +270,59 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seql
     B = cu_seqlens_q.shape[0] - 1
     if T == 0 or B == 0 or max_seqlen_q == 0:
         return out
-    cfg = default_config(d) if config is None else config
+    _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale, out, default_config(d) if config is None
+            else config)
+    return out
+
+
+def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale: float, out, cfg: PrefillConfig, *,
+            state: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, pos_shift: int = 0,
+            carry_in: bool = False, carry_out: bool = False) -> None:
+    T, H, d = q.shape
     bm, bn = cfg.block_m, cfg.block_n
     desc_k = TensorDescriptor.from_tensor(_as_2d(k), [bn, d])
     desc_v = TensorDescriptor.from_tensor(_as_2d(v), [bn, d])
     desc_q = TensorDescriptor.from_tensor(_as_2d(q), [bm, d])
     desc_o = TensorDescriptor.from_tensor(_as_2d(out), [bm, d])
-    grid = (H, B, triton.cdiv(max_seqlen_q, bm))
+    acc, m, l = state if state is not None else (out, out, out)         # placeholders, never touched
+    grid = (H, cu_seqlens_q.shape[0] - 1, triton.cdiv(max_seqlen_q, bm))
     _prefill_attn_kernel[grid](
         desc_q, desc_k, desc_v, desc_o, out, cu_seqlens_q, cu_seqlens_k, scale * LOG2E,
-        out.stride(0), out.stride(1),
-        GROUP=H // kvh, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg.num_stages, TMA_STORE=cfg.tma_store,
+        out.stride(0), out.stride(1), acc, m, l, H, pos_shift,
+        GROUP=H // k.shape[1], HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, NUM_STAGES=cfg.num_stages,
+        TMA_STORE=cfg.tma_store, CARRY_IN=carry_in, CARRY_OUT=carry_out,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+
+
+def prefill_segments(q: torch.Tensor, kv, ctx, scale: float, segment_keys: int, *,
+                     out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+    """Causal prefill of one sequence whose keys are too many for one gather (engine.kv_pages
+    PREFILL_GATHER_MAX_BYTES): its keys in segments of `segment_keys` (a multiple of the page and of BLOCK_N),
+    each gathered into contiguous K/V (int8 pages dequantized into q's dtype) and attended by the kernel, which
+    carries the float32 softmax state (acc, m, l) from one segment's launch to the next and normalizes after the
+    last. Segments before the chunk's first token are seen whole by every query (pos_shift); the last is causal.
+
+    q: [T, heads, D] the sequence's new tokens (ctx: one sequence, host lengths set); kv: its LayerKV.
+    Returns out [T, heads, D] in q's dtype."""
+    T, H, d = q.shape
+    if ctx.num_seqs != 1 or ctx.host_seq_lens is None or ctx.host_query_lens is None:
+        raise ValueError("prefill_segments takes one sequence with host lengths")
+    cfg = default_config(d) if config is None else config
+    if segment_keys % cfg.block_n:
+        raise ValueError(f"segment_keys {segment_keys} is not a multiple of block_n {cfg.block_n}")
+    out = torch.empty_like(q) if out is None else out
+    seg = ctx.segment_plan(kv.k.shape[1], segment_keys)
+    k_len = ctx.host_seq_lens[0]
+    state = None
+    if len(seg.bounds) > 1:
+        state = (torch.empty((T, H, d), dtype=torch.float32, device=q.device),
+                 torch.empty((T, H), dtype=torch.float32, device=q.device),
+                 torch.empty((T, H), dtype=torch.float32, device=q.device))
+    for i, ((lo, hi), plan) in enumerate(zip(seg.bounds, seg.gathers)):
+        k, v, cu_k = gather_kv(kv.k, kv.v, ctx.block_tables, [hi - lo], scales_k=kv.k_scale, scales_v=kv.v_scale,
+                               dtype=q.dtype, plan=plan)
+        _launch(q, k, v, ctx.query_start_loc, cu_k, T, scale, out, cfg, state=state, pos_shift=k_len - hi,
+                carry_in=i > 0, carry_out=i < len(seg.bounds) - 1)
     return out
 
 

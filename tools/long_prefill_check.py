@@ -1,0 +1,93 @@
+"""One GPU run: a prefill chunk's attention after a long context, the engine's route against the paged kernel.
+
+    python tools/long_prefill_check.py [--contexts 32768,65536,131072,196608] [--chunk 4096] [--shapes 8b,32b]
+
+Per shape (qwen3-8b: 32 q heads, qwen3-32b: 64; both 8 KV heads, head_dim 128, pages of 16), per KV dtype (bf16,
+int8) and context, one layer's call of `paged_attention` for a chunk of new tokens after `context` keys:
+  route   the engine's choice (engine.kernels.attention): past PREFILL_GATHER_MAX_BYTES one sequence takes the
+          TMA kernel segment by segment (prefill_segments), int8 pages dequantized by the gather;
+  paged   the paged kernel, forced by an explicit plan (the route of before for these shapes);
+median of CUDA-event timings after a warm-up, TFLOP/s = 4 * heads * head_dim per visible (query, key) pair, and
+the relative error of route against paged. Prints a table; --out writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {"8b": 32, "32b": 64}              # q heads; 8 KV heads, head_dim 128 for both
+KVH, D, PAGE = 8, 128, 16
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="32768,65536,131072,196608")
+    ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--shapes", default="8b,32b")
+    ap.add_argument("--dtypes", default="bf16,int8")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from engine.kernels import attention as A
+    from tools.kernel_checks import attention_case, rel_err
+    rows = []
+    for shape in args.shapes.split(","):
+        heads = SHAPES[shape]
+        for dtype in args.dtypes.split(","):
+            kv_dtype = torch.int8 if dtype == "int8" else torch.bfloat16
+            for context in (int(c) for c in args.contexts.split(",")):
+                keys = context + args.chunk
+                q, kv, ctx = attention_case([args.chunk], [keys], heads, KVH, D, PAGE, kv_dtype, torch.bfloat16,
+                                            "cuda", seed=1)
+                scale = D ** -0.5
+                route = ("gather" if A.takes_tma_prefill(q, kv, ctx)
+                         else f"segments of {A.prefill_segment_keys(q, kv, ctx)}" if A.prefill_segment_keys(q, kv, ctx)
+                         else "paged")
+                paged_cfg = A.plan(q, kv, ctx)
+                out_route = A.paged_attention(q, kv, ctx, scale)
+                out_paged = A.paged_attention(q, kv, ctx, scale, config=paged_cfg)
+                err = rel_err(out_route, out_paged)
+                ms_route = timed(lambda: A.paged_attention(q, kv, ctx, scale, out=out_route), args.reps)
+                ms_paged = timed(lambda: A.paged_attention(q, kv, ctx, scale, out=out_paged, config=paged_cfg),
+                                 args.reps)
+                flops = A.attention_flops([keys], [args.chunk], heads, D)
+                row = dict(shape=shape, kv=dtype, context=context, chunk=args.chunk, route=route,
+                           route_ms=ms_route, paged_ms=ms_paged, speedup=ms_paged / ms_route,
+                           route_tflops=flops / ms_route / 1e9, paged_tflops=flops / ms_paged / 1e9, rel_err=err)
+                rows.append(row)
+                print(f"{shape:4} {dtype:5} ctx {context:7} +{args.chunk}: {route:18} {ms_route:8.2f} ms "
+                      f"({row['route_tflops']:4.0f} TFLOP/s)  paged {ms_paged:8.2f} ms ({row['paged_tflops']:4.0f})  "
+                      f"x{row['speedup']:.2f}  rel_err {err:.1e}", flush=True)
+                del q, kv, ctx, out_route, out_paged
+                torch.cuda.empty_cache()
+    if args.out:
+        info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
