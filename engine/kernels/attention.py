@@ -422,9 +422,16 @@ DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "
 # bf16 b1 32k 45.4-49.7 against 53.9 for the plan in that run but 43.8 for its prefetch variant; b8 slower for
 # both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a step is too little work per
 # pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes.
-DECODE_TMA = {"num_warps": 2, "num_stages": 9, "int8_upcast": True}
+# NINFER_ATTN_DECODE_TMA_SHAPE="pages_per_step,num_stages,num_warps" picks another of the tuner's shapes (served A/Bs).
+_TMA_SHAPE = [int(x) for x in os.environ.get("NINFER_ATTN_DECODE_TMA_SHAPE", "1,9,2").split(",")]
+DECODE_TMA = {"pages_per_step": _TMA_SHAPE[0], "num_stages": _TMA_SHAPE[1], "num_warps": _TMA_SHAPE[2],
+              "int8_upcast": True}
 DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
-DECODE_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "0") == "1"
+# "1": both page dtypes; "bf16" or "int8": those pages only
+_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "0")
+DECODE_TMA_ON = _TMA_ON in ("1", "bf16", "int8")
+DECODE_TMA_DTYPES = {"1": (torch.bfloat16, torch.float16, torch.int8), "bf16": (torch.bfloat16,),
+                     "int8": (torch.int8,)}.get(_TMA_ON, ())
 # int8 pages over long contexts (splits of several tiles): 128-key tiles, the next tile's K loaded before this
 # tile's math (prefetch 1), and at most 2 programs per SM (249 registers for sm_90: a third would start a second
 # wave). Measured for 16-row tiles only (decode; verify up to 4 tokens at group 4): larger tiles keep
@@ -432,7 +439,9 @@ DECODE_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "0") == "1"
 # H200 (s21 b, us per call): b1 32k 45.0 -> 39.1, b1 8k 18.1 -> 15.1, b8 8k 72.1 -> 70.1, b8 32k 263.9 -> 257.3;
 # s13 found the same row best at 32k. NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
 INT8_LONG = os.environ.get("NINFER_ATTN_INT8_LONG", "1") != "0"
-INT8_LONG_PROGRAMS_PER_SM = 2
+# NINFER_ATTN_INT8_LONG_SHAPE="prefetch,num_warps,programs_per_sm" picks another of the tuner's shapes (served A/Bs)
+_I8_SHAPE = [int(x) for x in os.environ.get("NINFER_ATTN_INT8_LONG_SHAPE", "1,4,2").split(",")]
+INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = _I8_SHAPE
 
 
 @functools.lru_cache(maxsize=None)
@@ -485,7 +494,7 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             cfg = dict(DECODE_TMA, block_n=page, min_tiles=max(1, DECODE_MIN_SPLIT_KEYS // page), tma_pages=True,
                        int8_upcast=DECODE_TMA["int8_upcast"] and q.dtype == torch.bfloat16)
         elif INT8_LONG and base is DECODE_INT8 and not cfg.get("prefetch") and block_m == 16 and d <= 128:
-            cfg.update(block_n=128, prefetch=1, num_stages=1)
+            cfg.update(block_n=128, prefetch=INT8_LONG_PREFETCH, num_stages=1, num_warps=INT8_LONG_WARPS)
             while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
                 splits //= 2
         return AttnConfig(block_m=block_m, num_splits=splits, fused_merge=FUSED_MERGE and splits > 1, **cfg)
@@ -685,7 +694,8 @@ def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m:
     GPU, a Triton with host-side descriptors, a uniform query length, the shapes compiled and tested on the
     H200 (pages of 16 tokens, head_dim 128 or 256, tiles of 16-64 rows), each KV layer's pool contiguous and
     16-byte aligned. Host shapes only: graph-safe."""
-    if not (q.is_cuda and DECODE_TMA_ON and ctx.uniform_query_len is not None and block_m <= 64):
+    if not (q.is_cuda and DECODE_TMA_ON and kv.k.dtype in DECODE_TMA_DTYPES and ctx.uniform_query_len is not None
+            and block_m <= 64):
         return False
     _, page, kvh, d = kv.k.shape
     if not (d in (128, 256) and page == 16):
