@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import CapacityError
-from engine.kv_pages import PREFILL_GATHER_MAX_BYTES
+from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, PREFILL_TMA_HEAD_DIMS
 
 GiB = 1 << 30
 # On the CPU an automatic capacity stops here: memory there is shared with everything else.
@@ -104,7 +104,7 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
     logit_rows = cfg.max_batch * (draft_tokens + 1)
     activations += logit_rows * model.vocab_size * 4 * (4 if draft_tokens else 2)
-    if cfg.device != "cpu" and model.head_dim == 128:
+    if cfg.device != "cpu" and model.head_dim in PREFILL_TMA_HEAD_DIMS:
         # the TMA prefill's gather of 16-bit K/V (int8 pages dequantized too), or a segment and its float32 state
         activations += PREFILL_GATHER_MAX_BYTES * 3 // 2
     reserve = 0 if cfg.device == "cpu" else CUDA_RESERVE_BYTES + (CUDA_TP_RESERVE_BYTES if tp > 1 else 0)

@@ -3,6 +3,7 @@ a batch's pages into contiguous K/V (the TMA prefill kernel's input, engine/kern
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,9 @@ import torch
 # the paged kernel); a packed gather holds a page-rounded copy beside the packed one, so the memory plan
 # (engine/capacity.py) counts 1.5 times it
 PREFILL_GATHER_MAX_BYTES = 256 << 20
+# head_dims whose prefill takes the gather and the TMA kernel (engine.kernels.attention): 128, measured; 256
+# (Qwen3.5's gated attention) when NINFER_PREFILL_TMA_HD256=1, until it is measured
+PREFILL_TMA_HEAD_DIMS = (128, 256) if os.environ.get("NINFER_PREFILL_TMA_HD256") == "1" else (128,)
 
 
 @dataclass

@@ -175,6 +175,17 @@ def test_interpreted_segments(P, kv_dtype, lens):
     assert seg.bounds[-1][1] == lens[1][0] and all(hi - lo == 32 for lo, hi in seg.bounds[:-1])
 
 
+@needs_triton
+def test_interpreted_segments_head_dim_256(P):
+    """Qwen3.5's gated attention shape (group 4, head_dim 256) through the segments."""
+    _cpu_only()
+    from engine.layers.attention import paged_attention_reference
+    from tools.kernel_checks import attention_case, rel_err
+    q, kv, ctx = attention_case([20], [90], 4, 1, 256, 16, torch.bfloat16, torch.bfloat16, "cpu", seed=16)
+    out = P.prefill_segments(q, kv, ctx, 256 ** -0.5, 32, config=_small(P))
+    assert rel_err(out, paged_attention_reference(q.double(), kv, ctx, 256 ** -0.5)) < TOL
+
+
 def test_segment_plan():
     """Segments of segment_keys up to the chunk's first token, then one to the end; each gathers its own pages."""
     from engine.kv_pages import gather_kv, segment_plan
@@ -365,3 +376,30 @@ def test_gpu_long_prefill_takes_segments(P, monkeypatch, kv_dtype):
     assert not A.prefill_segment_keys(qs, kvs, ctxs)
     monkeypatch.setenv("NINFER_PREFILL_TMA", "0")
     assert not A.prefill_segment_keys(q, kv, ctx)
+
+
+@needs_cuda
+def test_gpu_head_dim_256_takes_tma_routes_when_on(P, monkeypatch):
+    """head_dim 256 (qwen3.5-27b's gated attention at TP=1: 24 q heads, 4 KV heads) stays on the paged kernel
+    unless PREFILL_TMA_HEAD_DIMS holds it (NINFER_PREFILL_TMA_HD256=1); then the whole gather and the segments
+    match the paged kernel and the twin, bf16 and int8 pages."""
+    from engine.kernels import attention as A
+    from engine.layers.attention import paged_attention_reference
+    from tools.kernel_checks import attention_case, rel_err
+    scale = 256 ** -0.5
+    for kv_dtype, seed in ((torch.bfloat16, 17), (torch.int8, 18)):
+        q, kv, ctx = attention_case([1200], [7000], 24, 4, 256, 16, kv_dtype, torch.bfloat16, "cuda", seed=seed)
+        monkeypatch.setattr(A, "PREFILL_TMA_HEAD_DIMS", (128,))
+        assert not A.takes_tma_prefill(q, kv, ctx) and not A.prefill_segment_keys(q, kv, ctx)
+        monkeypatch.setattr(A, "PREFILL_TMA_HEAD_DIMS", (128, 256))
+        twin = paged_attention_reference(q.float(), kv, ctx, scale)
+        paged = A.paged_attention(q, kv, ctx, scale, config=A.plan(q, kv, ctx))
+        assert A.takes_tma_prefill(q, kv, ctx)
+        assert rel_err(A.paged_attention(q, kv, ctx, scale), twin) < TOL
+        # 28 MB < 7,000 keys of 4 KB; 1.5 x 28 MB less the 29.7 MB state leaves segments of 2,048
+        monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 28 << 20)
+        monkeypatch.setattr(A, "SEGMENT_MIN_KEYS", 256)
+        assert not A.takes_tma_prefill(q, kv, ctx) and A.prefill_segment_keys(q, kv, ctx) == 2048
+        routed = A.paged_attention(q, kv, ctx, scale)
+        assert rel_err(routed, twin) < TOL and rel_err(routed, paged) < TOL
+        monkeypatch.undo()

@@ -2,8 +2,8 @@
 
     python tools/long_prefill_check.py [--contexts 32768,65536,131072,196608] [--chunk 4096] [--shapes 8b,32b]
 
-Per shape (qwen3-8b: 32 q heads, qwen3-32b: 64; both 8 KV heads, head_dim 128, pages of 16), per KV dtype (bf16,
-int8) and context, one layer's call of `paged_attention` for a chunk of new tokens after `context` keys:
+Per shape (qwen3-8b: 32 q heads, qwen3-32b: 64, both 8 KV heads of 128; qwen3.5-27b's gated attention: 24 q heads,
+4 KV heads of 256, whose TMA routes --hd256 turns on), pages of 16, per KV dtype (bf16, int8) and context, one layer's call of `paged_attention` for a chunk of new tokens after `context` keys:
   route   the engine's choice (engine.kernels.attention): past PREFILL_GATHER_MAX_BYTES one sequence takes the
           TMA kernel segment by segment (prefill_segments), int8 pages dequantized by the gather;
   paged   the paged kernel, forced by an explicit plan (the route of before for these shapes);
@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPES = {"8b": 32, "32b": 64}              # q heads; 8 KV heads, head_dim 128 for both
-KVH, D, PAGE = 8, 128, 16
+SHAPES = {"8b": (32, 8, 128), "32b": (64, 8, 128), "27b": (24, 4, 256)}     # q heads, KV heads, head_dim
+PAGE = 16
 
 
 def timed(fn, reps: int) -> float:
@@ -49,20 +49,23 @@ def main() -> int:
     ap.add_argument("--shapes", default="8b,32b")
     ap.add_argument("--dtypes", default="bf16,int8")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hd256", action="store_true", help="head_dim 256 takes the TMA routes (NINFER_PREFILL_TMA_HD256)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from engine.kernels import attention as A
+    if args.hd256:
+        A.PREFILL_TMA_HEAD_DIMS = (128, 256)
     from tools.kernel_checks import attention_case, rel_err
     rows = []
     for shape in args.shapes.split(","):
-        heads = SHAPES[shape]
+        heads, kvh, d = SHAPES[shape]
         for dtype in args.dtypes.split(","):
             kv_dtype = torch.int8 if dtype == "int8" else torch.bfloat16
             for context in (int(c) for c in args.contexts.split(",")):
                 keys = context + args.chunk
-                q, kv, ctx = attention_case([args.chunk], [keys], heads, KVH, D, PAGE, kv_dtype, torch.bfloat16,
+                q, kv, ctx = attention_case([args.chunk], [keys], heads, kvh, d, PAGE, kv_dtype, torch.bfloat16,
                                             "cuda", seed=1)
-                scale = D ** -0.5
+                scale = d ** -0.5
                 route = ("gather" if A.takes_tma_prefill(q, kv, ctx)
                          else f"segments of {A.prefill_segment_keys(q, kv, ctx)}" if A.prefill_segment_keys(q, kv, ctx)
                          else "paged")
@@ -73,7 +76,7 @@ def main() -> int:
                 ms_route = timed(lambda: A.paged_attention(q, kv, ctx, scale, out=out_route), args.reps)
                 ms_paged = timed(lambda: A.paged_attention(q, kv, ctx, scale, out=out_paged, config=paged_cfg),
                                  args.reps)
-                flops = A.attention_flops([keys], [args.chunk], heads, D)
+                flops = A.attention_flops([keys], [args.chunk], heads, d)
                 row = dict(shape=shape, kv=dtype, context=context, chunk=args.chunk, route=route,
                            route_ms=ms_route, paged_ms=ms_paged, speedup=ms_paged / ms_route,
                            route_tflops=flops / ms_route / 1e9, paged_tflops=flops / ms_paged / 1e9, rel_err=err)

@@ -11,7 +11,10 @@ softmax of FlashAttention (Dao et al.): first the tiles that every row of the ti
 mask), then the few that straddle the causal diagonal (masked); tiles past the diagonal are never
 loaded.
 
-Prefill-shaped calls (many rows) use BLOCK_M = 128 and one program per tile. Decode and verify
+Prefill-shaped calls with host lengths on an sm90 GPU mostly leave this file: their keys are gathered into
+contiguous K/V (int8 pages dequantized on the way) for the TMA kernel of attention_prefill.py, all at once or,
+for one long sequence, segment by segment (`takes_tma_prefill`, `prefill_segment_keys`). The rest (short chunks
+after long contexts, graphs, other GPUs) use BLOCK_M = 128 here and one program per tile. Decode and verify
 (query_len * GROUP <= 128 rows) split each sequence's keys over `num_splits` programs and merge the
 partial softmax states (split-K "flash-decoding", Dao et al.), so that batch-1 decode at long context
 still covers every SM: the last split of a tile to finish merges them (an arrival counter per tile and
@@ -46,7 +49,7 @@ import triton.language as tl
 from engine.forward_context import ForwardContext
 from engine.kernels.attention_tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
                                             _store_split)
-from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, LayerKV, gather_kv
+from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, PREFILL_TMA_HEAD_DIMS, LayerKV, gather_kv
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_ROWS = 128      # query_len * group up to this takes the split (graph-safe) plan
@@ -641,14 +644,14 @@ PREFILL_TMA_INT8 = os.environ.get("NINFER_PREFILL_TMA_INT8", "1") != "0"
 def _tma_prefill_shape(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
     """What both TMA prefill routes need: a prefill shape (more rows than the decode plan takes) on an sm90 GPU,
     outside any CUDA-graph capture, with host lengths in the context; bf16/fp16 q, pages of its dtype or int8
-    (with bf16 q); head_dim 128 (measured; 256 is not); q laid out as TMA needs it. `NINFER_PREFILL_TMA=0` turns
+    (with bf16 q); head_dim in PREFILL_TMA_HEAD_DIMS; q laid out as TMA needs it. `NINFER_PREFILL_TMA=0` turns
     both off."""
     if not q.is_cuda or ctx.host_seq_lens is None or ctx.host_query_lens is None:
         return False
     T, H, d = q.shape
     kvh = kv.k.shape[2]
     q_len = ctx.uniform_query_len if ctx.uniform_query_len is not None else ctx.max_query_len
-    if q_len * (H // kvh) <= DECODE_MAX_ROWS or d != 128:
+    if q_len * (H // kvh) <= DECODE_MAX_ROWS or d not in PREFILL_TMA_HEAD_DIMS:
         return False
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False

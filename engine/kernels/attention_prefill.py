@@ -57,6 +57,14 @@ against 4.75 ms after 28k keys and 0.365 against 0.350 ms at context 0, as Trito
 wgmma at once. Packing a KV head's GQA group into a program's rows (vLLM's layout, 3-D q/out boxes)
 took 4.29-4.73 ms after 28k, against 3.94 ms for the default `bm128 bn64 w8 s2 maxnreg 128`.
 
+Past the gather bound (engine.kv_pages.PREFILL_GATHER_MAX_BYTES, 64k keys of qwen3-8b K/V), one sequence's
+keys go through the kernel in segments (`prefill_segments`): each segment is gathered and attended in its own
+launch, and the float32 softmax state (acc, m, l) is stored after a launch and loaded by the next (CARRY_OUT,
+CARRY_IN), so one accumulator sees every key and only the last launch normalizes. The segments before the chunk
+are seen whole by every query (`pos_shift` moves the rows' positions past them), so they run the unmasked loop
+only. H200, one layer, chunk 4096 (bench/results/2026-12-02-h200-s22/a): 500-520 TFLOP/s from 65k to 196k keys
+against the paged kernel's 350 (bf16 pages) and 216 (int8 pages, dequantized by the gather).
+
 The interpreter (TRITON_INTERPRET=1) runs the same kernel on the CPU, descriptors included
 (tests/test_kernels_prefill_tma.py).
 """
