@@ -396,10 +396,11 @@ def test_gpu_head_dim_256_takes_tma_routes_when_on(P, monkeypatch):
         paged = A.paged_attention(q, kv, ctx, scale, config=A.plan(q, kv, ctx))
         assert A.takes_tma_prefill(q, kv, ctx)
         assert rel_err(A.paged_attention(q, kv, ctx, scale), twin) < TOL
-        # 28 MB < 7,000 keys of 4 KB; 1.5 x 28 MB less the 29.7 MB state leaves segments of 2,048
-        monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 28 << 20)
+        # 26 MiB < 7,000 keys of 4,096 B (28.7 MB); 1.5 x 26 MiB less the 29.7 MB state leaves 2,727 keys, less
+        # the 1,200 new ones: segments of 1,280
+        monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 26 << 20)
         monkeypatch.setattr(A, "SEGMENT_MIN_KEYS", 256)
-        assert not A.takes_tma_prefill(q, kv, ctx) and A.prefill_segment_keys(q, kv, ctx) == 2048
+        assert not A.takes_tma_prefill(q, kv, ctx) and A.prefill_segment_keys(q, kv, ctx) == 1280
         routed = A.paged_attention(q, kv, ctx, scale)
         assert rel_err(routed, twin) < TOL and rel_err(routed, paged) < TOL
         monkeypatch.undo()
