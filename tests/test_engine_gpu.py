@@ -170,3 +170,48 @@ def test_automatic_kv_capacity_fits_the_devices(tp):
             assert used <= utilization * total + slack, f"{device}: {used / 2**30:.1f} GiB used"
     finally:
         llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_long_prompts_through_the_tma_prefill_routes_agree_with_the_paged_kernel(monkeypatch, kv_dtype):
+    """The engine's prefill of 2.5k-3.5k-token prompts in chunks of 512, through the gather route and, once a chunk's
+    keys pass the (shrunk) gather bound, through prefill_segments, against the same prompts on the paged kernel
+    (NINFER_PREFILL_TMA=0). The trained model's head_dim 64 is let onto the TMA routes for the test; bounds shrunk
+    so 1 MiB holds 2,048 keys and segments hold 768."""
+    from engine.kernels import attention as A
+    from engine.kernels import attention_prefill as P
+    monkeypatch.setattr(A, "PREFILL_TMA_HEAD_DIMS", (64, 128, 256))
+    monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 1 << 20)
+    monkeypatch.setattr(A, "PREFILL_SEGMENT_MIN_QUERIES", 256)
+    monkeypatch.setattr(A, "SEGMENT_MIN_KEYS", 256)
+    calls = {"segments": 0, "gather": 0}
+    segments, gather = P.prefill_segments, P.prefill_attention
+
+    def counted_segments(*a, **kw):
+        calls["segments"] += 1
+        return segments(*a, **kw)
+
+    def counted_gather(*a, **kw):
+        calls["gather"] += 1
+        return gather(*a, **kw)
+    monkeypatch.setattr(P, "prefill_segments", counted_segments)
+    monkeypatch.setattr(P, "prefill_attention", counted_gather)
+    prompts = [PROMPTS[1] * 100, PROMPTS[2] * 150]                # 3,500 and 2,550 tokens
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(str(MODEL), device="cuda", kv_capacity=16384, max_batch=8, prefill_chunk=512, kv_dtype=kv_dtype,
+                  draft_tokens=0)
+        outs = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.engine.executor.shutdown()
+        return outs
+
+    routed = run()
+    assert calls["segments"] > 0 and calls["gather"] > 0, calls
+    monkeypatch.setenv("NINFER_PREFILL_TMA", "0")
+    before = dict(calls)
+    paged = run()
+    assert calls == before                        # the switch keeps every call on the paged kernel
+    rate = _agreement(paged, routed)
+    print(f"{kv_dtype} KV: TMA prefill routes vs paged kernel agreement before first divergence: {rate:.3f}")
+    assert rate >= 0.9
