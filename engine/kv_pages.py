@@ -12,9 +12,11 @@ import torch
 # the paged kernel); a packed gather holds a page-rounded copy beside the packed one, so the memory plan
 # (engine/capacity.py) counts 1.5 times it
 PREFILL_GATHER_MAX_BYTES = 256 << 20
-# head_dims whose prefill takes the gather and the TMA kernel (engine.kernels.attention): 128, measured; 256
-# (Qwen3.5's gated attention) when NINFER_PREFILL_TMA_HD256=1, until it is measured
-PREFILL_TMA_HEAD_DIMS = (128, 256) if os.environ.get("NINFER_PREFILL_TMA_HD256") == "1" else (128,)
+# head_dims whose prefill takes the gather and the TMA kernel (engine.kernels.attention). H200, one layer, chunk
+# 4096 (bench/results/2026-12-02-h200-s22): 128 at 1.4-2.5x the paged kernel (qwen3-8b/32b, 32k-196k keys, bf16
+# and int8 pages); 256, Qwen3.5-27B's gated attention (24 heads over 4 KV heads), at 3.1-4.1x (32k and 128k keys).
+# NINFER_PREFILL_TMA_HD256=0 keeps 256 on the paged kernel.
+PREFILL_TMA_HEAD_DIMS = (128,) if os.environ.get("NINFER_PREFILL_TMA_HD256") == "0" else (128, 256)
 
 
 @dataclass

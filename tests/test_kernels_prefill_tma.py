@@ -379,10 +379,10 @@ def test_gpu_long_prefill_takes_segments(P, monkeypatch, kv_dtype):
 
 
 @needs_cuda
-def test_gpu_head_dim_256_takes_tma_routes_when_on(P, monkeypatch):
-    """head_dim 256 (qwen3.5-27b's gated attention at TP=1: 24 q heads, 4 KV heads) stays on the paged kernel
-    unless PREFILL_TMA_HEAD_DIMS holds it (NINFER_PREFILL_TMA_HD256=1); then the whole gather and the segments
-    match the paged kernel and the twin, bf16 and int8 pages."""
+def test_gpu_head_dim_256_takes_tma_routes(P, monkeypatch):
+    """head_dim 256 (qwen3.5-27b's gated attention at TP=1: 24 q heads, 4 KV heads) takes the TMA routes while
+    PREFILL_TMA_HEAD_DIMS holds it (the default; NINFER_PREFILL_TMA_HD256=0 takes it out): the whole gather and
+    the segments match the paged kernel and the twin, bf16 and int8 pages."""
     from engine.kernels import attention as A
     from engine.layers.attention import paged_attention_reference
     from tools.kernel_checks import attention_case, rel_err

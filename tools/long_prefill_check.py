@@ -3,7 +3,7 @@
     python tools/long_prefill_check.py [--contexts 32768,65536,131072,196608] [--chunk 4096] [--shapes 8b,32b]
 
 Per shape (qwen3-8b: 32 q heads, qwen3-32b: 64, both 8 KV heads of 128; qwen3.5-27b's gated attention: 24 q heads,
-4 KV heads of 256, whose TMA routes --hd256 turns on), pages of 16, per KV dtype (bf16, int8) and context, one layer's call of `paged_attention` for a chunk of new tokens after `context` keys:
+4 KV heads of 256), pages of 16, per KV dtype (bf16, int8) and context, one layer's call of `paged_attention` for a chunk of new tokens after `context` keys:
   route   the engine's choice (engine.kernels.attention): past PREFILL_GATHER_MAX_BYTES one sequence takes the
           TMA kernel segment by segment (prefill_segments), int8 pages dequantized by the gather;
   paged   the paged kernel, forced by an explicit plan (the route of before for these shapes);
@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="8b,32b")
     ap.add_argument("--dtypes", default="bf16,int8")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--hd256", action="store_true", help="head_dim 256 takes the TMA routes (NINFER_PREFILL_TMA_HD256)")
+    ap.add_argument("--hd256", action="store_true", help="head_dim 256 on the TMA routes even under NINFER_PREFILL_TMA_HD256=0")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from engine.kernels import attention as A
