@@ -447,14 +447,15 @@ _I8_SHAPE = [int(x) for x in os.environ.get("NINFER_ATTN_INT8_LONG_SHAPE", "1,4,
 INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = _I8_SHAPE
 
 
-# 16-bit pages, split decode over a few tiles a split (long contexts at small batch): the next tile's K loaded
-# before this tile's math, registers capped at 128 so four programs share an SM (the plan's 512 programs of a
-# batch-1 step in one wave). H200, qwen3-8b, us per call (bench/results/2026-12-02-h200-s22/b): b1 32k 53.3 ->
-# 44.1 (8 tiles a split), b1 8k 22.0 -> 18.4 (2); at b8 8k (16 tiles a split, 0.90 of the byte floor already)
-# it lost, 70.2 -> 71.5, hence BF16_LONG_MAX_TILES. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline.
+# 16-bit pages, split decode at small batch past one-tile splits: the next tile's K loaded before this tile's
+# math, registers capped at 128 so four programs share an SM (the plan's 512 programs of a batch-1 step in one
+# wave). H200, qwen3-8b, us per call (bench/results/2026-12-02-h200-s22/b): b1 32k 53.3 -> 44.1, b1 8k 22.0 ->
+# 18.4 (64 splits); at b8 8k (8 splits, already 0.90 of the byte floor) it lost, 70.2 -> 71.5. The rule reads the
+# split count, not keys per split: a graph's plan sees its context class (the engine's maximum past 16k), not
+# the length it replays at. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline.
 BF16_LONG = os.environ.get("NINFER_ATTN_BF16_LONG", "1") != "0"
 BF16_LONG_SHAPE = {"prefetch": 1, "num_stages": 1, "max_regs": 128}
-BF16_LONG_MAX_TILES = 8
+BF16_LONG_MIN_SPLITS = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -511,8 +512,7 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
                 splits //= 2
         elif (BF16_LONG and base is DECODE and not kv.quantized and not cfg.get("prefetch") and block_m == 16
-              and d <= 128 and splits > 1
-              and -(-ctx.max_seq_len // (splits * cfg["block_n"])) <= BF16_LONG_MAX_TILES):
+              and d <= 128 and splits >= BF16_LONG_MIN_SPLITS):
             cfg.update(BF16_LONG_SHAPE)
         return AttnConfig(block_m=block_m, num_splits=splits, fused_merge=FUSED_MERGE and splits > 1, **cfg)
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
