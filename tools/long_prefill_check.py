@@ -29,17 +29,9 @@ PAGE = 16
 
 
 def timed(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """ms, median of reps CUDA-event timings after one untimed call."""
+    from tools.bench.timing import time_fn
+    return statistics.median(time_fn(fn, "cuda", warmup=1, repeats=reps)) * 1e3
 
 
 def main() -> int:
