@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-# A gather's output (K and V together) is bounded by this per call (engine.kernels.attention routes past it to
-# the paged kernel); a packed gather holds a page-rounded copy beside the packed one, so the memory plan
-# (engine/capacity.py) counts 1.5 times it
+# A gather's output (K and V together) is bounded by this per call; past it one sequence is gathered segment by
+# segment (engine.kernels.attention_prefill.prefill_segments) and anything else reads the pages in place. A packed
+# gather holds a page-rounded copy beside the packed one, and a segment (up to the segment keys plus the chunk's)
+# sits beside its float32 softmax state, so the memory plan (engine/capacity.py) counts 1.5 times it
 PREFILL_GATHER_MAX_BYTES = 256 << 20
 # head_dims whose prefill takes the gather and the TMA kernel (engine.kernels.attention). H200, one layer, chunk
 # 4096 (bench/results/2026-12-02-h200-s22): 128 at 1.4-2.5x the paged kernel (qwen3-8b/32b, 32k-196k keys, bf16
@@ -95,8 +96,9 @@ def gather_kv(pages_k: torch.Tensor, pages_v: torch.Tensor, block_tables: torch.
     Returns (k [sum(seq_lens), kv_heads, D], v [same], cu_seqlens_k [B + 1] int32 on the device).
 
     One index_select over whole pages per tensor (a page is page * kv_heads * D contiguous elements,
-    32 KB at qwen3-8b), then the tail of each sequence's last page is cut off. With a single
-    sequence the result is a view of the gathered pages; with several, one more copy packs them
+    32 KB at qwen3-8b), then the tail of each sequence's last page is cut off; int8 pages on CUDA are
+    gathered and dequantized in one pass instead (engine/kernels/kv_dequant.py, same rounding). With a
+    single sequence the result is a view of the gathered pages; with several, one more copy packs them
     (small next to the attention it feeds). `out`: buffers to receive k and v (their first rows).
     """
     plan = plan or gather_plan(block_tables, seq_lens, pages_k.shape[1])

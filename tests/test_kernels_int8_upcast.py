@@ -102,11 +102,12 @@ def test_plan_converts_int8_in_registers_for_decode_and_verify_only():
     assert not cfg.int8_upcast and {k: getattr(cfg, k) for k in A.DECODE if k != "num_stages"} == \
         {k: v for k, v in A.DECODE.items() if k != "num_stages"}, cfg
     assert (cfg.num_splits, cfg.prefetch, cfg.num_stages) == (8, 2, 1), cfg
-    # a long context: several tiles per split, the pipelined stages of DECODE and no prefetch
+    # a long context at batch 1: several tiles per split, 64 splits, so the 16-bit long-context shape
+    # (BF16_LONG: prefetch 1, one stage, 128 registers; tests/test_attention_plan_rules.py)
     from engine.forward_context import build_forward_context
     _, ctx = build_forward_context([1], [32768], [list(range(2048))], 16, torch.device("cpu"))
     cfg = A.plan(q, kv, ctx)                                   # the plan reads shapes and lengths only
-    assert (cfg.prefetch, cfg.num_stages) == (0, A.DECODE["num_stages"]) and cfg.num_splits * 64 < 32768, cfg
+    assert (cfg.prefetch, cfg.num_stages, cfg.max_regs) == (1, 1, 128) and cfg.num_splits * 64 < 32768, cfg
     # fp16 q over int8 pages: the PTX makes bf16, so the old route and the old defaults
     q, kv, ctx = _decode_inputs(torch.float16, I8)
     cfg = A.plan(q, kv, ctx)

@@ -226,6 +226,17 @@ def test_interpreted_dequant_rows(P):
         dequant_rows(pages, scales, ids, 17, torch.empty(17, kvh, d, dtype=torch.bfloat16))
 
 
+def test_shape_switches_refuse_bad_values():
+    """A malformed shape switch stops the import with the variable, its value and what it takes."""
+    import subprocess
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for name, value in (("NINFER_ATTN_INT8_LONG_SHAPE", "1,4"), ("NINFER_ATTN_DECODE_TMA_SHAPE", "1,9,3"),
+                        ("NINFER_ATTN_DECODE_TMA_SHAPE", "")):
+        r = subprocess.run([sys.executable, "-c", "import engine.kernels.attention"], cwd=root, capture_output=True,
+                           text=True, env={**os.environ, name: value, "TRITON_INTERPRET": "0"})
+        assert r.returncode != 0 and f"{name}={value!r}" in r.stderr, (name, value, r.stderr[-300:])
+
+
 def test_gather_kv():
     """Plain torch: whole pages, a cut last page, several sequences, into a preallocated buffer."""
     from engine.kv_pages import gather_kv
@@ -346,7 +357,13 @@ def test_gpu_paged_attention_routes_prefill_to_tma(P, monkeypatch):
     assert rel_err(A.paged_attention(q32, kv32, ctx32, scale), paged_attention_reference(q32, kv32, ctx32, scale)) < TOL
     # a short chunk after a long context (a new turn over a cached prefix): too little attention for the gather
     qs, kvs, ctxs = attention_case([64], [30000], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=11)
-    assert not A.takes_tma_prefill(qs, kvs, ctxs)
+    assert not A.takes_tma_prefill(qs, kvs, ctxs) and not A.prefill_segment_keys(qs, kvs, ctxs)
+    # one sequence with PREFILL_SEGMENT_MIN_QUERIES new tokens after a long prefix: too few queries per key for
+    # the per-key rule, but the query-count rule gathers it (one segment: its keys fit one gather)
+    ql, kvl, ctxl = attention_case([1024], [39000], 32, 8, 128, 16, torch.bfloat16, torch.bfloat16, "cuda", seed=19)
+    keys = A.prefill_segment_keys(ql, kvl, ctxl)
+    assert not A.takes_tma_prefill(ql, kvl, ctxl) and keys and len(ctxl.segment_plan(16, keys).bounds) == 1
+    assert rel_err(A.paged_attention(ql, kvl, ctxl, scale), paged_attention_reference(ql.float(), kvl, ctxl, scale)) < TOL
 
 
 @needs_cuda
@@ -404,3 +421,18 @@ def test_gpu_head_dim_256_takes_tma_routes(P, monkeypatch):
         routed = A.paged_attention(q, kv, ctx, scale)
         assert rel_err(routed, twin) < TOL and rel_err(routed, paged) < TOL
         monkeypatch.undo()
+
+
+@needs_cuda
+def test_gpu_int8_gather_equals_the_torch_gather():
+    """On CUDA gather_kv dequantizes int8 pages with kv_dequant.py; the CPU's torch path gives the same bits, for
+    one sequence and for several with cut last pages (the packed `keep` path)."""
+    from engine.kv_pages import gather_kv
+    from tools.kernel_checks import attention_case
+    for qlens, klens in (([1], [1000]), ([1, 1, 1], [37, 300, 129])):
+        _, kv, ctx = attention_case(qlens, klens, 32, 8, 128, 16, torch.int8, torch.bfloat16, "cuda", seed=20)
+        k, v, cu = gather_kv(kv.k, kv.v, ctx.block_tables, klens, scales_k=kv.k_scale, scales_v=kv.v_scale,
+                             dtype=torch.bfloat16)
+        kc, vc, cuc = gather_kv(kv.k.cpu(), kv.v.cpu(), ctx.block_tables.cpu(), klens, scales_k=kv.k_scale.cpu(),
+                                scales_v=kv.v_scale.cpu(), dtype=torch.bfloat16)
+        assert torch.equal(k.cpu(), kc) and torch.equal(v.cpu(), vc) and torch.equal(cu.cpu(), cuc.to(cu.dtype))

@@ -26,7 +26,8 @@ CUDA-graph capturable, and each program works out its own key range from `seq_le
 
 Decode/verify switches (`AttnConfig`, swept by tools/tune_decode_attention.py --variants): `prefetch`
 software-pipelines the whole-tile loop (the next tile's loads issued before this tile's math); plans take
-it for one-tile splits and for int8 pages at long contexts. `tma_pages` (off by default) hands a call to
+it for one-tile splits, for int8 pages at long contexts and for 16-bit pages split 32 ways or more (batch 1-2
+at long contexts, registers capped so four programs share an SM). `tma_pages` (off by default) hands a call to
 the TMA page kernel of attention_decode_tma.py.
 
 int8 pages are read as int8 and converted in registers: K's per-token scale multiplies the score
@@ -425,8 +426,22 @@ DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "
 # bf16 b1 32k 45.4-49.7 against 53.9 for the plan in that run but 43.8 for its prefetch variant; b8 slower for
 # both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a step is too little work per
 # pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes.
+def _ints_env(name: str, default: str, allowed: tuple[tuple[int, ...], ...]) -> list[int]:
+    """A comma-separated shape switch, one value per position from its allowed set; anything else is refused
+    at import with the variable, its value and what it takes."""
+    raw = os.environ.get(name, default)
+    try:
+        values = [int(x) for x in raw.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(allowed) or any(v not in ok for v, ok in zip(values, allowed)):
+        raise ValueError(f"{name}={raw!r}: want {len(allowed)} comma-separated integers from "
+                         + ", ".join("{" + ",".join(map(str, ok)) + "}" for ok in allowed))
+    return values
+
+
 # NINFER_ATTN_DECODE_TMA_SHAPE="pages_per_step,num_stages,num_warps" picks another of the tuner's shapes (served A/Bs).
-_TMA_SHAPE = [int(x) for x in os.environ.get("NINFER_ATTN_DECODE_TMA_SHAPE", "1,9,2").split(",")]
+_TMA_SHAPE = _ints_env("NINFER_ATTN_DECODE_TMA_SHAPE", "1,9,2", ((1, 4), tuple(range(1, 17)), (1, 2, 4, 8)))
 DECODE_TMA = {"pages_per_step": _TMA_SHAPE[0], "num_stages": _TMA_SHAPE[1], "num_warps": _TMA_SHAPE[2],
               "int8_upcast": True}
 DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
@@ -443,7 +458,7 @@ DECODE_TMA_DTYPES = {"1": (torch.bfloat16, torch.float16, torch.int8), "bf16": (
 # s13 found the same row best at 32k. NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
 INT8_LONG = os.environ.get("NINFER_ATTN_INT8_LONG", "1") != "0"
 # NINFER_ATTN_INT8_LONG_SHAPE="prefetch,num_warps,programs_per_sm" picks another of the tuner's shapes (served A/Bs)
-_I8_SHAPE = [int(x) for x in os.environ.get("NINFER_ATTN_INT8_LONG_SHAPE", "1,4,2").split(",")]
+_I8_SHAPE = _ints_env("NINFER_ATTN_INT8_LONG_SHAPE", "1,4,2", ((0, 1), (4, 8), (1, 2, 3, 4)))
 INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = _I8_SHAPE
 
 
@@ -511,8 +526,8 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             cfg.update(block_n=128, prefetch=INT8_LONG_PREFETCH, num_stages=1, num_warps=INT8_LONG_WARPS)
             while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
                 splits //= 2
-        elif (BF16_LONG and base is DECODE and not kv.quantized and not cfg.get("prefetch") and block_m == 16
-              and d <= 128 and splits >= BF16_LONG_MIN_SPLITS):
+        elif (BF16_LONG and base is DECODE and kv.k.element_size() == 2 and q.element_size() == 2
+              and not cfg.get("prefetch") and block_m == 16 and d <= 128 and splits >= BF16_LONG_MIN_SPLITS):
             cfg.update(BF16_LONG_SHAPE)
         return AttnConfig(block_m=block_m, num_splits=splits, fused_merge=FUSED_MERGE and splits > 1, **cfg)
     block_m = max(PREFILL["block_m"], triton.next_power_of_2(group))
@@ -643,11 +658,14 @@ def merge_splits(pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, out: to
 # (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; session 13's prefill-attn.log). The gather is
 # a transient copy of every key of the chunk's sequences (int8 pages dequantized into q's dtype by
 # engine/kernels/kv_dequant.py), so it is bounded, and it must be paid for by the chunk's attention: a short chunk
-# after a long context (a new turn over a cached prefix) reads the pages in place.
+# after a long context (a new turn over a cached prefix; fewer than PREFILL_SEGMENT_MIN_QUERIES tokens when it is
+# one sequence) reads the pages in place.
 PREFILL_GATHER_MIN_QUERIES_PER_KEY = 1 / 32     # the measured win at chunk 1024 after 28k keys is 1 / 29
-# One sequence past the gather bound takes the kernel segment by segment (prefill_segments), from this many new
-# tokens: the gather costs a fixed amount per key and the attention it speeds up grows with the queries, so the
-# break-even is a query count. 1,024 is s13's measured win (chunk 1024 after 28k keys).
+# One sequence that the rule above turns away (past the gather bound, or too few queries per key) takes the kernel
+# segment by segment (prefill_segments; one segment when its keys fit one gather) from this many new tokens: the
+# gather costs a fixed amount per key and the attention it speeds up grows with the queries, so the break-even is a
+# query count, whatever the context. 1,024 is s13's measured win (chunk 1024 after 28k keys). Chunks of several
+# sequences keep the per-key rule.
 PREFILL_SEGMENT_MIN_QUERIES = 1024
 # Segments are whole multiples of this (the kernel's key tiles, the page size) and at least SEGMENT_MIN_KEYS.
 SEGMENT_ALIGN, SEGMENT_MIN_KEYS = 256, 4096

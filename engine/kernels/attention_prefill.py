@@ -304,8 +304,9 @@ def _launch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, scale: float
 
 def prefill_segments(q: torch.Tensor, kv, ctx, scale: float, segment_keys: int, *,
                      out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
-    """Causal prefill of one sequence whose keys are too many for one gather (engine.kv_pages
-    PREFILL_GATHER_MAX_BYTES): its keys in segments of `segment_keys` (a multiple of the page and of BLOCK_N),
+    """Causal prefill of one sequence (engine.kernels.attention.prefill_segment_keys: one with enough new tokens,
+    usually one whose keys are too many for one gather, engine.kv_pages PREFILL_GATHER_MAX_BYTES): its keys in
+    segments of `segment_keys` (a multiple of the page and of BLOCK_N),
     each gathered into contiguous K/V (int8 pages dequantized into q's dtype) and attended by the kernel, which
     carries the float32 softmax state (acc, m, l) from one segment's launch to the next and normalizes after the
     last. Segments before the chunk's first token are seen whole by every query (pos_shift); the last is causal.
@@ -331,6 +332,7 @@ def prefill_segments(q: torch.Tensor, kv, ctx, scale: float, segment_keys: int, 
                                dtype=q.dtype, plan=plan)
         _launch(q, k, v, ctx.query_start_loc, cu_k, T, scale, out, cfg, state=state, pos_shift=k_len - hi,
                 carry_in=i > 0, carry_out=i < len(seg.bounds) - 1)
+        del k, v                # before the next gather: one segment's K/V alive at a time (the memory plan's bound)
     return out
 
 

@@ -39,8 +39,10 @@ def dequant_rows(pages: torch.Tensor, scales: torch.Tensor, page_ids: torch.Tens
     [num_blocks, page, kv_heads]; page_ids: [n] int64 pages in sequence order; out: [>= n_rows, kv_heads, D]
     16-bit, rows contiguous. Writes the first n_rows keys of those pages (n_rows <= n * page) into out."""
     _, page, kvh, d = pages.shape
-    if pages.stride(3) != 1 or pages.stride(2) != d or out.stride(2) != 1 or out.stride(1) != d:
-        raise ValueError("dequant_rows needs contiguous (kv_heads, head_dim) rows in the pages and the output")
+    if (pages.stride(3) != 1 or pages.stride(2) != d or out.stride(2) != 1 or out.stride(1) != d
+            or scales.stride(2) != 1):
+        raise ValueError("dequant_rows needs contiguous (kv_heads, head_dim) rows in the pages and the output, "
+                         "and contiguous kv_heads in the scales")
     if d & (d - 1):
         raise ValueError(f"head_dim {d} must be a power of two")
     if n_rows > page_ids.shape[0] * page:
