@@ -226,6 +226,7 @@ def test_interpreted_dequant_rows(P):
         dequant_rows(pages, scales, ids, 17, torch.empty(17, kvh, d, dtype=torch.bfloat16))
 
 
+@needs_triton
 def test_shape_switches_refuse_bad_values():
     """A malformed shape switch stops the import with the variable, its value and what it takes."""
     import subprocess
