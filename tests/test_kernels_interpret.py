@@ -282,7 +282,7 @@ def test_tma_page_decode_plan_rules(monkeypatch):
     the output)."""
     from engine.kernels import attention as A
     from tools import kernel_checks as testing
-    monkeypatch.setattr(A, "DECODE_TMA_ON", True)
+    monkeypatch.setattr(A, "DECODE_TMA_DTYPES", (BF16, torch.float16, I8))
     q, kv, ctx = testing.attention_case([1], [20000], 32, 8, 128, 16, BF16, BF16, "cpu", seed=1)
     assert not A.plan(q, kv, ctx).tma_pages
     assert not A.takes_tma_decode(q, kv, ctx, 16)

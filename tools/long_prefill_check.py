@@ -58,9 +58,9 @@ def main() -> int:
                 q, kv, ctx = attention_case([args.chunk], [keys], heads, kvh, d, PAGE, kv_dtype, torch.bfloat16,
                                             "cuda", seed=1)
                 scale = d ** -0.5
+                segment_keys = A.prefill_segment_keys(q, kv, ctx)
                 route = ("gather" if A.takes_tma_prefill(q, kv, ctx)
-                         else f"segments of {A.prefill_segment_keys(q, kv, ctx)}" if A.prefill_segment_keys(q, kv, ctx)
-                         else "paged")
+                         else f"segments of {segment_keys}" if segment_keys else "paged")
                 paged_cfg = A.plan(q, kv, ctx)
                 out_route = A.paged_attention(q, kv, ctx, scale)
                 out_paged = A.paged_attention(q, kv, ctx, scale, config=paged_cfg)

@@ -406,12 +406,12 @@ def variant_cases(text: str) -> list[tuple[int, int]]:
 def pointer_plan(case: Case, int8_long: bool = True) -> A.AttnConfig:
     """The plan with the TMA page kernel switched off: the pointer kernel's shape for this case (int8_long False:
     without the int8 long-context tiles either, whose halved splits the TMA plan does not take)."""
-    was = A.DECODE_TMA_ON, A.INT8_LONG
-    A.DECODE_TMA_ON, A.INT8_LONG = False, int8_long and A.INT8_LONG
+    was = A.DECODE_TMA_DTYPES, A.INT8_LONG
+    A.DECODE_TMA_DTYPES, A.INT8_LONG = (), int8_long and A.INT8_LONG
     try:
         return A.plan(case.q, case.kvs[0], case.ctx)
     finally:
-        A.DECODE_TMA_ON, A.INT8_LONG = was
+        A.DECODE_TMA_DTYPES, A.INT8_LONG = was
 
 
 def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from engine.forward_context import ForwardContext
 from engine.kernels.attention_tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
-                                            _store_split)
+                                            _split_range, _store_split, _unmasked_end)
 from engine.kv_pages import PREFILL_GATHER_MAX_BYTES, PREFILL_TMA_HEAD_DIMS, LayerKV, gather_kv
 
 LOG2E = 1.4426950408889634
@@ -273,15 +273,11 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
 
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)       # keys after the last query: never seen
     if SPLIT:
-        n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        per = tl.maximum((n_tiles + num_splits - 1) // num_splits, min_tiles) * BLOCK_N
-        lo = split * per
-        hi = tl.minimum(lo + per, kv_end)
+        lo, hi, mid, per = _split_range(seq_len, kv_end, first_pos, split, num_splits, min_tiles, BLOCK_N)
     else:
         lo = 0
         hi = kv_end
-    # keys < first_pos + 1 are visible to every row: whole tiles below that need no mask
-    mid = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // BLOCK_N * BLOCK_N
+        mid = _unmasked_end(lo, hi, first_pos, BLOCK_N)
 
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_tab
     head_off = kvh.to(tl.int64) * stride_ph
@@ -420,12 +416,8 @@ PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # (num_stages 1); 128 registers for sm_90, 44 warp-instructions per key (NOTES.md, "int8 decode"). Short
 # contexts add prefetch 1 (one-tile splits); long ones take INT8_LONG's 128-key tiles (below).
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
-# Long-context decode/verify with TMA page loads (attention_decode_tma.py): OFF, it lost. From this many keys
-# (the plan's max_seq_len) when NINFER_ATTN_DECODE_TMA=1. H200, qwen3-8b shapes, us per call in a CUDA graph
-# (bench/results/2026-12-02-h200-s21/b): int8 b1 32k 58-70 against the pointer plan's 45.0 (39.1 with INT8_LONG);
-# bf16 b1 32k 45.4-49.7 against 53.9 for the plan in that run but 43.8 for its prefetch variant; b8 slower for
-# both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a step is too little work per
-# pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes.
+
+
 def _ints_env(name: str, default: str, allowed: tuple[tuple[int, ...], ...]) -> list[int]:
     """A comma-separated shape switch, one value per position from its allowed set; anything else is refused
     at import with the variable, its value and what it takes."""
@@ -440,16 +432,21 @@ def _ints_env(name: str, default: str, allowed: tuple[tuple[int, ...], ...]) -> 
     return values
 
 
+# Long-context decode/verify with TMA page loads (attention_decode_tma.py): OFF, it lost. From this many keys
+# (the plan's max_seq_len) when NINFER_ATTN_DECODE_TMA=1. H200, qwen3-8b shapes, us per call in a CUDA graph
+# (bench/results/2026-12-02-h200-s21/b): int8 b1 32k 58-70 against the pointer plan's 45.0 (39.1 with INT8_LONG);
+# bf16 b1 32k 45.4-49.7 against 53.9 for the plan in that run but 43.8 for its prefetch variant; b8 slower for
+# both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a step is too little work per
+# pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes. Four pages a step (s22 b): 43.5 at
+# bf16 b1 32k, a tie with BF16_LONG's 44.1.
 # NINFER_ATTN_DECODE_TMA_SHAPE="pages_per_step,num_stages,num_warps" picks another of the tuner's shapes (served A/Bs).
 _TMA_SHAPE = _ints_env("NINFER_ATTN_DECODE_TMA_SHAPE", "1,9,2", ((1, 4), tuple(range(1, 17)), (1, 2, 4, 8)))
 DECODE_TMA = {"pages_per_step": _TMA_SHAPE[0], "num_stages": _TMA_SHAPE[1], "num_warps": _TMA_SHAPE[2],
               "int8_upcast": True}
 DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
-# "1": both page dtypes; "bf16" or "int8": those pages only
-_TMA_ON = os.environ.get("NINFER_ATTN_DECODE_TMA", "0")
-DECODE_TMA_ON = _TMA_ON in ("1", "bf16", "int8")
+# the page dtypes that take it: "1" all, "bf16" or "int8" those pages only, anything else none
 DECODE_TMA_DTYPES = {"1": (torch.bfloat16, torch.float16, torch.int8), "bf16": (torch.bfloat16,),
-                     "int8": (torch.int8,)}.get(_TMA_ON, ())
+                     "int8": (torch.int8,)}.get(os.environ.get("NINFER_ATTN_DECODE_TMA", "0"), ())
 # int8 pages over long contexts (splits of several tiles): 128-key tiles, the next tile's K loaded before this
 # tile's math (prefetch 1), and at most 2 programs per SM (249 registers for sm_90: a third would start a second
 # wave). Measured for 16-row tiles only (decode; verify up to 4 tokens at group 4): larger tiles keep
@@ -575,16 +572,18 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
     if T == 0 or ctx.num_seqs == 0:
         return out
     group = H // kvh
-    if config is None and takes_tma_prefill(q, kv, ctx):
-        from engine.kernels.attention_prefill import prefill_attention
-        k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens), scales_k=kv.k_scale,
-                                       scales_v=kv.v_scale, dtype=q.dtype, plan=ctx.gather_plan(kv.k.shape[1]))
-        # the queries' offsets are the context's own query_start_loc (int32 [B + 1], on the device)
-        return prefill_attention(q, k, v, ctx.query_start_loc, cu_seqlens_k, ctx.max_query_len, scale, out=out)
-    segment_keys = prefill_segment_keys(q, kv, ctx) if config is None else 0
-    if segment_keys:
-        from engine.kernels.attention_prefill import prefill_segments
-        return prefill_segments(q, kv, ctx, scale, segment_keys, out=out)
+    if config is None and _tma_prefill_shape(q, kv, ctx):
+        if _gather_fits(q, kv, ctx):
+            from engine.kernels.attention_prefill import prefill_attention
+            k, v, cu_seqlens_k = gather_kv(kv.k, kv.v, ctx.block_tables, list(ctx.host_seq_lens),
+                                           scales_k=kv.k_scale, scales_v=kv.v_scale, dtype=q.dtype,
+                                           plan=ctx.gather_plan(kv.k.shape[1]))
+            # the queries' offsets are the context's own query_start_loc (int32 [B + 1], on the device)
+            return prefill_attention(q, k, v, ctx.query_start_loc, cu_seqlens_k, ctx.max_query_len, scale, out=out)
+        segment_keys = _segment_keys(q, kv, ctx)
+        if segment_keys:
+            from engine.kernels.attention_prefill import prefill_segments
+            return prefill_segments(q, kv, ctx, scale, segment_keys, out=out)
     cfg = plan(q, kv, ctx) if config is None else config
     block_q = cfg.block_m // group
     if block_q < 1:
@@ -700,8 +699,10 @@ def takes_tma_prefill(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool
     """Whether a call gathers all its sequences' keys at once and takes the TMA prefill kernel: the shape rules
     of `_tma_prefill_shape`, the gathered 16-bit K/V within PREFILL_GATHER_MAX_BYTES and at least
     PREFILL_GATHER_MIN_QUERIES_PER_KEY new tokens per key."""
-    if not _tma_prefill_shape(q, kv, ctx):
-        return False
+    return _tma_prefill_shape(q, kv, ctx) and _gather_fits(q, kv, ctx)
+
+
+def _gather_fits(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
     keys = sum(ctx.host_seq_lens)
     return (2 * keys * kv.k.shape[2] * q.shape[2] * q.element_size() <= PREFILL_GATHER_MAX_BYTES
             and sum(ctx.host_query_lens) >= keys * PREFILL_GATHER_MIN_QUERIES_PER_KEY)
@@ -712,10 +713,12 @@ def prefill_segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> i
     at least PREFILL_SEGMENT_MIN_QUERIES new tokens. A segment's gathered K/V and the carried float32 state
     together stay within 1.5 x PREFILL_GATHER_MAX_BYTES, what the memory plan holds for a gather
     (engine/capacity.py); the last segment holds up to segment_keys + the new tokens."""
-    if ctx.num_seqs != 1 or not _tma_prefill_shape(q, kv, ctx):
-        return 0
+    return _segment_keys(q, kv, ctx) if _tma_prefill_shape(q, kv, ctx) else 0
+
+
+def _segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> int:
     T, H, d = q.shape
-    if T < PREFILL_SEGMENT_MIN_QUERIES:
+    if ctx.num_seqs != 1 or T < PREFILL_SEGMENT_MIN_QUERIES:
         return 0
     per_key = 2 * kv.k.shape[2] * d * q.element_size()
     state = T * H * (d + 2) * 4
@@ -725,12 +728,11 @@ def prefill_segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> i
 
 
 def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m: int) -> bool:
-    """Whether a split decode/verify call can take the TMA page kernel (when NINFER_ATTN_DECODE_TMA=1): an sm90
+    """Whether a split decode/verify call can take the TMA page kernel (its pages' dtype in DECODE_TMA_DTYPES): an sm90
     GPU, a Triton with host-side descriptors, a uniform query length, the shapes compiled and tested on the
     H200 (pages of 16 tokens, head_dim 128 or 256, tiles of 16-64 rows), each KV layer's pool contiguous and
     16-byte aligned. Host shapes only: graph-safe."""
-    if not (q.is_cuda and DECODE_TMA_ON and kv.k.dtype in DECODE_TMA_DTYPES and ctx.uniform_query_len is not None
-            and block_m <= 64):
+    if not (q.is_cuda and kv.k.dtype in DECODE_TMA_DTYPES and ctx.uniform_query_len is not None and block_m <= 64):
         return False
     _, page, kvh, d = kv.k.shape
     if not (d in (128, 256) and page == 16):

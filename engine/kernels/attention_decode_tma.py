@@ -21,12 +21,12 @@ domain, int8 scales folded into the score and probability columns, the split's p
 stored and merged by the last split to arrive (`_store_split`). Pages that straddle the causal
 diagonal (verify rounds) take the masked pointer path of `_attend_tile` with BLOCK_N = PAGE.
 
-Status: OFF by default (`NINFER_ATTN_DECODE_TMA=1` turns it on): correct, and slower than the pointer kernel's
-best configuration at every shape measured on the H200 (b1 32k int8 58-70 against 39-45 us a call;
-engine/kernels/NOTES.md, "Session 21").
+Status: OFF by default (`NINFER_ATTN_DECODE_TMA=1`, or `bf16` / `int8` for one page dtype, turns it on): correct,
+and no faster than the pointer kernel's best configuration at any shape measured on the H200 (b1 32k int8 58-70
+against 39-45 us a call; engine/kernels/NOTES.md, "Session 21").
 A 16-key page per pipeline step is too little work: each step pays two mbarrier waits, a shared-memory round trip
-for p and four small MMAs. `AttnConfig.pages_per_step` 4 takes four pages a step under one softmax update
-(fewer instructions per key in sm_90 SASS; NOT yet timed on a GPU). It stays as the tested base for that and for a
+for p and four small MMAs. `AttnConfig.pages_per_step` 4 takes four pages a step under one softmax update: 43.5 us
+at bf16 b1 32k, a tie with the pointer kernel's 44.1 ("Session 22"). It stays as the tested base for a
 producer-warp version.
 
 Descriptors: one per layer's K and V pool, viewed as [num_pages * PAGE, kv_heads * head_dim] with
@@ -43,7 +43,7 @@ import triton.language as tl
 from engine.forward_context import ForwardContext
 from engine.kernels.attention_prefill import LOG2E, TensorDescriptor   # TensorDescriptor: None before Triton 3.4
 from engine.kernels.attention_tiles import (_attend_tile, _int8_operand, _online_softmax, _query_tile, _scale_scores,
-                                            _store_split)
+                                            _split_range, _store_split)
 from engine.kv_pages import LayerKV
 
 
@@ -98,12 +98,7 @@ def _decode_tma_kernel(q_ptr, k_desc, v_desc, k_ptr, v_ptr, ks_ptr, vs_ptr, o_pt
                                                 GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM)
 
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_Q)       # keys after the last query: never seen
-    n_pages = (seq_len + PAGE - 1) // PAGE
-    per = tl.maximum((n_pages + num_splits - 1) // num_splits, min_pages) * PAGE
-    lo = split * per
-    hi = tl.minimum(lo + per, kv_end)
-    # keys < first_pos + 1 are visible to every row: whole pages below that need no mask
-    mid = lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // PAGE * PAGE
+    lo, hi, mid, per = _split_range(seq_len, kv_end, first_pos, split, num_splits, min_pages, PAGE)
 
     table_ptr = tables_ptr + seq.to(tl.int64) * stride_tab
     col = kvh * HEAD_DIM                                     # the KV head's columns in the [rows, heads * D] view

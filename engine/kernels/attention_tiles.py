@@ -66,6 +66,24 @@ def _query_tile(q_ptr, q_start, q_len, seq_len, tile, kvh, stride_qt, stride_qh,
 
 
 @triton.jit
+def _split_range(seq_len, kv_end, first_pos, split, num_splits, min_units, UNIT: tl.constexpr):
+    """One split's keys [lo, hi) of a sequence dealt out in UNIT-key steps, at least min_units steps a split and
+    none past kv_end; mid: where its masked steps start (keys < first_pos + 1 are visible to every row of the
+    tile); per: keys a split (the merge counts the splits that hold keys by it)."""
+    n = (seq_len + UNIT - 1) // UNIT
+    per = tl.maximum((n + num_splits - 1) // num_splits, min_units) * UNIT
+    lo = split * per
+    hi = tl.minimum(lo + per, kv_end)
+    return lo, hi, _unmasked_end(lo, hi, first_pos, UNIT), per
+
+
+@triton.jit
+def _unmasked_end(lo, hi, first_pos, UNIT: tl.constexpr):
+    # whole UNIT-key steps from lo that every row sees (keys <= first_pos)
+    return lo + tl.maximum(tl.minimum(hi, first_pos + 1) - lo, 0) // UNIT * UNIT
+
+
+@triton.jit
 def _scale_scores(s, ks_ptr, vs_ptr, srow, kmask, qk_scale, QUANT: tl.constexpr, MASKED: tl.constexpr):
     """q·k products s [BLOCK_M, BLOCK_N] -> scores in the log2 domain, and V's per-key scales [BLOCK_N] (int8 pages:
     K's scale multiplies each score column, V's is folded into p later; srow: the keys' scale offsets)."""
