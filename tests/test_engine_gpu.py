@@ -31,9 +31,9 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 
-def _generate(**kw) -> list[list[int]]:
+def _generate(prompts: list[str] = PROMPTS, **kw) -> list[list[int]]:
     llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)
-    outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     llm.engine.executor.shutdown()
     return outs
 
@@ -112,6 +112,61 @@ def test_int8_kv_agrees_with_bf16_kv():
     rate = _agreement(base, int8)
     print(f"int8 KV vs bf16 KV agreement before first divergence: {rate:.3f}")
     assert rate >= 0.7
+
+
+@pytest.mark.parametrize("streams,k", [(1, 0), (2, 0), (1, 1)])
+def test_folded_norms_agree_with_the_unfolded_layers(monkeypatch, streams, k):
+    """bf16 decode rows with the RMSNorms and residual adds folded into the GEMVs (engine/layers/norm_fold.py)
+    against the same engine with the fold off: the folded layers run (one row; two rows for two streams and for
+    k=1's verify), and greedy tokens agree."""
+    from engine.layers import norm_fold
+    from engine.models import qwen3
+    rows: list[int] = []
+    folded = qwen3.Qwen3DecoderLayer.forward_folded
+
+    def counted(self, positions, residual):
+        rows.append(residual.shape[0])
+        return folded(self, positions, residual)
+    monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_folded", counted)
+    on = _generate(PROMPTS[:streams], dtype="bfloat16", draft_tokens=k)
+    assert rows and max(rows) == (2 if streams == 2 or k else 1), sorted(set(rows))
+    monkeypatch.setattr(norm_fold, "FOLD", False)
+    taken = len(rows)
+    off = _generate(PROMPTS[:streams], dtype="bfloat16", draft_tokens=k)
+    assert len(rows) == taken                       # the switch keeps every layer unfolded
+    rate = _agreement(off, on)
+    print(f"{streams} stream(s), k={k}: folded vs unfolded agreement before first divergence: {rate:.3f}")
+    assert rate >= 0.9
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_folded_projections_match_the_unfolded_ones(rows):
+    """One layer of the trained model, bf16 on CUDA, on decode rows of a residual stream: qkv(norm(h)) and the
+    MLP's norm -> gate_up -> SwiGLU -> down -> add, folded (engine/layers/norm_fold.py) against the layer's own
+    modules; the o_proj add bit-equal to o_proj then the add."""
+    from engine.layers import norm_fold
+    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, dtype="bfloat16", draft_tokens=0)
+    try:
+        layer = llm.engine.executor.driver.model.model.layers[1]
+        assert layer.folds(rows) and not layer.folds(3)
+        gen = torch.Generator().manual_seed(rows)
+        hidden = layer.input_layernorm.weight.numel()
+        h = (torch.randn(rows, hidden, generator=gen) * 3).to("cuda", torch.bfloat16)
+        o = torch.randn(rows, layer.self_attn.o_proj.in_features, generator=gen).to("cuda", torch.bfloat16)
+
+        def close(a, b, steps):
+            err = float((a.float() - b.float()).abs().max())
+            assert err <= steps * float(b.float().abs().max()) * 2 ** -8, err
+
+        attn, mlp = layer.self_attn, layer.mlp
+        close(norm_fold.linear(h, attn.qkv_proj, norm=layer.input_layernorm), attn.qkv_proj(layer.input_layernorm(h)), 2)
+        assert torch.equal(norm_fold.linear(o, attn.o_proj, residual=h),
+                           (attn.o_proj(o).float() + h.float()).to(torch.bfloat16))
+        act = norm_fold.gate_up_act(h, mlp.gate_up_proj, layer.post_attention_layernorm)
+        unfolded = (mlp(layer.post_attention_layernorm(h)).float() + h.float()).to(torch.bfloat16)
+        close(norm_fold.linear(act, mlp.down_proj, residual=h), unfolded, 4)
+    finally:
+        llm.engine.executor.shutdown()
 
 
 def test_sampled_decoding_is_reproducible_on_gpu():

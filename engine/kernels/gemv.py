@@ -50,6 +50,7 @@ from engine.kernels.splitk import COUNTERS, WORKSPACE_FLOATS, workspace
 __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_config", "dense", "gate_up_silu", "gemv",
            "kernel_code", "layer_gate_up_silu", "linear", "takes", "takes_gate_up_silu", "use_gemv"]
 GEMV_MAX_ROWS = 8
+NORM_MAX_ROWS = 2           # rows a folded RMSNorm takes (the kernel keeps a sum of squares for each)
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,15 @@ def use_gemv(fmt: str, rows: int) -> bool:
 def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
          row_scale: torch.Tensor | None = None, out_features: int | None = None,
          scale_block: tuple[int, int] = (128, 128), config: GemvConfig | None = None,
-         silu: bool = False) -> torch.Tensor:
+         silu: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M <= 8, K] bf16/fp16 (unit stride along K); weight: fp8 [N, K] (scale fp32 [N/br, K/bc]),
     packed uint8 [N, K/2] (scale fp8 [N, K/16], row_scale fp32 [N]) or bf16/fp16 [N, K] -> [M, N].
     silu (one or two rows, see `gate_up_silu`): -> silu(gate) * up [M, N/2], a program owning BLOCK_N / 2 gate
-    rows and the matching up rows."""
+    rows and the matching up rows.
+    norm_weight [K] (one or two rows; bf16 and FP8): x is un-normed, and the result is that of RMSNorm(x) with
+    this weight and eps, then the projection (`fold_norm`). residual [M, N]: -> residual + x @ W^T, rounded as
+    the projection then the add."""
     M, K = x.shape
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {M}")
@@ -166,6 +171,12 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
         raise ValueError(f"gemv: FP8 scale blocks must span a multiple of 16 columns, got {scale_block[1]}")
     if silu and M > 2:
         raise ValueError(f"gemv: the SwiGLU epilogue takes one or two rows, got {M}")
+    if norm_weight is not None and (M > NORM_MAX_ROWS or fmt == "nvfp4" or norm_weight.shape != (K,)):
+        raise ValueError(f"gemv: a folded norm takes 1..{NORM_MAX_ROWS} rows of bf16 or FP8 and a weight of "
+                         f"{K} values, got {M} rows of {fmt} and a weight of {tuple(norm_weight.shape)}")
+    if residual is not None and (silu or residual.shape != (M, N) or residual.stride(-1) != 1):
+        raise ValueError(f"gemv: the residual must be [{M}, {N}] with unit stride (and no SwiGLU), "
+                         f"got {tuple(residual.shape)}")
     cfg = config or default_config(fmt, M, N, K)
     code = kernel_code(fmt, cfg, x, weight)
     block_n = cfg.block_n
@@ -174,7 +185,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     block_k = cfg.block_k
     rows_out = N // 2 if silu else N
     grid_n = triton.cdiv(rows_out, block_n // 2 if silu else block_n)
-    split = 1 if silu else max(1, cfg.split)
+    # the folded norm needs every column of x in each program, the residual add the finished sum: one split
+    split = 1 if silu or norm_weight is not None or residual is not None else max(1, cfg.split)
     if split > 1 and (split * triton.next_power_of_2(M) * N > WORKSPACE_FLOATS or grid_n > COUNTERS):
         split = 1
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
@@ -194,12 +206,17 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=even_k,
                                   EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=cfg.prefetch and not silu, SILU=silu,
+                                  nw_ptr=norm_weight if norm_weight is not None else s,
+                                  res_ptr=residual if residual is not None else out,
+                                  stride_rm=residual.stride(0) if residual is not None else 0, eps=eps,
+                                  NORM=norm_weight is not None, RESIDUAL=residual is not None,
                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
     return out
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-                 scale_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                 scale_block: tuple[int, int] = (128, 128), norm_weight: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> torch.Tensor:
     """x: [M, K] bf16/fp16 (unit stride; M = 1, or 2 with a bf16 weight); weight: [2F, K], the gate rows then the up
     rows, bf16/fp16 or FP8 (scale fp32 [2F/br, K/bc] in blocks of scale_block) -> silu(x @ gate^T) * (x @ up^T)
     [M, F] in one launch: the SwiGLU of engine.layers.activation folded into the projection's GEMV, on the launch
@@ -218,7 +235,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
         raise ValueError("gate_up_silu: an FP8 weight needs its block scales")
     cfg = default_config(fmt, M, N, K)
     cfg = replace(cfg, block_n=max(cfg.block_n, 4))     # two gate rows and their two up rows at least
-    return gemv(x, fmt, weight, scale, config=cfg, silu=True, scale_block=scale_block)
+    return gemv(x, fmt, weight, scale, config=cfg, silu=True, scale_block=scale_block, norm_weight=norm_weight,
+                eps=eps)
 
 
 # FP8 gate/up projections can fold the SwiGLU too (NINFER_GEMV_FP8_SILU=1), but it lost served: the qwen3-8b FP8

@@ -57,44 +57,63 @@ def _e2m1_x2p14(c):
 
 
 @triton.jit
-def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
-    """One activation row's in-thread partial sums over a tile: [BLOCK_N, BLOCK_K // VEC] fp32."""
+def _x_cols(x_ptr, row_ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+            X2D: tl.constexpr):
+    """One activation row's columns k0.. in fp32: [BN, BK] (X2D: the weight tile's own shape, each thread loading
+    the columns it multiplies, from L1, so no layout conversion through shared memory is needed) or [1, BK]."""
     offs_x = k0 + tl.arange(0, BLOCK_K)
-    if FMT != 1 and X2D:
-        # the activation columns loaded in the weight tile's own shape (each thread loads the columns it
-        # multiplies, from L1), so no layout conversion through shared memory is needed
+    if X2D:
         x_ptrs = x_ptr + offs_x[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
-        if EVEN_K:
-            x2 = tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
-        else:
-            x2 = tl.load(x_ptrs, mask=(offs_x[None, :] < k_end) & row_ok, other=0.0).to(tl.float32)
     else:
+        x_ptrs = (x_ptr + offs_x)[None, :]
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=row_ok, other=0.0).to(tl.float32)
+    return tl.load(x_ptrs, mask=(offs_x[None, :] < k_end) & row_ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw, ss, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr,
+              NORM: tl.constexpr):
+    """One activation row's in-thread partial sums over a tile: ([BLOCK_N, BLOCK_K // VEC] fp32, ss). NORM: the
+    row's squares summed into ss in the same per-thread runs, and x multiplied by the norm weight nw first."""
+    if FMT == 1:
+        offs_x = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x = tl.load(x_ptr + offs_x, mask=row_ok, other=0.0).to(tl.float32)
         else:
             x = tl.load(x_ptr + offs_x, mask=(offs_x < k_end) & row_ok, other=0.0).to(tl.float32)
-        x2 = x[None, :]
-    if FMT == 1:
         # activation columns 2j meet the low nibbles, 2j+1 the high ones
         xe, xo = tl.split(tl.reshape(x, (BLOCK_K // 2, 2)))
         prod = w_lo * xe[None, :] + w_hi * xo[None, :]
         part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2) * s    # [BN, BK/16] group scales
     else:
+        x2 = _x_cols(x_ptr, row_ok, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D)
+        if NORM:
+            ss += tl.sum(tl.reshape(x2 * x2, (ss.shape[0], BLOCK_K // VEC, VEC)), axis=2)
+            x2 = x2 * nw
         # FP8: s is the block scale of each thread's VEC columns, [1, BK/VEC] or per row [BN, BK/VEC] (1.0 for bf16)
         part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2) * s
-    return part
+    return part, ss
 
 
 @triton.jit
-def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
-    """acc plus one activation row's products with the tile, w_lo / w_hi the even / odd columns in the pair
+def _accumulate(acc, ss, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw_a, nw_b, FMT: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
+                X2D: tl.constexpr, NORM: tl.constexpr):
+    """(acc, ss) plus one activation row's products with the tile, w_lo / w_hi the even / odd columns in the pair
     codes. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per word position, two FFMAs a word. FP8 pairs (FMT 4):
     each run of 16 products (8 words) is summed before its block scale s [1, BK/16] multiplies it, into acc
-    [BN, BK/16]. Else acc [BN, COLS] += _row_part."""
+    [BN, BK/16]. Else acc [BN, COLS] += _row_part. NORM (the RMSNorm folded in, `gemv`): ss gathers the row's
+    squares in the thread's own columns, and the products take x times the norm weight (nw_a / nw_b: the even /
+    odd columns of the pair codes, else the columns twice)."""
     if FMT == 3 or FMT == 4:
         x_even, x_odd = _bf16_pair(_x_words(x_ptr, row_ok, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
+        if NORM:
+            ss = tl.fma(x_even, x_even, ss)
+            ss = tl.fma(x_odd, x_odd, ss)
+            x_even = x_even * nw_a
+            x_odd = x_odd * nw_b
         if FMT == 3:
             acc = tl.fma(w_lo, x_even, acc)
             acc = tl.fma(w_hi, x_odd, acc)
@@ -103,8 +122,27 @@ def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr,
             po = tl.sum(tl.reshape(w_hi * x_odd, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
             acc += (pe + po) * s
     else:
-        acc += _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
-    return acc
+        part, ss = _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw_a, ss, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K,
+                             X2D, NORM)
+        acc += part
+    return acc, ss
+
+
+@triton.jit
+def _norm_weight(nw_ptr, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, X2D: tl.constexpr):
+    """The folded RMSNorm's weight at columns k0.. in the activations' layout, fp32: the (even, odd) columns
+    [.., BK/2] of the pair codes, else the columns [.., BK] twice."""
+    if FMT == 3 or FMT == 4:
+        return _bf16_pair(_x_words(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
+    nw = _x_cols(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D)
+    return nw, nw
+
+
+@triton.jit
+def _norm_factor(ss, K, eps, SS_COPIES: tl.constexpr):
+    """1 / rms of a row from its squares ss (each column counted SS_COPIES times: the X2D tile's rows)."""
+    return tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / (SS_COPIES * K) + eps)
 
 
 @triton.jit
@@ -188,7 +226,12 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False,
-                 SILU: tl.constexpr = False):
+                 SILU: tl.constexpr = False, nw_ptr=None, res_ptr=None, stride_rm=0, eps=1e-6,
+                 NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+    # NORM (one or two rows, no split): x is the residual stream, and the RMSNorm that would have made the input
+    # is folded in: every program walks all of K, so it sums each row's squares on the way and multiplies x by
+    # the norm weight nw; the row's 1 / rms scales its outputs at the end. RESIDUAL (no split): the output is
+    # the residual stream res plus the projection, rounded where the unfused add rounds.
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if SILU:
         # a fused gate/up projection (N = 2F rows, gate then up): this program's first BLOCK_N / 2 rows are gate
@@ -217,6 +260,15 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     acc5 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc6 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc7 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
+    # the folded norm's squares, in the layout the thread reads x in (X2D: every row of the tile holds x)
+    SS_COPIES: tl.constexpr = BLOCK_N if X2D else 1
+    SS_COLS: tl.constexpr = BLOCK_K // 2 if FMT == 3 or FMT == 4 else BLOCK_K // VEC
+    if NORM:
+        ss0 = tl.zeros((SS_COPIES, SS_COLS), dtype=tl.float32)
+        ss1 = tl.zeros((SS_COPIES, SS_COLS), dtype=tl.float32)
+    else:
+        ss0 = tl.zeros((1, 1), dtype=tl.float32)
+        ss1 = tl.zeros((1, 1), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
     if SILU and FMT == 0:
@@ -273,64 +325,75 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 s = s_raw if SILU else s_raw[None, :]
             else:
                 s = 1.0
-        acc0 = _accumulate(acc0, w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end,
-                          FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+        if NORM:
+            nw_a, nw_b = _norm_weight(nw_ptr, k0, k_end, FMT, BLOCK_N, BLOCK_K, EVEN_K, X2D)
+        else:
+            nw_a = 1.0
+            nw_b = 1.0
+        acc0, ss0 = _accumulate(acc0, ss0, w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end, nw_a, nw_b,
+                                FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, NORM)
         if M > 1:
-            acc1 = _accumulate(acc1, w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc1, ss1 = _accumulate(acc1, ss1, w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end, nw_a, nw_b,
+                                    FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, NORM)
         if M > 2:
-            acc2 = _accumulate(acc2, w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc2, _ = _accumulate(acc2, ss0, w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end, nw_a, nw_b,
+                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if M > 3:
-            acc3 = _accumulate(acc3, w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc3, _ = _accumulate(acc3, ss0, w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end, nw_a, nw_b,
+                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if M > 4:
-            acc4 = _accumulate(acc4, w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc4, _ = _accumulate(acc4, ss0, w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end, nw_a, nw_b,
+                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if M > 5:
-            acc5 = _accumulate(acc5, w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc5, _ = _accumulate(acc5, ss0, w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end, nw_a, nw_b,
+                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if M > 6:
-            acc6 = _accumulate(acc6, w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc6, _ = _accumulate(acc6, ss0, w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end, nw_a, nw_b,
+                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if M > 7:
-            acc7 = _accumulate(acc7, w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end,
-                              FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+            acc7, _ = _accumulate(acc7, ss0, w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end, nw_a, nw_b,
+                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if PREFETCH:
             raw, s_raw = raw_next, s_next
     if FMT == 1:
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
         rs = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if NORM:
+        rs0 = rs * _norm_factor(ss0, K, eps, SS_COPIES)
+        rs1 = rs * _norm_factor(ss1, K, eps, SS_COPIES)
+    else:
+        rs0 = rs
+        rs1 = rs
     if SILU:
         # one or two rows (M <= 2, no split): each row's silu(gate) * up
-        _finish_silu(tl.sum(acc0, axis=1), o_ptr, pid_n, N // 2, BLOCK_N, True)
+        _finish_silu(tl.sum(acc0, axis=1) * rs0, o_ptr, pid_n, N // 2, BLOCK_N, True)
         if M > 1:
-            _finish_silu(tl.sum(acc1, axis=1), o_ptr + stride_om, pid_n, N // 2, BLOCK_N, M_rows > 1)
+            _finish_silu(tl.sum(acc1, axis=1) * rs1, o_ptr + stride_om, pid_n, N // 2, BLOCK_N, M_rows > 1)
     else:
-        _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc0, axis=1) * rs0, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 1 and not SILU:
-        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+        _finish(tl.sum(acc1, axis=1) * rs1, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 2:
         _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 3:
         _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 4:
         _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 5:
         _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 6:
         _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if M > 7:
         _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows)
+                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
     if SPLIT > 1:
         _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M, M_rows)
 
@@ -349,10 +412,16 @@ def _finish_silu(y, o_ptr, pid_n, F, BLOCK_N: tl.constexpr, row_ok):
 
 @triton.jit
 def _finish(y, m, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT: tl.constexpr,
-            M: tl.constexpr, M_rows):
-    # y: [BN] fp32 of row m: the output (one split) or this split's partial in the workspace [SPLIT, M, N]
+            M: tl.constexpr, M_rows, res_ptr, stride_rm, RESIDUAL: tl.constexpr):
+    # y: [BN] fp32 of row m: the output (one split) or this split's partial in the workspace [SPLIT, M, N];
+    # RESIDUAL (one split): the projection rounded, then added to the residual row and rounded again, as the
+    # unfused projection and add (engine/kernels/fused.py rms_norm) round
     if SPLIT == 1:
-        tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok & (m < M_rows))
+        dt = o_ptr.dtype.element_ty
+        if RESIDUAL:
+            res = tl.load(res_ptr + m * stride_rm + offs_n, mask=n_ok & (m < M_rows), other=0.0).to(tl.float32)
+            y = y.to(dt).to(tl.float32) + res
+        tl.store(o_ptr + m * stride_om + offs_n, y.to(dt), mask=n_ok & (m < M_rows))
     else:
         tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=n_ok)
 

@@ -1,0 +1,81 @@
+"""Decode rows with each RMSNorm and residual add folded into the GEMVs beside it (issue 15, item 3).
+
+A Qwen3 layer at decode is four GEMVs and, between them, an add + RMSNorm kernel that moves 8 KB:
+
+    unfolded:  x, h = norm(x + h);  qkv(x) ... o_proj -> x;  x, h = norm(x + h);  gate_up(x) ... down -> x
+    folded:    qkv(norm(h)) ... h = h + o_proj(o);  gate_up(norm(h)) ... h = h + down(a)
+
+Every program of the decode GEMV (engine/kernels/gemv_kernel.py) walks all of K, so the GEMV after a norm
+sums the squares of the residual stream on the way, multiplies it by the norm weight, and scales each output
+by the row's 1 / rms at the end (`NORM`); the GEMV before one adds its output to the stream in its epilogue
+(`RESIDUAL`). That removes both norm kernels of a layer (73 launches a qwen3-8b step, 0.13 ms with PDL off in
+the s20 profile). The add rounds where the unfused one rounds; the norm's input reaches the products unrounded
+(the unfused norm rounds x / rms to bf16 before the weight), which moves outputs by a bf16 step at most.
+
+Taken where every layer of a stack folds: one rank, bf16 activations on CUDA, and every projection on the
+Triton GEMV at this row count (bf16 weights at one or two rows, FP8 at one; NVFP4 rows and FP8 verify rows
+go to the tensor-core GEMV, which does not fold). `NINFER_GEMV_NORM_FOLD=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from engine.layers.norm import RMSNorm
+
+FOLD = os.environ.get("NINFER_GEMV_NORM_FOLD", "1") != "0"
+
+
+def linear_folds(layer: nn.Module, rows: int) -> bool:
+    """Whether `rows` decode rows of this linear layer (one rank) take gemv_kernel, which folds."""
+    from engine.kernels import gemv
+    from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
+    if not 1 <= rows <= gemv.NORM_MAX_ROWS:
+        return False
+    quant = getattr(layer, "quant", None)
+    if quant is None:
+        return gemv.use_gemv("bf16", rows)
+    if quant == "fp8":
+        return (gemv.use_gemv("fp8", rows) and rows not in MMA_GEMV_ROWS["fp8"]
+                and layer.scale_block[1] % 16 == 0)
+    return False
+
+
+def norm_folds(norm: nn.Module) -> bool:
+    return type(norm) is RMSNorm
+
+
+def stack_folds(x: torch.Tensor, tp_size: int, layers) -> bool:
+    """Whether x [T, hidden] goes through `layers` folded: each layer answers `folds(rows)`."""
+    rows = x.numel() // x.shape[-1]
+    # CUDA first: the GEMV's module needs Triton, which a CPU install lacks
+    return (FOLD and tp_size == 1 and x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+            and all(getattr(layer, "folds", None) is not None and layer.folds(rows) for layer in layers))
+
+
+def linear(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, in] -> layer(norm(x)) with `norm`, or residual + layer(x) with `residual` [T, out]: one GEMV."""
+    from engine.kernels import gemv
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 1e-6)
+    if getattr(layer, "quant", None) is None:
+        return gemv.gemv(x, "bf16", layer.weight, norm_weight=nw, eps=eps, residual=residual)
+    return gemv.gemv(x, "fp8", layer.weight, layer.weight_scale_inv, None, layer.out_features, layer.scale_block,
+                     norm_weight=nw, eps=eps, residual=residual)
+
+
+def gate_up_act(x: torch.Tensor, layer: nn.Module, norm: RMSNorm) -> torch.Tensor:
+    """x [T, hidden] (the residual stream) -> silu(gate) * up of norm(x) [T, F]: the SwiGLU in the GEMV's
+    epilogue where the unfolded path puts it there (`gemv.takes_gate_up_silu`), else the GEMV then the kernel."""
+    from engine.kernels import gemv
+    if gemv.takes_gate_up_silu(x, layer):
+        if getattr(layer, "quant", None) is None:
+            return gemv.gate_up_silu(x, layer.weight, norm_weight=norm.weight, eps=norm.eps)
+        return gemv.gate_up_silu(x, layer.weight, layer.weight_scale_inv, layer.scale_block,
+                                 norm_weight=norm.weight, eps=norm.eps)
+    from engine.kernels.fused import silu_and_mul
+    return silu_and_mul(linear(x, layer, norm=norm))
