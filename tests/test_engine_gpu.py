@@ -128,9 +128,10 @@ def test_folded_norms_agree_with_the_unfolded_layers(monkeypatch, streams, k):
         rows.append(residual.shape[0])
         return folded(self, positions, residual)
     monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_folded", counted)
+    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 2)
     on = _generate(PROMPTS[:streams], dtype="bfloat16", draft_tokens=k)
     assert rows and max(rows) == (2 if streams == 2 or k else 1), sorted(set(rows))
-    monkeypatch.setattr(norm_fold, "FOLD", False)
+    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 0)
     taken = len(rows)
     off = _generate(PROMPTS[:streams], dtype="bfloat16", draft_tokens=k)
     assert len(rows) == taken                       # the switch keeps every layer unfolded
@@ -140,11 +141,12 @@ def test_folded_norms_agree_with_the_unfolded_layers(monkeypatch, streams, k):
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_folded_projections_match_the_unfolded_ones(rows):
+def test_folded_projections_match_the_unfolded_ones(monkeypatch, rows):
     """One layer of the trained model, bf16 on CUDA, on decode rows of a residual stream: qkv(norm(h)) and the
     MLP's norm -> gate_up -> SwiGLU -> down -> add, folded (engine/layers/norm_fold.py) against the layer's own
     modules; the o_proj add bit-equal to o_proj then the add."""
     from engine.layers import norm_fold
+    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 2)
     llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, dtype="bfloat16", draft_tokens=0)
     try:
         layer = llm.engine.executor.driver.model.model.layers[1]

@@ -122,13 +122,16 @@ def test_folds_are_refused_where_the_kernel_cannot_take_them(kernels):
         kernels.gemv(x[:1], "bf16", wt["weight"], residual=torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16))
 
 
-def test_fold_eligibility_by_format_and_rows():
+def test_fold_eligibility_by_format_and_rows(monkeypatch):
     from types import SimpleNamespace
 
     from engine.layers import norm_fold
+    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 2)
     bf16, fp8, nvfp4 = (SimpleNamespace(quant=None), SimpleNamespace(quant="fp8", scale_block=(128, 128)),
                         SimpleNamespace(quant="nvfp4"))
     assert norm_fold.linear_folds(bf16, 1) and norm_fold.linear_folds(bf16, 2)
     assert not norm_fold.linear_folds(bf16, 3)                     # the skinny tensor-core GEMM's rows
     assert norm_fold.linear_folds(fp8, 1) and not norm_fold.linear_folds(fp8, 2)   # FP8 verify rows: MMA GEMV
     assert not norm_fold.linear_folds(nvfp4, 1)                    # NVFP4 rows: the tensor-core GEMV
+    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 1)                 # the default: one row
+    assert norm_fold.linear_folds(bf16, 1) and not norm_fold.linear_folds(bf16, 2)

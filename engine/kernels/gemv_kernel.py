@@ -110,8 +110,9 @@ def _accumulate(acc, ss, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw_a, nw_b, FM
     if FMT == 3 or FMT == 4:
         x_even, x_odd = _bf16_pair(_x_words(x_ptr, row_ok, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
         if NORM:
-            ss = tl.fma(x_even, x_even, ss)
-            ss = tl.fma(x_odd, x_odd, ss)
+            # summed over each thread's 16-byte run of 4 words first, so ss holds a quarter of x's registers
+            sq = tl.fma(x_even, x_even, x_odd * x_odd)
+            ss += tl.sum(tl.reshape(sq, (ss.shape[0], BLOCK_K // 8, 4)), axis=2)
             x_even = x_even * nw_a
             x_odd = x_odd * nw_b
         if FMT == 3:
@@ -134,9 +135,11 @@ def _norm_weight(nw_ptr, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BL
     """The folded RMSNorm's weight at columns k0.. in the activations' layout, fp32: the (even, odd) columns
     [.., BK/2] of the pair codes, else the columns [.., BK] twice."""
     if FMT == 3 or FMT == 4:
-        return _bf16_pair(_x_words(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
-    nw = _x_cols(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D)
-    return nw, nw
+        nw_a, nw_b = _bf16_pair(_x_words(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
+    else:
+        nw_a = _x_cols(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D)
+        nw_b = nw_a
+    return nw_a, nw_b
 
 
 @triton.jit
@@ -262,7 +265,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     acc7 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     # the folded norm's squares, in the layout the thread reads x in (X2D: every row of the tile holds x)
     SS_COPIES: tl.constexpr = BLOCK_N if X2D else 1
-    SS_COLS: tl.constexpr = BLOCK_K // 2 if FMT == 3 or FMT == 4 else BLOCK_K // VEC
+    SS_COLS: tl.constexpr = BLOCK_K // 8 if FMT == 3 or FMT == 4 else BLOCK_K // VEC
     if NORM:
         ss0 = tl.zeros((SS_COPIES, SS_COLS), dtype=tl.float32)
         ss1 = tl.zeros((SS_COPIES, SS_COLS), dtype=tl.float32)

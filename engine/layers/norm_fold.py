@@ -12,9 +12,13 @@ by the row's 1 / rms at the end (`NORM`); the GEMV before one adds its output to
 the s20 profile). The add rounds where the unfused one rounds; the norm's input reaches the products unrounded
 (the unfused norm rounds x / rms to bf16 before the weight), which moves outputs by a bf16 step at most.
 
-Taken where every layer of a stack folds: one rank, bf16 activations on CUDA, and every projection on the
-Triton GEMV at this row count (bf16 weights at one or two rows, FP8 at one; NVFP4 rows and FP8 verify rows
-go to the tensor-core GEMV, which does not fold). `NINFER_GEMV_NORM_FOLD=0` turns it off.
+Taken where every layer of a stack folds: one rank, bf16 activations on CUDA, at most FOLD_ROWS rows, and
+every projection on the Triton GEMV at this row count (bf16 weights at one or two rows, FP8 at one; NVFP4
+rows and FP8 verify rows go to the tensor-core GEMV, which does not fold).
+
+`NINFER_GEMV_NORM_FOLD`: the most rows folded, 0 (off), 1 (default) or 2. Two rows cost registers: compiled
+for sm_90 (Triton 3.6) the two-row bf16 GEMV takes 95 registers with the fold against 64 (5 programs an SM
+instead of 8), the one-row GEMV 39 against 32.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ from torch import nn
 
 from engine.layers.norm import RMSNorm
 
-FOLD = os.environ.get("NINFER_GEMV_NORM_FOLD", "1") != "0"
+FOLD_ROWS = int(os.environ.get("NINFER_GEMV_NORM_FOLD", "1"))
+if not 0 <= FOLD_ROWS <= 2:
+    raise ValueError(f"NINFER_GEMV_NORM_FOLD: {FOLD_ROWS} rows; it takes 0 (off), 1 or 2")
 
 
 def linear_folds(layer: nn.Module, rows: int) -> bool:
     """Whether `rows` decode rows of this linear layer (one rank) take gemv_kernel, which folds."""
     from engine.kernels import gemv
     from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
-    if not 1 <= rows <= gemv.NORM_MAX_ROWS:
+    if not 1 <= rows <= min(FOLD_ROWS, gemv.NORM_MAX_ROWS):
         return False
     quant = getattr(layer, "quant", None)
     if quant is None:
@@ -52,7 +58,7 @@ def stack_folds(x: torch.Tensor, tp_size: int, layers) -> bool:
     """Whether x [T, hidden] goes through `layers` folded: each layer answers `folds(rows)`."""
     rows = x.numel() // x.shape[-1]
     # CUDA first: the GEMV's module needs Triton, which a CPU install lacks
-    return (FOLD and tp_size == 1 and x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+    return (FOLD_ROWS > 0 and tp_size == 1 and x.is_cuda and x.dtype == torch.bfloat16 and x.stride(-1) == 1
             and all(getattr(layer, "folds", None) is not None and layer.folds(rows) for layer in layers))
 
 
