@@ -65,6 +65,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hybrid-deployments", default=None,
                     help="the hybrid section's deployments: tp (the shape at TP=2), one_gpu (quantized, one GPU); "
                          "default both")
+    ap.add_argument("--hybrid-decode-contexts", default=None,
+                    help="the hybrid section's decode contexts (comma-separated; '' = none)")
+    ap.add_argument("--hybrid-prefill-prompts", default=None,
+                    help="the hybrid section's fresh prefill prompts (comma-separated tokens; '' = none)")
+    ap.add_argument("--hybrid-long-context", type=int, default=None,
+                    help="the hybrid section's long context in tokens, prompt plus decoded (0 = not run)")
     return ap.parse_args(argv)
 
 
@@ -161,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     _narrow_decode(plan.decode, args)
     if args.hybrid_deployments:
         plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
+    if args.hybrid_decode_contexts is not None:
+        plan.hybrid.decode_contexts = _ints(args.hybrid_decode_contexts)
+    if args.hybrid_prefill_prompts is not None:
+        plan.hybrid.prefill_prompts = _ints(args.hybrid_prefill_prompts)
+    if args.hybrid_long_context is not None:
+        plan.hybrid.long_context = args.hybrid_long_context
     info = runinfo.collect(device)
     run_id = f"{info['date'][:10]}-{(info['git']['commit'] or 'nogit')[:8]}-{secrets.token_hex(2)}"
     info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=selected,

@@ -28,7 +28,7 @@ from tools.bench.session import compact, random_prompt
 
 
 def _engine(bench, plan, tp: int):
-    cap = plan.long_context + 64
+    cap = max([plan.long_context, *plan.prefill_prompts, *(c + plan.decode_tokens for c in plan.decode_contexts)]) + 64
     spec = bench.engine_spec(model=f"preset:{plan.shape}", draft_tokens=0, tensor_parallel_size=tp,
                              kv_dtype=plan.kv_dtype, kv_capacity=cap, max_model_len=cap, prefill_chunk=plan.chunk,
                              max_batch=4, extra=(("prefix_reuse", False),))
@@ -102,6 +102,9 @@ def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str, who: 
     it ran whole) and sec[key + "_inputs"], or sec[key + "_reason"] when the budget skips it."""
     n_dec = plan.long_decode_tokens
     P = plan.long_context - n_dec
+    if P <= 0:
+        sec[key + "_reason"] = f"not asked (long context {plan.long_context} tokens)"
+        return
     est = bench.estimate_prefill_s(P, who=who, cfg=cfg) / tp + n_dec * 0.05
     if not bench.budget.allows(est):
         sec[key + "_reason"] = bench.budget.skip_reason(est)
