@@ -118,6 +118,13 @@ def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
 FP8_ROW_TILE = _fp8_row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", "4x2048"))
 
 
+# Register caps for the folded norm on the default one-row tiles (sm_90, Triton 3.6, gemv_kernel compiled offline on
+# the CPU machine): bf16 word pairs 2x1024 take 39 registers with the fold against 32
+# without (16 programs an SM -> 12) and 32 with no spill when capped; FP8 4x2048 take 66 against 48 (10 -> 7), 56
+# with no spill (9; 48 spills 80 bytes). Keyed by (kernel code, rows, SwiGLU).
+NORM_MAXNREG = {(BF16_PAIRS_CODE, 1, False): 32, (FP8_CODE, 1, False): 56}
+
+
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
     if fmt == "fp8" and M == 1 and FP8_ROW_TILE is not None:
         cfg = GemvConfig(*FP8_ROW_TILE)
@@ -201,6 +208,9 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
         code = FP8_CODE           # the pair loads are unmasked (whole tiles only) and share one scale row a program
     asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
+    cap = NORM_MAXNREG.get((code, rows_pow2, silu)) if norm_weight is not None and config is None else None
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+                  **({"maxnreg": cap} if cap and x.is_cuda else {}))
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
@@ -209,8 +219,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   nw_ptr=norm_weight if norm_weight is not None else s,
                                   res_ptr=residual if residual is not None else out,
                                   stride_rm=residual.stride(0) if residual is not None else 0, eps=eps,
-                                  NORM=norm_weight is not None, RESIDUAL=residual is not None,
-                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device))
+                                  NORM=norm_weight is not None, RESIDUAL=residual is not None, **launch)
     return out
 
 
