@@ -17,8 +17,8 @@ every projection on the Triton GEMV at this row count (bf16 weights at one or tw
 rows and FP8 verify rows go to the tensor-core GEMV, which does not fold).
 
 `NINFER_GEMV_NORM_FOLD`: the most rows folded, 0 (off), 1 (default) or 2. Two rows cost registers: compiled
-for sm_90 (Triton 3.6) the two-row bf16 GEMV takes 95 registers with the fold against 64 (5 programs an SM
-instead of 8), the one-row GEMV 39 against 32.
+for sm_90 (Triton 3.6) the two-row bf16 GEMV takes 95 registers with the fold against 64, capped at 80 without
+a spill (6 programs an SM instead of 8); the one-row GEMV fits its 32 (gemv.NORM_MAXNREG).
 """
 
 from __future__ import annotations
