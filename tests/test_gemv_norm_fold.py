@@ -6,6 +6,8 @@ interpreter with NINFER_TRITON_INTERPRET_TESTS=1."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from kernel_backend import CUDA, DEV, needs_a_backend  # noqa: F401 (sets TRITON_INTERPRET first)
@@ -123,6 +125,8 @@ def test_folds_are_refused_where_the_kernel_cannot_take_them(kernels):
 
 
 def test_fold_eligibility_by_format_and_rows(monkeypatch):
+    from engine.layers import norm_fold
+    assert norm_fold.FOLD_ROWS == 0 or os.environ.get("NINFER_GEMV_NORM_FOLD")     # off unless asked (it lost)
     from types import SimpleNamespace
 
     from engine.layers import norm_fold
@@ -133,5 +137,5 @@ def test_fold_eligibility_by_format_and_rows(monkeypatch):
     assert not norm_fold.linear_folds(bf16, 3)                     # the skinny tensor-core GEMM's rows
     assert norm_fold.linear_folds(fp8, 1) and not norm_fold.linear_folds(fp8, 2)   # FP8 verify rows: MMA GEMV
     assert not norm_fold.linear_folds(nvfp4, 1)                    # NVFP4 rows: the tensor-core GEMV
-    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 1)                 # the default: one row
+    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 1)
     assert norm_fold.linear_folds(bf16, 1) and not norm_fold.linear_folds(bf16, 2)

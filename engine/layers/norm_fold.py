@@ -16,7 +16,16 @@ Taken where every layer of a stack folds: one rank, bf16 activations on CUDA, at
 every projection on the Triton GEMV at this row count (bf16 weights at one or two rows, FP8 at one; NVFP4
 rows and FP8 verify rows go to the tensor-core GEMV, which does not fold).
 
-`NINFER_GEMV_NORM_FOLD`: the most rows folded, 0 (off), 1 (default) or 2. Two rows cost registers: compiled
+**Measured, and lost: off by default.** Served qwen3-8b on one H200, decode batch 1, two interleaved reps each
+(bench/results/2026-12-02-h200-s23/b): bf16 4.128 / 4.126 ms a step unfolded against 4.255 / 4.253 folded, FP8
+2.748 / 2.748 against 2.787 / 2.786 (NVFP4, which does not fold, 2.726 / 2.722 against 2.725 / 2.724). The
+fold's per-value work (the square, the norm weight's load and multiply) lengthens the GEMV's loop by half (the
+one-row bf16 kernel's sm_90 code: 184 -> 272 instructions), and that cost more than the 72 norm launches it
+removed (0.13 ms of kernel time with PDL off in the s20 profile; with PDL each launches under the GEMV before
+it). Not profiled: how the 0.13 ms bf16 loss splits between the GEMVs' slower loops and what the norms saved.
+The residual add alone costs the GEMV nothing but saves no launch (the norm still runs).
+
+`NINFER_GEMV_NORM_FOLD`: the most rows folded, 0 (default, off), 1 or 2. Two rows cost registers: compiled
 for sm_90 (Triton 3.6) the two-row bf16 GEMV takes 95 registers with the fold against 64, capped at 80 without
 a spill (6 programs an SM instead of 8); the one-row GEMV fits its 32 (gemv.NORM_MAXNREG).
 """
@@ -30,7 +39,7 @@ from torch import nn
 
 from engine.layers.norm import RMSNorm
 
-FOLD_ROWS = int(os.environ.get("NINFER_GEMV_NORM_FOLD", "1"))
+FOLD_ROWS = int(os.environ.get("NINFER_GEMV_NORM_FOLD", "0"))
 if not 0 <= FOLD_ROWS <= 2:
     raise ValueError(f"NINFER_GEMV_NORM_FOLD: {FOLD_ROWS} rows; it takes 0 (off), 1 or 2")
 
