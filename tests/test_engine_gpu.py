@@ -31,9 +31,9 @@ PROMPTS = [
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 
 
-def _generate(prompts: list[str] = PROMPTS, **kw) -> list[list[int]]:
+def _generate(prompts: list[str] | None = None, **kw) -> list[list[int]]:
     llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, **kw)
-    outs = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    outs = [o.token_ids for o in llm.generate(prompts or PROMPTS, GREEDY)]
     llm.engine.executor.shutdown()
     return outs
 

@@ -112,24 +112,50 @@ def test_folded_norm_with_the_swiglu_epilogue(kernels, fmt, M):
     assert err_folded <= max(err_unfused, 2 * float(exact.abs().max()) * 2 ** -8), (err_folded, err_unfused)
 
 
+VARIANTS = [("bf16", dict(block_n=4, block_k=256, pairs=True), 100, 520),          # ragged N and K, word pairs
+            ("bf16", dict(block_n=4, block_k=256, x2d=False), 96, 512),            # x loaded once, not per row
+            ("bf16", dict(block_n=2, block_k=256, prefetch=True, pairs=True), 96, 1024),
+            ("fp8", dict(block_n=4, block_k=256, prefetch=True), 100, 1024),       # ragged N: the plain FP8 code
+            ("fp8", dict(block_n=4, block_k=256, x2d=False), 96, 512),
+            ("bf16", None, 96, 1024), ("fp8", None, 128, 1024)]                     # default tiles (the register caps)
+
+
+@pytest.mark.parametrize("fmt,cfg,N,K", VARIANTS, ids=[f"{f}-{c}-{n}x{k}" for f, c, n, k in VARIANTS])
+@pytest.mark.parametrize("M", [1, 2])
+def test_folds_on_other_tiles(kernels, fmt, cfg, N, K, M):
+    wt = _weights(fmt, N, K, seed=N + K + M)
+    x, nw = _inputs(M, K, seed=K + M)
+    config = kernels.GemvConfig(**cfg) if cfg else None
+    args = (x, fmt, wt["weight"], wt["scale"], None, N, wt["block"], config)
+    folded = kernels.gemv(*args, norm_weight=nw, eps=EPS)
+    xd = x.double()
+    exact = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * nw.double()) @ _dequantized(wt, fmt).T
+    ok, err = _close(folded, exact, steps=1)
+    assert ok, f"folded norm off the exact math by {err}"
+    res = torch.randn(M, N, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)
+    y = kernels.gemv(*args)
+    assert torch.equal(kernels.gemv(*args, residual=res), (y.float() + res.float()).to(torch.bfloat16))
+
+
 def test_folds_are_refused_where_the_kernel_cannot_take_them(kernels):
     K, N = 256, 32
     wt = _weights("bf16", N, K, seed=1)
     x, nw = _inputs(3, K, seed=1)
     with pytest.raises(ValueError, match="folded norm takes 1..2 rows"):
         kernels.gemv(x, "bf16", wt["weight"], norm_weight=nw)
-    with pytest.raises(ValueError, match="a weight of 256 values"):
+    with pytest.raises(ValueError, match="weight of 256 values"):
         kernels.gemv(x[:1], "bf16", wt["weight"], norm_weight=nw[:128])
-    with pytest.raises(ValueError, match=r"residual must be \[1, 32\]"):
+    with pytest.raises(ValueError, match="contiguous torch.bfloat16 weight"):
+        kernels.gemv(x[:1], "bf16", wt["weight"], norm_weight=nw.float())
+    with pytest.raises(ValueError, match=r"residual must be torch.bfloat16 \[1, 32\]"):
         kernels.gemv(x[:1], "bf16", wt["weight"], residual=torch.zeros(1, 31, device=DEV, dtype=torch.bfloat16))
 
 
 def test_fold_eligibility_by_format_and_rows(monkeypatch):
-    from engine.layers import norm_fold
-    assert norm_fold.FOLD_ROWS == 0 or os.environ.get("NINFER_GEMV_NORM_FOLD")     # off unless asked (it lost)
     from types import SimpleNamespace
 
     from engine.layers import norm_fold
+    assert norm_fold.FOLD_ROWS == int(os.environ.get("NINFER_GEMV_NORM_FOLD", "0"))   # off unless asked (it lost)
     monkeypatch.setattr(norm_fold, "FOLD_ROWS", 2)
     bf16, fp8, nvfp4 = (SimpleNamespace(quant=None), SimpleNamespace(quant="fp8", scale_block=(128, 128)),
                         SimpleNamespace(quant="nvfp4"))

@@ -4,7 +4,7 @@ Each does in one launch what its torch twin does in several (and rounds where th
 the two agree to the last bf16 bit or two):
   rms_norm      RMSNorm with the residual add (`engine.layers.norm.RMSNorm.forward`; and the hybrids'
                 `ZeroCentredRMSNorm.forward`, weight as an offset from one)
-  qk_norm_rope  q_norm/k_norm per head, then rotate-half RoPE (`Qwen3Attention.forward` lines
+  qk_norm_rope  q_norm/k_norm per head, then rotate-half RoPE (`Qwen3Attention.attend` lines
                 q_norm, k_norm, rotary), optionally also writing K/V into the pages (write_kv)
   silu_and_mul  SwiGLU (`engine.layers.activation.SiluAndMul`)
 All are CUDA-graph capturable: grids depend on shapes only.

@@ -26,6 +26,10 @@ output rows and a slice of K (all of K unless SPLIT > 1) and walks it BLOCK_K co
   - FP8 with `pairs`: the codes are read as 16-bit pairs (one cvt.rn.f16x2.e4m3x2 each) and the activations
     as words as above, so each thread's even and odd columns meet without a conversion of x's layout (whole
     tiles only; ragged N or K takes the plain FP8 code);
+  - a folded RMSNorm (`norm_weight`, one or two rows, no split; engine/layers/norm_fold.py): x is the
+    un-normed stream, each thread sums its columns' squares on the way and multiplies x by the norm weight,
+    and each row's outputs are scaled by its 1 / rms at the end; a folded residual add (`residual`, no
+    split): the output is the stream plus the projection, rounded as the projection then the add;
   - SPLIT > 1: each program writes its fp32 partial rows to a workspace, and the last program of an
     output block to finish (an atomic counter per block) sums the partials in order, writes the
     output and re-arms the counter, so there is one launch and the sum is deterministic.
@@ -118,13 +122,13 @@ def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
 FP8_ROW_TILE = _fp8_row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", "4x2048"))
 
 
-# Register caps for the folded norm on the default one-row tiles (sm_90, Triton 3.6, gemv_kernel compiled offline on
-# the CPU machine): bf16 word pairs 2x1024 take 39 registers with the fold against 32
-# without (16 programs an SM -> 12) and 32 with no spill when capped; FP8 4x2048 take 66 against 48 (10 -> 7), 56
-# with no spill (9; 48 spills 80 bytes); two bf16 rows (4x1024, with or without the SwiGLU) 95 against 64 (8 -> 5),
-# 80 with no spill (6; 72 spills 40 bytes). Keyed by (kernel code, rows, SwiGLU).
-NORM_MAXNREG = {(BF16_PAIRS_CODE, 1, False): 32, (FP8_CODE, 1, False): 56, (BF16_PAIRS_CODE, 2, False): 80,
-                (BF16_PAIRS_CODE, 2, True): 80}
+# Register caps for the folded norm, per launch tile (sm_90, Triton 3.6, gemv_kernel compiled offline on the CPU
+# machine): the one-row bf16 word-pair tile 2x1024 takes 39 registers with the fold against 32 without (16 programs
+# an SM -> 12) and 32 with no spill when capped; FP8 4x2048 66 against 48 (10 -> 7), 56 with no spill (9; 48
+# spills 80 bytes); two bf16 rows (4x1024, with or without the SwiGLU) 95 against 64 (8 -> 5), 80 with no spill (6;
+# 72 spills 40 bytes). Keyed by (kernel code, rows, SwiGLU, BLOCK_N, BLOCK_K, warps): another tile is not capped.
+NORM_MAXNREG = {(BF16_PAIRS_CODE, 1, False, 2, 1024, 4): 32, (FP8_CODE, 1, False, 4, 2048, 4): 56,
+                (BF16_PAIRS_CODE, 2, False, 4, 1024, 4): 80, (BF16_PAIRS_CODE, 2, True, 4, 1024, 4): 80}
 
 
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
@@ -170,8 +174,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     silu (one or two rows, see `gate_up_silu`): -> silu(gate) * up [M, N/2], a program owning BLOCK_N / 2 gate
     rows and the matching up rows.
     norm_weight [K] (one or two rows; bf16 and FP8): x is un-normed, and the result is that of RMSNorm(x) with
-    this weight and eps, then the projection (`fold_norm`). residual [M, N]: -> residual + x @ W^T, rounded as
-    the projection then the add."""
+    this weight and eps, then the projection (engine/layers/norm_fold.py). residual [M, N]: -> residual + x @ W^T,
+    rounded as the projection then the add."""
     M, K = x.shape
     if not 1 <= M <= GEMV_MAX_ROWS:
         raise ValueError(f"gemv takes 1..{GEMV_MAX_ROWS} rows, got {M}")
@@ -180,12 +184,15 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
         raise ValueError(f"gemv: FP8 scale blocks must span a multiple of 16 columns, got {scale_block[1]}")
     if silu and M > 2:
         raise ValueError(f"gemv: the SwiGLU epilogue takes one or two rows, got {M}")
-    if norm_weight is not None and (M > NORM_MAX_ROWS or fmt == "nvfp4" or norm_weight.shape != (K,)):
-        raise ValueError(f"gemv: a folded norm takes 1..{NORM_MAX_ROWS} rows of bf16 or FP8 and a weight of "
-                         f"{K} values, got {M} rows of {fmt} and a weight of {tuple(norm_weight.shape)}")
-    if residual is not None and (silu or residual.shape != (M, N) or residual.stride(-1) != 1):
-        raise ValueError(f"gemv: the residual must be [{M}, {N}] with unit stride (and no SwiGLU), "
-                         f"got {tuple(residual.shape)}")
+    if norm_weight is not None and (M > NORM_MAX_ROWS or fmt == "nvfp4" or norm_weight.shape != (K,)
+                                    or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1):
+        raise ValueError(f"gemv: a folded norm takes 1..{NORM_MAX_ROWS} rows of bf16 or FP8 and a contiguous "
+                         f"{x.dtype} weight of {K} values, got {M} rows of {fmt} and a {norm_weight.dtype} weight of "
+                         f"{tuple(norm_weight.shape)}")
+    if residual is not None and (silu or residual.shape != (M, N) or residual.stride(-1) != 1
+                                 or residual.dtype != x.dtype):
+        raise ValueError(f"gemv: the residual must be {x.dtype} [{M}, {N}] with unit stride (and no SwiGLU), "
+                         f"got {residual.dtype} {tuple(residual.shape)}")
     cfg = config or default_config(fmt, M, N, K)
     code = kernel_code(fmt, cfg, x, weight)
     block_n = cfg.block_n
@@ -208,9 +215,12 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     even_n = (N // 2) % (block_n // 2) == 0 if silu else N % block_n == 0
     if code == FP8_PAIRS_CODE and (silu or not (even_k and even_n)):
         code = FP8_CODE           # the pair loads are unmasked (whole tiles only) and share one scale row a program
+    if norm_weight is not None and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE) and norm_weight.data_ptr() % 4:
+        code = BF16_CODE if code == BF16_PAIRS_CODE else FP8_CODE     # the pair codes read the norm weight as words
     asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
-    cap = NORM_MAXNREG.get((code, rows_pow2, silu)) if norm_weight is not None and config is None else None
+    cap = (NORM_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
+           if norm_weight is not None else None)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
                   **({"maxnreg": cap} if cap and x.is_cuda else {}))
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),

@@ -1,7 +1,8 @@
 """The Triton code of the decode GEMV (launched by engine/kernels/gemv.py, whose docstring says how it works).
 
 One program: BLOCK_N output rows x one slice of K, walked BLOCK_K columns at a time; M (1, 2, 4 or 8,
-the rows past the caller's count masked) activation rows accumulated in separate registers.
+the rows past the caller's count masked) activation rows accumulated in separate registers. NORM and
+RESIDUAL fold an RMSNorm into the input and a residual add into the output (engine/layers/norm_fold.py).
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     # is folded in: every program walks all of K, so it sums each row's squares on the way and multiplies x by
     # the norm weight nw; the row's 1 / rms scales its outputs at the end. RESIDUAL (no split): the output is
     # the residual stream res plus the projection, rounded where the unfused add rounds.
+    tl.static_assert(not NORM or (M <= 2 and FMT != 1 and SPLIT == 1), "a folded norm: 1-2 rows, no NVFP4, no split")
+    tl.static_assert(not RESIDUAL or (SPLIT == 1 and not SILU), "a folded residual add: no split, no SwiGLU")
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if SILU:
         # a fused gate/up projection (N = 2F rows, gate then up): this program's first BLOCK_N / 2 rows are gate

@@ -27,12 +27,26 @@ from tools.bench.progress import fmt_rate, say
 from tools.bench.session import compact, random_prompt
 
 
+WARM_PROMPT = 512        # the warm-up prompt, and the one-GPU decode point, where a plan asks no decode context
+
+
+def _capacity(plan) -> int:
+    """KV tokens an engine of `plan` (this section's or the quant section's) needs: its longest request."""
+    asks = [plan.long_context, *getattr(plan, "prefill_prompts", ()), WARM_PROMPT + plan.decode_tokens,
+            *(c + plan.decode_tokens for c in plan.decode_contexts)]
+    return max(asks) + 64
+
+
+def _first_context(plan) -> int:
+    return (plan.decode_contexts or [WARM_PROMPT])[0]
+
+
 def _engine(bench, plan, tp: int):
-    cap = max([plan.long_context, *plan.prefill_prompts, *(c + plan.decode_tokens for c in plan.decode_contexts)]) + 64
+    cap = _capacity(plan)
     spec = bench.engine_spec(model=f"preset:{plan.shape}", draft_tokens=0, tensor_parallel_size=tp,
                              kv_dtype=plan.kv_dtype, kv_capacity=cap, max_model_len=cap, prefill_chunk=plan.chunk,
                              max_batch=4, extra=(("prefix_reuse", False),))
-    return bench.pool.get(spec, warm_prompt=plan.decode_contexts[0], warm_decode=16)
+    return bench.pool.get(spec, warm_prompt=_first_context(plan), warm_decode=16)
 
 
 def run(bench, sec: dict) -> None:
@@ -50,7 +64,8 @@ def run(bench, sec: dict) -> None:
         _tp_deployment(bench, sec, plan, cfg, tp)
     if "one_gpu" in plan.deployments and plan.one_gpu_format:
         one_gpu_deployment(bench, sec.setdefault("one_gpu", {}), plan, cfg, "hybrid_one_gpu_192k_ok")
-    measured = sec.get("points") or (sec.get("one_gpu") or {}).get("point")
+    measured = (sec.get("points") or sec.get("prefill") or sec.get("long_context")
+                or (sec.get("one_gpu") or {}).get("point"))
     sec["status"] = "ok" if measured else "skipped"
     if not measured:
         sec.setdefault("reason", (sec.get("one_gpu") or {}).get("reason") or "no deployment measured")
@@ -102,8 +117,11 @@ def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str, who: 
     it ran whole) and sec[key + "_inputs"], or sec[key + "_reason"] when the budget skips it."""
     n_dec = plan.long_decode_tokens
     P = plan.long_context - n_dec
+    if plan.long_context <= 0:
+        sec[key + "_reason"] = "not asked (long context 0)"
+        return
     if P <= 0:
-        sec[key + "_reason"] = f"not asked (long context {plan.long_context} tokens)"
+        sec[key + "_reason"] = f"the long context ({plan.long_context} tokens) is no longer than its {n_dec} decoded tokens"
         return
     est = bench.estimate_prefill_s(P, who=who, cfg=cfg) / tp + n_dec * 0.05
     if not bench.budget.allows(est):
@@ -137,13 +155,13 @@ def one_gpu_deployment(bench, sec: dict, plan, cfg, key: str, who: str = "hybrid
     if not bench.budget.allows(guess):
         sec["reason"] = bench.budget.skip_reason(guess)
         return
-    cap = plan.long_context + 64
+    cap = _capacity(plan)
     spec = bench.engine_spec(model=model, draft_tokens=0, tensor_parallel_size=1, kv_dtype=plan.kv_dtype,
                              kv_capacity=cap, max_model_len=cap, prefill_chunk=plan.chunk, max_batch=4,
                              extra=(("prefix_reuse", False),))
-    session, _ = bench.pool.get(spec, warm_prompt=plan.decode_contexts[0], warm_decode=16)
+    ctx = _first_context(plan)
+    session, _ = bench.pool.get(spec, warm_prompt=ctx, warm_decode=16)
     say(who, f"engine {model} TP=1 {plan.kv_dtype} KV: {session.setup_text}")
-    ctx = plan.decode_contexts[0]
     p = decode_point(bench, session, ctx, 1, plan.decode_tokens, who)
     weights = shard_bytes(preset(model), 1, False, 1, 2) - (0 if cfg.tie_word_embeddings
                                                              else cfg.vocab_size * cfg.hidden_size * 2)
