@@ -286,14 +286,16 @@ def takes_gate_up_silu(x: torch.Tensor, layer) -> bool:
             and layer.scale_block[1] % 16 == 0)
 
 
-def layer_gate_up_silu(x: torch.Tensor, layer) -> torch.Tensor:
+def layer_gate_up_silu(x: torch.Tensor, layer, norm_weight: torch.Tensor | None = None,
+                       eps: float = 1e-6) -> torch.Tensor:
     """`gate_up_silu` of a gate/up layer (unquantized or FP8) that `takes_gate_up_silu(x, layer)`: x [..., K] ->
-    [..., F]."""
+    [..., F]; norm_weight: x is the un-normed stream and the RMSNorm is folded in (engine/layers/norm_fold.py)."""
     x2 = x.reshape(-1, x.shape[-1])
     if getattr(layer, "quant", None) is None:
-        act = gate_up_silu(x2, layer.weight)
+        act = gate_up_silu(x2, layer.weight, norm_weight=norm_weight, eps=eps)
     else:
-        act = gate_up_silu(x2, layer.weight, layer.weight_scale_inv, layer.scale_block)
+        act = gate_up_silu(x2, layer.weight, layer.weight_scale_inv, layer.scale_block, norm_weight=norm_weight,
+                           eps=eps)
     return act.view(*x.shape[:-1], act.shape[-1])
 
 

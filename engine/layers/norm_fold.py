@@ -90,9 +90,14 @@ def gate_up_act(x: torch.Tensor, layer: nn.Module, norm: RMSNorm) -> torch.Tenso
     epilogue where the unfolded path puts it there (`gemv.takes_gate_up_silu`), else the GEMV then the kernel."""
     from engine.kernels import gemv
     if gemv.takes_gate_up_silu(x, layer):
-        if getattr(layer, "quant", None) is None:
-            return gemv.gate_up_silu(x, layer.weight, norm_weight=norm.weight, eps=norm.eps)
-        return gemv.gate_up_silu(x, layer.weight, layer.weight_scale_inv, layer.scale_block,
-                                 norm_weight=norm.weight, eps=norm.eps)
+        return gemv.layer_gate_up_silu(x, layer, norm_weight=norm.weight, eps=norm.eps)
     from engine.kernels.fused import silu_and_mul
     return silu_and_mul(linear(x, layer, norm=norm))
+
+
+def run_stack(layers, positions: torch.Tensor, x: torch.Tensor, final_norm: nn.Module) -> torch.Tensor:
+    """x [T, hidden] through `layers` folded (after `stack_folds` said yes), then the stack's final norm, which
+    stays a kernel: its output is the hidden state the heads and the MTP module read."""
+    for layer in layers:
+        x = layer.forward_folded(positions, x)
+    return final_norm(x)

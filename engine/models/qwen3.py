@@ -131,9 +131,7 @@ class Qwen3Model(nn.Module):
         # input_ids, positions: [T] -> final-normed hidden [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
         if norm_fold.stack_folds(x, self.tp.size, self.layers):
-            for layer in self.layers:
-                x = layer.forward_folded(positions, x)
-            return self.norm(x)
+            return norm_fold.run_stack(self.layers, positions, x, self.norm)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return reduce_add_norm(self.tp, self.norm, x, residual)[0]
@@ -164,9 +162,7 @@ class MTPModule(nn.Module):
         # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
         if norm_fold.stack_folds(x, self.tp.size, self.layers):
-            for layer in self.layers:
-                x = layer.forward_folded(positions, x)
-            return self.norm(x)
+            return norm_fold.run_stack(self.layers, positions, x, self.norm)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
