@@ -383,6 +383,7 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
 # -- --variants: the decode switches ---------------------------------------------------------------
 
 VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "i8-np-w4", "i8-np-w8", "i8-pf1-w8",
+                "i8-bn64-pf1-r128", "i8-bn64-pf1",
                 "tma-s9w2", "tma-s13w2", "tma4-s3w2", "tma4-s5w2", "tma4-s5w4", "splits"]
 # int8 128-key tiles around INT8_LONG's (prefetch 1, 4 warps: 249 registers, 2 programs per SM), each with the
 # splits halved until its programs fit one wave (sm_90 registers, s21): (tag, prefetch, warps, programs per SM)
@@ -431,6 +432,10 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
             while splits > 1 and ctas * splits > per_sm * A.sm_count(case.q.device):
                 splits //= 2
             out.append((tag, r(plan, prefetch=prefetch, num_warps=warps, num_splits=splits)))
+        # the 64-key plan with the next tile's K loaded ahead: bf16's long shape (BF16_LONG, capped at 128 registers:
+        # four programs an SM) and the uncapped loop the short-context one-tile splits take (158 registers, three)
+        short = r(pointer_plan(case, int8_long=False), prefetch=1, num_stages=1)
+        out += [("i8-bn64-pf1-r128", r(short, max_regs=128)), ("i8-bn64-pf1", short)]
     if plan.num_splits > 1 and PAGE >= 16:
         splits = pointer_plan(case, int8_long=False).num_splits
         for per_step, stages, warps in TMA_SHAPES:
