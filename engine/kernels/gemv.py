@@ -67,6 +67,8 @@ class GemvConfig:
     asm: bool = True       # NVFP4: decode nibbles by inline PTX (CUDA only; the interpreter takes Triton ops)
     x2d: bool = True       # FP8/bf16: load the activations in the weight tile's shape (no layout conversion)
     prefetch: bool = False  # load the next tile before this one's arithmetic
+    preload: bool = False   # (without prefetch) the first tile before the PDL wait, each next one at the end of
+                            # the iteration before: the plain loop's registers, the first tile's latency hidden
     pairs: bool = False     # bf16 activations (and bf16 weights) read as 32-bit words of two values, FP8 codes as
                             # 16-bit pairs (gemv_kernel.py); fp16 takes the plain code
 
@@ -92,6 +94,12 @@ GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": int(os.environ.get("NINFER_GEMV_BF16_
 # qwen3-8b k=0 round 4.26 -> 4.22 ms; FP8 pairs lost there (fp8 step 2.89 -> 2.93 ms; same call, s17 b).
 # NINFER_GEMV_PAIRS= (empty) turns them off.
 PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16").split(",") if f)
+
+# Formats whose one-row default configs preload (GemvConfig.preload): a comma list of "bf16" and "fp8", read once
+# at import. A decode step's small GEMVs (qwen3-8b q/k/v, o) are one wave of programs that walk K in two to four
+# dependent tile loads; with PDL the first of them can go out while the kernel ahead finishes. Only the word-pair
+# codes take it, so "fp8" needs "fp8" in NINFER_GEMV_PAIRS too. Off until a served A/B says otherwise.
+PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "").split(",") if f)
 
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
@@ -131,6 +139,13 @@ NORM_MAXNREG = {(BF16_PAIRS_CODE, 1, False, 2, 1024, 4): 32, (FP8_CODE, 1, False
                 (BF16_PAIRS_CODE, 2, False, 4, 1024, 4): 80, (BF16_PAIRS_CODE, 2, True, 4, 1024, 4): 80}
 
 
+# Register caps for the preload, per launch tile (sm_90, Triton 3.6, compiled offline): the one-row bf16 word-pair
+# tile 2x1024 takes 40 registers with it against 32 without (16 programs an SM -> 12: qwen3-8b's o no longer one
+# wave), 32 capped with no spill; its SwiGLU tile 4x1024 64 against 48, 48 capped with no spill. FP8 pairs 4x2048
+# stay at 48 uncapped.
+PRELOAD_MAXNREG = {(BF16_PAIRS_CODE, 1, False, 2, 1024, 4): 32, (BF16_PAIRS_CODE, 1, True, 4, 1024, 4): 48}
+
+
 def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
     if fmt == "fp8" and M == 1 and FP8_ROW_TILE is not None:
         cfg = GemvConfig(*FP8_ROW_TILE)
@@ -154,6 +169,8 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
             cfg = GemvConfig(4, 1024)
     if fmt in PAIRS_FORMATS:
         cfg = replace(cfg, pairs=True)
+    if fmt in PRELOAD_FORMATS and M == 1 and not cfg.prefetch:
+        cfg = replace(cfg, preload=True)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
         block_k //= 2
@@ -221,13 +238,19 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
     cap = (NORM_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
            if norm_weight is not None else None)
+    prefetch = cfg.prefetch and not silu
+    # the tile carried over the loop's back edge as words (the pair codes); bytes would cost registers
+    preload = cfg.preload and not prefetch and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE)
+    if preload and cap is None:
+        cap = PRELOAD_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
                   **({"maxnreg": cap} if cap and x.is_cuda else {}))
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=even_k,
-                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=cfg.prefetch and not silu, SILU=silu,
+                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=prefetch, PRELOAD=preload,
+                                  SILU=silu,
                                   nw_ptr=norm_weight if norm_weight is not None else s,
                                   res_ptr=residual if residual is not None else out,
                                   stride_rm=residual.stride(0) if residual is not None else 0, eps=eps,

@@ -231,11 +231,14 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                  SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False,
                  SILU: tl.constexpr = False, nw_ptr=None, res_ptr=None, stride_rm=0, eps=1e-6,
-                 NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False):
+                 NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
     # NORM (one or two rows, no split): x is the residual stream, and the RMSNorm that would have made the input
     # is folded in: every program walks all of K, so it sums each row's squares on the way and multiplies x by
     # the norm weight nw; the row's 1 / rms scales its outputs at the end. RESIDUAL (no split): the output is
-    # the residual stream res plus the projection, rounded where the unfused add rounds.
+    # the residual stream res plus the projection, rounded where the unfused add rounds. PRELOAD (without
+    # PREFETCH; gemv() sets it for the word codes 3 and 4 only): the plain loop's one tile in flight, but the first
+    # tile is read before the PDL wait and each next one at the end of the iteration before it. Carried over the
+    # loop's back edge as words a tile costs few registers; as bytes (the plain FP8 code) it took 48 -> 82 (sm_90).
     tl.static_assert(not NORM or (M <= 2 and FMT != 1 and SPLIT == 1), "a folded norm: 1-2 rows, no NVFP4, no split")
     tl.static_assert(not RESIDUAL or (SPLIT == 1 and not SILU), "a folded residual add: no split, no SwiGLU")
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -282,7 +285,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         row_blk = (tl.minimum(offs_n, N - 1) // scale_br)[:, None]                      # [BN, 1]
     else:
         row_blk = (pid_n * BLOCK_N) // scale_br
-    if PREFETCH:
+    if PREFETCH or PRELOAD:
         raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
                                 EVEN_K and EVEN_N, SCALE_BC)
     # the first weight tile (with PREFETCH) is read before the kernel ahead has finished; the activations,
@@ -300,7 +303,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
             else:
                 raw_next, s_next = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0 + BLOCK_K, k_end,
                                               FMT, BLOCK_K, False, SCALE_BC)
-        else:
+        elif not PRELOAD:
             raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT, BLOCK_K,
                                     EVEN_K and EVEN_N, SCALE_BC)
         if FMT == 1:
@@ -361,6 +364,16 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                                   FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
         if PREFETCH:
             raw, s_raw = raw_next, s_next
+        elif PRELOAD:
+            # this tile's registers are free now: the next tile's load goes out (the last iteration re-reads
+            # the last tile from L2 when unmasked; masked, it reads nothing)
+            if EVEN_K and EVEN_N:
+                k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)
+                raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_next, k_end, FMT,
+                                        BLOCK_K, True, SCALE_BC)
+            else:
+                raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0 + BLOCK_K, k_end,
+                                        FMT, BLOCK_K, False, SCALE_BC)
     if FMT == 1:
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
