@@ -98,8 +98,11 @@ PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16")
 # Formats whose one-row default configs preload (GemvConfig.preload): a comma list of "bf16" and "fp8", read once
 # at import. A decode step's small GEMVs (qwen3-8b q/k/v, o) are one wave of programs that walk K in two to four
 # dependent tile loads; with PDL the first of them can go out while the kernel ahead finishes. Only the word-pair
-# codes take it, so "fp8" needs "fp8" in NINFER_GEMV_PAIRS too. Off until a served A/B says otherwise.
-PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "").split(",") if f)
+# codes take it, so "fp8" needs "fp8" in NINFER_GEMV_PAIRS too. bf16 by default: the served qwen3-8b bf16 step
+# 4.172 -> 4.133 ms in each of four interleaved reps (bench/results/2026-12-02-h200-s24/c, d). FP8 pairs with it
+# read 2.936 ms against the plain FP8 code's 2.758 (one rep), and the plain code carries its tile as bytes (4x2048:
+# 48 -> 81 registers, 488 -> 728 SASS instructions), so FP8 stays off. NINFER_GEMV_PRELOAD= turns it off.
+PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "bf16").split(",") if f)
 
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
@@ -239,8 +242,10 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     cap = (NORM_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
            if norm_weight is not None else None)
     prefetch = cfg.prefetch and not silu
-    # the tile carried over the loop's back edge as words (the pair codes); bytes would cost registers
-    preload = cfg.preload and not prefetch and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE)
+    # the tile carried over the loop's back edge as words (the pair codes); bytes would cost registers. The folds'
+    # register caps were set without it, so a folded norm or residual keeps the plain loop
+    preload = (cfg.preload and not prefetch and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE) and norm_weight is None
+               and residual is None)
     if preload and cap is None:
         cap = PRELOAD_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
