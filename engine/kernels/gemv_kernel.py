@@ -225,6 +225,21 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
 
 
 @triton.jit
+def _load_next_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EVEN: tl.constexpr, SCALE_BC: tl.constexpr):
+    """The tile after the one at k0, for a load issued ahead of its iteration. Unmasked (16-byte loads), the last
+    iteration loads the last tile again, from L2; masked, the tile past k_end reads nothing."""
+    if EVEN:
+        k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)
+        raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_next, k_end, FMT, BLOCK_K, True,
+                                SCALE_BC)
+    else:
+        raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0 + BLOCK_K, k_end, FMT, BLOCK_K,
+                                False, SCALE_BC)
+    return raw, s_raw
+
+
+@triton.jit
 def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, K, stride_xm, stride_wn, stride_sn,
                  stride_om, k_per_split, scale_br,
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -295,14 +310,8 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         k0 = tl.multiple_of(k0, BLOCK_K)            # k_per_split is a multiple of BLOCK_K
         if PREFETCH:
             # the next tile's loads go out before this tile's arithmetic: two tiles in flight per program
-            if EVEN_K and EVEN_N:
-                # unmasked (16-byte loads): the last iteration loads the last tile again, from L2
-                k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)
-                raw_next, s_next = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_next, k_end, FMT,
-                                              BLOCK_K, True, SCALE_BC)
-            else:
-                raw_next, s_next = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0 + BLOCK_K, k_end,
-                                              FMT, BLOCK_K, False, SCALE_BC)
+            raw_next, s_next = _load_next_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT,
+                                               BLOCK_K, EVEN_K and EVEN_N, SCALE_BC)
         elif not PRELOAD:
             raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT, BLOCK_K,
                                     EVEN_K and EVEN_N, SCALE_BC)
@@ -365,15 +374,9 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         if PREFETCH:
             raw, s_raw = raw_next, s_next
         elif PRELOAD:
-            # this tile's registers are free now: the next tile's load goes out (the last iteration re-reads
-            # the last tile from L2 when unmasked; masked, it reads nothing)
-            if EVEN_K and EVEN_N:
-                k_next = tl.multiple_of(tl.minimum(k0 + BLOCK_K, k_end - BLOCK_K), BLOCK_K)
-                raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_next, k_end, FMT,
-                                        BLOCK_K, True, SCALE_BC)
-            else:
-                raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0 + BLOCK_K, k_end,
-                                        FMT, BLOCK_K, False, SCALE_BC)
+            # this tile's registers are free now: the next tile's load goes out
+            raw, s_raw = _load_next_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT, BLOCK_K,
+                                         EVEN_K and EVEN_N, SCALE_BC)
     if FMT == 1:
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
