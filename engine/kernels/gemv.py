@@ -107,7 +107,8 @@ PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "bf
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
 # tile before it waits for the kernel ahead. For bf16 at one row that did not pay on 2 x H200: 8.33 ->
-# 8.36 ms per 27B TP=2 round, 4.46 -> 4.52 ms per qwen3-8b round (bench/results/2026-12-01-h200-fold/).
+# 8.36 ms per 27B TP=2 round, 4.46 -> 4.52 ms per qwen3-8b round (bench/results/2026-12-01-h200-fold/). The preload
+# (above) reads that first tile early too, without the second tile in flight, and paid.
 
 
 def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
@@ -246,7 +247,8 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     # register caps were set without it, so a folded norm or residual keeps the plain loop
     preload = (cfg.preload and not prefetch and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE) and norm_weight is None
                and residual is None)
-    if preload and cap is None:
+    if preload and even_k and even_n and split == 1:
+        # the caps were compiled for whole tiles and one split: another variant of the tile keeps its own count
         cap = PRELOAD_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
                   **({"maxnreg": cap} if cap and x.is_cuda else {}))
@@ -254,8 +256,7 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
                                   s.stride(0) if s.dim() == 2 else 0, out.stride(0), k_per_split,
                                   scale_block[0], FMT=code, SCALE_BC=scale_block[1], M=rows_pow2, BLOCK_N=block_n,
                                   BLOCK_K=block_k, SPLIT=split, ASM=asm, EVEN_K=even_k,
-                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=prefetch, PRELOAD=preload,
-                                  SILU=silu,
+                                  EVEN_N=even_n, X2D=cfg.x2d, PREFETCH=prefetch, PRELOAD=preload, SILU=silu,
                                   nw_ptr=norm_weight if norm_weight is not None else s,
                                   res_ptr=residual if residual is not None else out,
                                   stride_rm=residual.stride(0) if residual is not None else 0, eps=eps,

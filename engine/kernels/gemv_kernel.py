@@ -251,9 +251,10 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     # is folded in: every program walks all of K, so it sums each row's squares on the way and multiplies x by
     # the norm weight nw; the row's 1 / rms scales its outputs at the end. RESIDUAL (no split): the output is
     # the residual stream res plus the projection, rounded where the unfused add rounds. PRELOAD (without
-    # PREFETCH; gemv() sets it for the word codes 3 and 4 only): the plain loop's one tile in flight, but the first
-    # tile is read before the PDL wait and each next one at the end of the iteration before it. Carried over the
-    # loop's back edge as words a tile costs few registers; as bytes (the plain FP8 code) it took 48 -> 82 (sm_90).
+    # PREFETCH; gemv() sets it for the word codes 3 and 4 only, and never with the folds): the plain loop's one tile
+    # in flight, but the first tile is read before the PDL wait and each next one at the end of the iteration before
+    # it. Carried over the loop's back edge as words a tile costs few registers; as bytes (the plain FP8 code) it took
+    # 48 -> 81 (sm_90).
     tl.static_assert(not NORM or (M <= 2 and FMT != 1 and SPLIT == 1), "a folded norm: 1-2 rows, no NVFP4, no split")
     tl.static_assert(not RESIDUAL or (SPLIT == 1 and not SILU), "a folded residual add: no split, no SwiGLU")
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -303,8 +304,8 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     if PREFETCH or PRELOAD:
         raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
                                 EVEN_K and EVEN_N, SCALE_BC)
-    # the first weight tile (with PREFETCH) is read before the kernel ahead has finished; the activations,
-    # the split-K workspace and the output only after
+    # the first weight tile (with PREFETCH or PRELOAD) is read before the kernel ahead has finished; the
+    # activations, the split-K workspace and the output only after
     pdl.wait_for_inputs(USE_PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)            # k_per_split is a multiple of BLOCK_K
