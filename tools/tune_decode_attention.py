@@ -427,15 +427,16 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
             ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
     if case.dtype == "int8" and plan.block_n == 128 and plan.prefetch == 1 and plan.num_splits > 1:
         ctas = A._num_tiles(case.q.shape[0], case.ctx, plan.block_m // (H // KVH))[1] * KVH
+        short = pointer_plan(case, int8_long=False)        # the 64-key plan, with its own splits
         for tag, prefetch, warps, per_sm in INT8_LONG_SHAPES:
-            splits = pointer_plan(case, int8_long=False).num_splits
+            splits = short.num_splits
             while splits > 1 and ctas * splits > per_sm * A.sm_count(case.q.device):
                 splits //= 2
             out.append((tag, r(plan, prefetch=prefetch, num_warps=warps, num_splits=splits)))
         # the 64-key plan with the next tile's K loaded ahead: bf16's long shape (BF16_LONG, capped at 128 registers:
         # four programs an SM) and the uncapped loop the short-context one-tile splits take (158 registers, three)
-        short = r(pointer_plan(case, int8_long=False), prefetch=1, num_stages=1)
-        out += [("i8-bn64-pf1-r128", r(short, max_regs=128)), ("i8-bn64-pf1", short)]
+        short_pf1 = r(short, prefetch=1, num_stages=1)
+        out += [("i8-bn64-pf1-r128", r(short_pf1, max_regs=128)), ("i8-bn64-pf1", short_pf1)]
     if plan.num_splits > 1 and PAGE >= 16:
         splits = pointer_plan(case, int8_long=False).num_splits
         for per_step, stages, warps in TMA_SHAPES:

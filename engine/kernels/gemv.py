@@ -55,6 +55,7 @@ __all__ = ["E2M1_ASM", "GEMV_MAX_ROWS", "GEMV_ROWS", "GemvConfig", "default_conf
            "kernel_code", "layer_gate_up_silu", "linear", "takes", "takes_gate_up_silu", "use_gemv"]
 GEMV_MAX_ROWS = 8
 NORM_MAX_ROWS = 2           # rows a folded RMSNorm takes (the kernel keeps a sum of squares for each)
+PAIR_CODES = (BF16_PAIRS_CODE, FP8_PAIRS_CODE)     # the codes that read weights and activations as words
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
             cfg = GemvConfig(4, 1024)
     if fmt in PAIRS_FORMATS:
         cfg = replace(cfg, pairs=True)
-    if fmt in PRELOAD_FORMATS and M == 1 and not cfg.prefetch:
+    if fmt in PRELOAD_FORMATS and M == 1:
         cfg = replace(cfg, preload=True)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
@@ -236,20 +237,22 @@ def gemv(x: torch.Tensor, fmt: str, weight: torch.Tensor, scale: torch.Tensor | 
     even_n = (N // 2) % (block_n // 2) == 0 if silu else N % block_n == 0
     if code == FP8_PAIRS_CODE and (silu or not (even_k and even_n)):
         code = FP8_CODE           # the pair loads are unmasked (whole tiles only) and share one scale row a program
-    if norm_weight is not None and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE) and norm_weight.data_ptr() % 4:
+    if norm_weight is not None and code in PAIR_CODES and norm_weight.data_ptr() % 4:
         code = BF16_CODE if code == BF16_PAIRS_CODE else FP8_CODE     # the pair codes read the norm weight as words
     asm = cfg.asm and x.is_cuda and code in (NVFP4_CODE, FP8_PAIRS_CODE)
     rows_pow2 = triton.next_power_of_2(M)      # compiled for 1, 2, 4 or 8 rows; the rows past M are masked
-    cap = (NORM_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
-           if norm_weight is not None else None)
     prefetch = cfg.prefetch and not silu
     # the tile carried over the loop's back edge as words (the pair codes); bytes would cost registers. The folds'
     # register caps were set without it, so a folded norm or residual keeps the plain loop
-    preload = (cfg.preload and not prefetch and code in (BF16_PAIRS_CODE, FP8_PAIRS_CODE) and norm_weight is None
-               and residual is None)
-    if preload and even_k and even_n and split == 1:
+    preload = (cfg.preload and not prefetch and code in PAIR_CODES and norm_weight is None and residual is None)
+    tile = (code, rows_pow2, silu, block_n, block_k, cfg.num_warps)
+    if norm_weight is not None:
+        cap = NORM_MAXNREG.get(tile)
+    elif preload and even_k and even_n and split == 1:
         # the caps were compiled for whole tiles and one split: another variant of the tile keeps its own count
-        cap = PRELOAD_MAXNREG.get((code, rows_pow2, silu, block_n, block_k, cfg.num_warps))
+        cap = PRELOAD_MAXNREG.get(tile)
+    else:
+        cap = None
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
                   **({"maxnreg": cap} if cap and x.is_cuda else {}))
     gemv_kernel[(grid_n, split)](x, weight, s, rs, out, ws, cnt, M, N, K, x.stride(0), weight.stride(0),

@@ -8,9 +8,10 @@ A Qwen3 layer at decode is four GEMVs and, between them, an add + RMSNorm kernel
 Every program of the decode GEMV (engine/kernels/gemv_kernel.py) walks all of K, so the GEMV after a norm
 sums the squares of the residual stream on the way, multiplies it by the norm weight, and scales each output
 by the row's 1 / rms at the end (`NORM`); the GEMV before one adds its output to the stream in its epilogue
-(`RESIDUAL`). That removes both norm kernels of a layer (72 of a qwen3-8b step's 73 norm launches, the final norm
-stays; 0.13 ms with PDL off in the s20 profile). The add rounds where the unfused one rounds; the norm's input reaches the products unrounded
-(the unfused norm rounds x / rms to bf16 before the weight), which moves outputs by a bf16 step at most.
+(`RESIDUAL`). That removes both norm kernels of a layer (72 of a qwen3-8b step's 73 norm launches, the final
+norm stays; 0.13 ms with PDL off in the s20 profile). The add rounds where the unfused one rounds; the norm's input
+reaches the products unrounded (the unfused norm rounds x / rms to bf16 before the weight), which moves outputs by
+a bf16 step at most.
 
 Taken where every layer of a stack folds: one rank, bf16 activations on CUDA, at most FOLD_ROWS rows, and
 every projection on the Triton GEMV at this row count (bf16 weights at one or two rows, FP8 at one; NVFP4

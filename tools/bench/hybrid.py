@@ -121,7 +121,8 @@ def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str, who: 
         sec[key + "_reason"] = "not asked (long context 0)"
         return
     if P <= 0:
-        sec[key + "_reason"] = f"the long context ({plan.long_context} tokens) is no longer than its {n_dec} decoded tokens"
+        sec[key + "_reason"] = (f"the long context ({plan.long_context} tokens) is no longer than its {n_dec} "
+                                "decoded tokens")
         return
     est = bench.estimate_prefill_s(P, who=who, cfg=cfg) / tp + n_dec * 0.05
     if not bench.budget.allows(est):
