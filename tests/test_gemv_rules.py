@@ -72,9 +72,9 @@ def test_pairs_and_bf16_rows_switches():
 
 def test_fp8_one_row_tile_switch():
     # NINFER_GEMV_FP8_TILE replaces the one-row FP8 tile of every layer (warps 4 unless named); more rows keep theirs
-    assert G._fp8_row_tile("") is None
-    assert G._fp8_row_tile("4x1024") == (4, 1024, 4) and G._fp8_row_tile("2X2048x8") == (2, 2048, 8)
+    assert G._row_tile("") is None
+    assert G._row_tile("4x1024") == (4, 1024, 4) and G._row_tile("2X2048x8") == (2, 2048, 8)
     for bad in ("4", "4x1000", "0x1024", "4x1024x3", "ax1024"):
         with pytest.raises(ValueError, match="NINFER_GEMV_FP8_TILE"):
-            G._fp8_row_tile(bad)
+            G._row_tile(bad)
     assert _fp8_configs("2x4096x8", [(1, 6144, 4096), (2, 6144, 4096)]) == [[2, 4096, 8], [8, 512, 4]]

@@ -28,7 +28,7 @@ for rep in $(seq "$reps"); do
     commit=$(cat "$tree/COMMIT" 2>/dev/null || echo "$name")
     (cd "$tree" && env "${switches[@]}" PYTHONPATH=/tmp/site:$PWD NINFER_COMMIT=$commit timeout "${AB_TIMEOUT_S:-100}" python3 -m tools.bench --quick \
        ${AB_ARGS:---sections roofline,quant --quant-shapes qwen3-8b --quant-seed-shape '' --quant-decode-only} --budget-s "${AB_BUDGET_S:-80}" \
-       --no-plots --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode|extra_draft_cost|^  k=")
+       --no-plots --out "$OUT/ab-$name-$rep" 2>&1 | grep -E "^quant qwen3-8b|_over_bf16_decode|extra_draft_cost|agg_decode|^  k=")
   done
 done
 python3 - "$OUT" <<'PY' | tee "$OUT/ab_summary.txt"
@@ -46,8 +46,14 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
         if "ms_per_round_best" in p:
             key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"
             rows.setdefault((key, tree), []).append(p["ms_per_round_best"])
+    for p in d["sections"].get("concurrency", {}).get("points", []):
+        if p.get("streams", 1) > 1:  # N streams: the aggregate as ms per token, and its ratio to one stream
+            rows.setdefault((f"streams={p['streams']}", tree), []).append(1e3 / p["aggregate_tok_s"])
+            rows.setdefault((f"streams={p['streams']}/x1", tree), []).append(p["aggregate_over_single"])
 for (fmt, tree), ms in sorted(rows.items()):
-    print(f"{fmt:14s} {tree:28s} " + " ".join(f"{m:.3f}" for m in ms) + (" ms per token, 8 streams" if fmt.endswith("/b8") else " ms per round"))
+    unit = (" ms per token, 8 streams" if fmt.endswith("/b8") else " x one stream" if fmt.endswith("/x1")
+            else " ms per token (aggregate)" if fmt.startswith("streams=") else " ms per round")
+    print(f"{fmt:14s} {tree:28s} " + " ".join(f"{m:.3f}" for m in ms) + unit)
 PY
 # The machine returns at most 8 files a call: the per-run folders go back as one archive beside the summary.
 tar -czf "$OUT/ab_runs.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d ab-*/) && rm -rf "$OUT"/ab-*/

@@ -104,6 +104,8 @@ PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16")
 # read 2.936 ms against the plain FP8 code's 2.758 (one rep), and the plain code carries its tile as bytes (4x2048:
 # 48 -> 81 registers, 488 -> 728 SASS instructions), so FP8 stays off. NINFER_GEMV_PRELOAD= turns it off.
 PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "bf16").split(",") if f)
+# The rows up to which those formats preload: NINFER_GEMV_PRELOAD_ROWS (1 or 2).
+PRELOAD_ROWS = max(1, min(2, int(os.environ.get("NINFER_GEMV_PRELOAD_ROWS", "1"))))
 
 
 # With programmatic dependent launch (engine/kernels/pdl.py) a prefetching config loads its first weight
@@ -112,17 +114,17 @@ PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "bf
 # (above) reads that first tile early too, without the second tile in flight, and paid.
 
 
-def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
-    """NINFER_GEMV_FP8_TILE: the one-row FP8 tile of every layer as ROWSxCOLS[xWARPS] (empty: the per-shape rules
-    of default_config, 8x1024 with 8 warps on q/k/v-shaped layers)."""
+def _row_tile(setting: str, name: str = "NINFER_GEMV_FP8_TILE") -> tuple[int, int, int] | None:
+    """A launch tile from an environment setting ROWSxCOLS[xWARPS] (empty: None, the per-shape rules of
+    default_config); `name` is the variable the setting came from, for the error."""
     if not setting:
         return None
     parts = setting.lower().split("x")
     if len(parts) not in (2, 3) or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise ValueError(f"NINFER_GEMV_FP8_TILE: {setting!r} is not ROWSxCOLS or ROWSxCOLSxWARPS (e.g. 4x1024)")
+        raise ValueError(f"{name}: {setting!r} is not ROWSxCOLS or ROWSxCOLSxWARPS (e.g. 4x1024)")
     rows, cols, warps = (int(p) for p in (parts + ["4"])[:3])
     if rows & (rows - 1) or cols & (cols - 1) or warps & (warps - 1) or cols < 16:
-        raise ValueError(f"NINFER_GEMV_FP8_TILE: {setting!r}: rows, columns and warps must be powers of two, "
+        raise ValueError(f"{name}: {setting!r}: rows, columns and warps must be powers of two, "
                          "columns at least 16")
     return rows, cols, warps
 
@@ -132,7 +134,13 @@ def _fp8_row_tile(setting: str) -> tuple[int, int, int] | None:
 # 4x1024 read 2.806, 4x4096 2.835, 8x1024 with 8 warps everywhere 2.821, 4x2048 with 8 warps 2.968 and 2x2048
 # 2.874. Half the rows of the old 8x1024 tile, twice the programs; the same lesson as bf16's 2x1024 (s16).
 # qwen3-32b and TP=2 shards take it too, not yet measured served. NINFER_GEMV_FP8_TILE= restores the old rules.
-FP8_ROW_TILE = _fp8_row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", "4x2048"))
+FP8_ROW_TILE = _row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", "4x2048"))
+
+
+# The tile of two bf16 rows as word pairs (a k=1 verify, two streams; the SwiGLU takes at least 4 weight rows):
+# NINFER_GEMV_BF16_TWO_ROW_TILE as ROWSxCOLS[xWARPS].
+BF16_TWO_ROW_TILE = _row_tile(os.environ.get("NINFER_GEMV_BF16_TWO_ROW_TILE", "4x1024"),
+                              "NINFER_GEMV_BF16_TWO_ROW_TILE") or (4, 1024, 4)
 
 
 # Register caps for the folded norm, per launch tile (sm_90, Triton 3.6, gemv_kernel compiled offline on the CPU
@@ -171,10 +179,10 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
         if M > 1 and "bf16" in PAIRS_FORMATS:
             # verify rows as pairs: at 2 rows 4x1024 reached 0.973 of copy per qwen3-8b model against the skinny
             # tensor-core GEMM's 0.935 (2x1024 pairs 0.923; s17 sweep, bench/results/2026-12-01-h200-s17/a)
-            cfg = GemvConfig(4, 1024)
+            cfg = GemvConfig(*BF16_TWO_ROW_TILE)
     if fmt in PAIRS_FORMATS:
         cfg = replace(cfg, pairs=True)
-    if fmt in PRELOAD_FORMATS and M == 1:
+    if fmt in PRELOAD_FORMATS and M <= PRELOAD_ROWS:
         cfg = replace(cfg, preload=True)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
