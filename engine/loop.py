@@ -15,8 +15,6 @@ returns the same stream, now decoding, or `release(request_id)` drops it.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import queue
 import threading
 import time
@@ -43,7 +41,6 @@ class RequestStream:
         self.request_id = request_id
         self._loop = loop
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
-        self._held: collections.deque[RequestOutput | BaseException] = collections.deque()  # read, not yet merged
         self.finished = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
@@ -52,27 +49,7 @@ class RequestStream:
     def next(self, timeout: float | None = None) -> RequestOutput:
         """The next output; raises `queue.Empty` after `timeout`, the engine's error if it died,
         `QueueTimeoutError` if the request timed out in the queue."""
-        return self._take(self._held.popleft() if self._held else self._outputs.get(timeout=timeout))
-
-    def next_coalesced(self, timeout: float | None = None) -> RequestOutput:
-        """The next output merged with every later one already waiting: a reader that fell behind the engine
-        (a server sending one message per output) catches up in one message instead of one per engine step.
-        Token ids stay in order; a final output lends the merge its finish, stats and text. Outputs that carry
-        stats before the end (a parked request's first) and errors are not merged: they come on the next call."""
-        out = self.next(timeout)
-        while not out.finished and out.stats is None and not self._held:
-            try:
-                item = self._outputs.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, BaseException) or (item.stats is not None and not item.finished):
-                self._held.append(item)
-                break
-            later = self._take(item)
-            out = dataclasses.replace(later, new_token_ids=out.new_token_ids + later.new_token_ids)
-        return out
-
-    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        item = self._outputs.get(timeout=timeout)
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -86,11 +63,6 @@ class RequestStream:
     def __iter__(self) -> Iterator[RequestOutput]:
         while not self.finished:
             yield self.next()
-
-    def coalesced(self) -> Iterator[RequestOutput]:
-        """Iterate as `next_coalesced` reads: what servers stream, one message per output."""
-        while not self.finished:
-            yield self.next_coalesced()
 
     def abort(self) -> None:
         self._loop.abort(self.request_id)

@@ -48,8 +48,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         ctx = self.ctx
         try:
             last = time.monotonic()
-            # one message per read: a stream that fell behind the engine sends the steps it missed together
-            for out in stream.coalesced():
+            for out in stream:
                 now = time.monotonic()
                 if out.new_token_ids:
                     observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))

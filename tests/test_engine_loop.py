@@ -16,7 +16,7 @@ from conftest import make_llm
 from engine import QueueFullError, QueueTimeoutError, RequestNotFoundError, SamplingParams
 from engine.core import EngineCore
 from engine.errors import EngineDeadError
-from engine.loop import EngineLoop, RequestStream
+from engine.loop import EngineLoop
 from engine import EngineConfig
 
 PROMPT = list(range(40, 90))
@@ -135,67 +135,3 @@ def test_loop_outputs_equal_llm_generate():
         assert [t for o in loop.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids] == want
     finally:
         loop.shutdown()
-
-
-def wait_idle(loop: EngineLoop, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while kv_state(loop) != (0, 0, 0):
-        assert time.monotonic() < deadline, "the engine did not finish the request"
-        time.sleep(0.01)
-
-
-@pytest.mark.parametrize("k", [0, 2])
-def test_a_reader_that_fell_behind_gets_the_waiting_steps_in_one_output(k):
-    loop = start(draft_tokens=k)
-    try:
-        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, seed=3)
-        plain = list(loop.submit(PROMPT, params))
-        assert len(plain) > 2, "several engine steps, so there is something to merge"
-        stream = loop.submit(PROMPT, params)
-        wait_idle(loop)                                   # every step's output is waiting, none read
-        merged = list(stream.coalesced())
-        assert len(merged) == 1 and stream.finished
-        assert merged[0].new_token_ids == [t for o in plain for t in o.new_token_ids]
-        assert merged[0].finished and merged[0].finish_reason == plain[-1].finish_reason
-        assert merged[0].stats.usage.completion_tokens == 24
-
-        # a reader that keeps up gets one output per step, as the plain iteration does
-        stream = loop.submit(PROMPT, params)
-        kept_up = list(stream.coalesced())
-        assert [t for o in kept_up for t in o.new_token_ids] == [t for o in plain for t in o.new_token_ids]
-        assert kept_up[-1].finished and not any(o.finished for o in kept_up[:-1])
-    finally:
-        loop.shutdown()
-
-
-def test_a_parked_first_output_is_not_merged_with_the_decode_after_it():
-    loop = start()
-    try:
-        params = SamplingParams(max_tokens=10, ignore_eos=True)
-        stream = loop.submit(PROMPT, params, request_id="parked", park_after_prefill=True)
-        deadline = time.monotonic() + 30
-        while loop.call(lambda c: len(c.scheduler.parked)) == 0:    # parked: its first output is waiting
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        loop.resume("parked")
-        wait_idle(loop)
-        first = stream.next_coalesced()
-        assert len(first.new_token_ids) == 1 and first.stats is not None and not first.finished
-        rest = stream.next_coalesced()                    # the decode's nine tokens, one output, the final stats
-        assert len(rest.new_token_ids) == 9 and rest.finished and rest.stats.usage.completion_tokens == 10
-        assert rest.stats.timings.ttft == first.stats.timings.ttft
-    finally:
-        loop.shutdown()
-
-
-def test_an_error_after_waiting_outputs_comes_after_them():
-    from engine.core import RequestOutput
-    stream = RequestStream("r", loop=None)
-    stream._put(RequestOutput("r", [1], finished=False))
-    stream._put(RequestOutput("r", [2, 3], finished=False))
-    stream._put(EngineDeadError("the engine thread died"))
-    out = stream.next_coalesced()
-    assert out.new_token_ids == [1, 2, 3] and not out.finished and not stream.finished
-    with pytest.raises(EngineDeadError):
-        stream.next_coalesced()
-    assert stream.finished

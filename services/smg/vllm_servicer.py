@@ -115,7 +115,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             output: list[int] = []
             last = time.monotonic()
             try:
-                for out in stream.coalesced():        # a reader behind the engine catches up in one chunk
+                for out in stream:
                     now = time.monotonic()
                     if out.new_token_ids and output:
                         observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
