@@ -78,3 +78,16 @@ def test_fp8_one_row_tile_switch():
         with pytest.raises(ValueError, match="NINFER_GEMV_FP8_TILE"):
             G._row_tile(bad)
     assert _fp8_configs("2x4096x8", [(1, 6144, 4096), (2, 6144, 4096)]) == [[2, 4096, 8], [8, 512, 4]]
+
+
+def test_two_row_tile_and_preload_rows_switches():
+    # defaults: two bf16 rows take 4x1024 pairs without the preload, one row preloads; the A/B settings of s25 d
+    # (4x512 tiles, the preload at two rows) reach default_config, and a bad tile names its variable
+    code = ("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.preload] "
+            "for c in (G.default_config('bf16', m, 12288, 4096) for m in (1, 2))]))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NINFER_GEMV_")}
+    assert _json_under(code, env) == [[2, 1024, True], [4, 1024, False]]
+    assert _json_under(code, {**env, "NINFER_GEMV_BF16_TWO_ROW_TILE": "4x512", "NINFER_GEMV_PRELOAD_ROWS": "2"}) == [
+        [2, 1024, True], [4, 512, True]]
+    with pytest.raises(ValueError, match="NINFER_GEMV_BF16_TWO_ROW_TILE"):
+        G._row_tile("4x1000", "NINFER_GEMV_BF16_TWO_ROW_TILE")

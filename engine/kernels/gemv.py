@@ -104,7 +104,9 @@ PAIRS_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PAIRS", "bf16")
 # read 2.936 ms against the plain FP8 code's 2.758 (one rep), and the plain code carries its tile as bytes (4x2048:
 # 48 -> 81 registers, 488 -> 728 SASS instructions), so FP8 stays off. NINFER_GEMV_PRELOAD= turns it off.
 PRELOAD_FORMATS = frozenset(f for f in os.environ.get("NINFER_GEMV_PRELOAD", "bf16").split(",") if f)
-# The rows up to which those formats preload: NINFER_GEMV_PRELOAD_ROWS (1 or 2).
+# The rows up to which those formats preload: NINFER_GEMV_PRELOAD_ROWS (1 or 2). Two rows lost served (qwen3-8b k=1
+# verify round 4.568 -> 5.026 ms with 4x512 tiles, 5.035 with 2x1024; s25 d, bench/results/2026-12-02-h200-s25/):
+# one row only.
 PRELOAD_ROWS = max(1, min(2, int(os.environ.get("NINFER_GEMV_PRELOAD_ROWS", "1"))))
 
 
@@ -138,7 +140,8 @@ FP8_ROW_TILE = _row_tile(os.environ.get("NINFER_GEMV_FP8_TILE", "4x2048"))
 
 
 # The tile of two bf16 rows as word pairs (a k=1 verify, two streams; the SwiGLU takes at least 4 weight rows):
-# NINFER_GEMV_BF16_TWO_ROW_TILE as ROWSxCOLS[xWARPS].
+# NINFER_GEMV_BF16_TWO_ROW_TILE as ROWSxCOLS[xWARPS]. 4x512 (53 registers against 4x1024's 64) lost served: k=1
+# verify round 4.568 -> 4.782 ms, two streams 1.871 -> 1.783x one (s25 d).
 BF16_TWO_ROW_TILE = _row_tile(os.environ.get("NINFER_GEMV_BF16_TWO_ROW_TILE", "4x1024"),
                               "NINFER_GEMV_BF16_TWO_ROW_TILE") or (4, 1024, 4)
 
