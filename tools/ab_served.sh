@@ -47,7 +47,8 @@ for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
             key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"
             rows.setdefault((key, tree), []).append(p["ms_per_round_best"])
     for p in d["sections"].get("concurrency", {}).get("points", []):
-        if p.get("streams", 1) > 1 and "aggregate_tok_s" in p:  # N streams (a point the budget cut has none): the aggregate as ms per token, and its ratio to one stream
+        # N streams: the aggregate as ms per token, and its ratio to one stream (a point the budget cut has neither)
+        if p.get("streams", 1) > 1 and "aggregate_tok_s" in p:
             rows.setdefault((f"streams={p['streams']}", tree), []).append(1e3 / p["aggregate_tok_s"])
             rows.setdefault((f"streams={p['streams']}/x1", tree), []).append(p["aggregate_over_single"])
 for (fmt, tree), ms in sorted(rows.items()):
