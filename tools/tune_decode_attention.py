@@ -421,13 +421,13 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
     (split plans, pages of 16 or more)."""
     r = dataclasses.replace
     plan = pointer_plan(case)
+    short = pointer_plan(case, int8_long=False)            # the 64-key plan, with its own splits
     pf1 = r(plan, prefetch=1, num_stages=1)
     out = [("ptr", plan)] if case.plan.tma_pages else []
     out += [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
             ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
     if case.dtype == "int8" and plan.block_n == 128 and plan.prefetch == 1 and plan.num_splits > 1:
         ctas = A._num_tiles(case.q.shape[0], case.ctx, plan.block_m // (H // KVH))[1] * KVH
-        short = pointer_plan(case, int8_long=False)        # the 64-key plan, with its own splits
         for tag, prefetch, warps, per_sm in INT8_LONG_SHAPES:
             splits = short.num_splits
             while splits > 1 and ctas * splits > per_sm * A.sm_count(case.q.device):
@@ -438,7 +438,7 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
         short_pf1 = r(short, prefetch=1, num_stages=1)
         out += [("i8-bn64-pf1-r128", r(short_pf1, max_regs=128)), ("i8-bn64-pf1", short_pf1)]
     if plan.num_splits > 1 and PAGE >= 16:
-        splits = pointer_plan(case, int8_long=False).num_splits
+        splits = short.num_splits
         for per_step, stages, warps in TMA_SHAPES:
             tag = f"tma{per_step if per_step > 1 else ''}-s{stages}w{warps}"
             out.append((tag, r(plan, tma_pages=True, pages_per_step=per_step, block_n=PAGE, num_stages=stages,
