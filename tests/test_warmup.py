@@ -53,8 +53,8 @@ def test_an_engine_process_logs_its_warm_up_before_it_serves():
                     assert e.code() is grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
                     time.sleep(0.1)
         assert info.warmup.done and info.warmup.no_graphs_reason == CPU_REASON
+        serving = engine.wait_for_event("engine_serving")   # logged just after it turns SERVING
         names = [e["event"] for e in engine.events]
         assert names.index("memory_plan") < names.index("weights_loaded") < names.index("engine_warming_up") \
             < names.index("engine_warm") < names.index("engine_serving")
-        serving = next(e for e in engine.events if e["event"] == "engine_serving")
         assert serving["cuda_graphs"] is False and serving["no_graphs_reason"] == CPU_REASON

@@ -5,7 +5,10 @@
         engine.terminate(); engine.wait() # SIGTERM: drain, then exit 0
 
 The tools and the multi-process tests use it; every line the child logs is kept in `events` (so the
-child must log at info level: that is where it says where it listens).
+child must log at info level: that is where it says where it listens). A thread reads those lines, so
+`events` can lag behind what the child has already done (it answers RPCs the moment it turns SERVING,
+before its `engine_serving` line is read here): wait for an event with `wait_for_event`, or `wait()`
+for the exit, before reading `events`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class ServerProcess:
         self.address: str | None = None
         self.metrics_port: int | None = None
         self._listening = threading.Event()
+        self._new_event = threading.Condition()
+        self._stream_ended = False
         self._reader = threading.Thread(target=self._read, name=f"ninfer-{command}-stderr", daemon=True)
         self._reader.start()
 
@@ -51,12 +56,29 @@ class ServerProcess:
             except json.JSONDecodeError:
                 self.other_lines.append(line.rstrip())
                 continue
-            self.events.append(event)
+            with self._new_event:
+                self.events.append(event)
+                self._new_event.notify_all()
             if event.get("event") == LISTENING_EVENTS[self.command] and self.address is None:
                 self.address = event["address"]
                 self.metrics_port = event.get("metrics_port")
                 self._listening.set()
         self._listening.set()                       # exited before listening: start() reports it
+        with self._new_event:
+            self._stream_ended = True
+            self._new_event.notify_all()            # the stream ended: no event waited for will come
+
+    def wait_for_event(self, name: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        """The first event called `name` the child logged, waiting for the reader to get to it."""
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events if e.get("event") == name), None)
+        with self._new_event:
+            if not self._new_event.wait_for(lambda: found() is not None or self._stream_ended, timeout_s):
+                raise TimeoutError(f"`ninfer {self.command}` did not log {name!r} within {timeout_s} s")
+            event = found()
+        if event is None:
+            raise RuntimeError(f"`ninfer {self.command}` exited without logging {name!r}: {self.other_lines[-20:]}")
+        return event
 
     def terminate(self) -> None:
         self.proc.terminate()

@@ -205,7 +205,7 @@ def run(bench, sec: dict) -> None:
                     GatewayClient(gateway.address) as client:
                 client.wait_until_serving(900)
                 e2e = measure(lambda ids, p, t: gateway_stream(client, ids, p, t), session.vocab, plan, timeout)
-                served = next((e for e in engine.events if e.get("event") == "engine_serving"), {})
+                served = engine.wait_for_event("engine_serving")
             violations = [f"{n} streams: {v}" for n, timings in e2e.points.items() for t in timings
                           for v in consistency(t)]
             entry = {"label": label, "tp": tp, "k": k, "draft_vocab": dv, "prompt": plan.prompt,
