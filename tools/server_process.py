@@ -30,7 +30,6 @@ class ServerProcess:
         self.other_lines: list[str] = []
         self.address: str | None = None
         self.metrics_port: int | None = None
-        self._listening = threading.Event()
         self._new_event = threading.Condition()
         self._stream_ended = False
         self._reader = threading.Thread(target=self._read, name=f"ninfer-{command}-stderr", daemon=True)
@@ -43,10 +42,13 @@ class ServerProcess:
                 "--log-json", *args]
         server = cls(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, env=env), command)
-        if not server._listening.wait(timeout_s) or server.address is None:
+        try:
+            listening = server.wait_for_event(LISTENING_EVENTS[command], timeout_s)
+        except (TimeoutError, RuntimeError):
             server.kill()
             raise RuntimeError(f"`ninfer {command}` did not start listening within {timeout_s} s: "
-                               f"{server.other_lines[-20:]}")
+                               f"{server.other_lines[-20:]}") from None
+        server.address, server.metrics_port = listening["address"], listening.get("metrics_port")
         return server
 
     def _read(self) -> None:
@@ -59,11 +61,6 @@ class ServerProcess:
             with self._new_event:
                 self.events.append(event)
                 self._new_event.notify_all()
-            if event.get("event") == LISTENING_EVENTS[self.command] and self.address is None:
-                self.address = event["address"]
-                self.metrics_port = event.get("metrics_port")
-                self._listening.set()
-        self._listening.set()                       # exited before listening: start() reports it
         with self._new_event:
             self._stream_ended = True
             self._new_event.notify_all()            # the stream ended: no event waited for will come
