@@ -13,8 +13,8 @@ _EXPORTS = {
     "LLM": "engine.llm", "CompletionOutput": "engine.llm",
     "SamplingParams": "engine.sampling_params",
     "EngineConfig": "engine.config", "ModelConfig": "engine.config",
-    "RequestStats": "engine.stats", "FinishReason": "engine.stats",
-    "EngineInfo": "engine.info",
+    "RequestStats": "engine.request_stats", "FinishReason": "engine.request_stats",
+    "EngineInfo": "engine.engine_info",
     "EngineError": "engine.errors", "InvalidArgumentError": "engine.errors", "CapacityError": "engine.errors",
     "ModelLoadError": "engine.errors", "QueueFullError": "engine.errors", "QueueTimeoutError": "engine.errors",
     "RequestNotFoundError": "engine.errors",
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig, ModelConfig
     from engine.errors import (CapacityError, EngineError, InvalidArgumentError, ModelLoadError, QueueFullError,
                                QueueTimeoutError, RequestNotFoundError)
-    from engine.info import EngineInfo
+    from engine.engine_info import EngineInfo
     from engine.llm import LLM, CompletionOutput
     from engine.sampling_params import SamplingParams
-    from engine.stats import FinishReason, RequestStats
+    from engine.request_stats import FinishReason, RequestStats
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ from engine.errors import InvalidArgumentError, ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5")
 # Hybrid (Gated DeltaNet + gated attention) checkpoints: Qwen3_5ForCausalLM and the language model
-# of Qwen3_5ForConditionalGeneration (its `text_config`); see engine/hybrid_config.py.
+# of Qwen3_5ForConditionalGeneration (its `text_config`); see engine/loading/hybrid_config.py.
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -65,7 +65,7 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
         model_type = hf.get("model_type")
         if model_type in HYBRID_MODEL_TYPES:
-            from engine.hybrid_config import hybrid_config_from_hf
+            from engine.loading.hybrid_config import hybrid_config_from_hf
             return hybrid_config_from_hf(cls, hf, eos_token_ids)
         if model_type not in SUPPORTED_MODEL_TYPES:
             if model_type == "qwen3_next":
@@ -114,7 +114,7 @@ class ModelConfig:
         layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + 2 * d
         n = self.num_hidden_layers * layer + self.vocab_size * h + h
         if self.is_hybrid:
-            from engine.hybrid_config import hybrid_layer_params
+            from engine.loading.hybrid_config import hybrid_layer_params
             full, linear = hybrid_layer_params(self)
             layer = full                     # the MTP layer is a full-attention one
             n = (len(self.full_attention_layers) * full + len(self.linear_attention_layers) * linear
@@ -139,7 +139,7 @@ class EngineConfig:
     kv_capacity: int | None = None          # tokens of KV; None = derived from free memory
     memory_utilization: float = 0.90        # share of device memory the engine may take
     draft_tokens: int = 0                   # MTP draft tokens per round (k); 0 = no speculation
-    adaptive_draft: bool = False            # pick each round's k in [0, draft_tokens] (engine.draft_policy)
+    adaptive_draft: bool = False            # pick each round's k in [0, draft_tokens] (engine.sched.draft_policy)
     max_batch: int = 64                     # running requests in the decode batch
     max_pending: int = 256                  # queued requests before new ones are refused
     pending_timeout_ms: int = 60_000        # a request queued longer fails with a queue timeout
@@ -149,7 +149,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     tp_comm: str = "auto"                   # TP all-reduce: "p2p" (one-shot NVLink), "nccl", "auto"
     enforce_eager: bool = False             # no CUDA graphs
-    async_scheduling: bool = True           # plan decode round N+1 while the GPU runs N (engine.overlap)
+    async_scheduling: bool = True           # plan decode round N+1 while the GPU runs N (engine.worker.async_rounds)
     draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
     stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
     lease_seconds: float = 60.0             # how long a prefilled (parked) request keeps its KV for a decode

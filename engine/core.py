@@ -12,25 +12,25 @@ from typing import Any
 import structlog
 import torch
 
-from engine.capacity import plan_memory
+from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
-from engine.default_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
+from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
 from engine.errors import InvalidArgumentError
-from engine.kv_cache import KVCacheManager
-from engine.loader import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
-from engine.info import EngineInfo, WarmupReport
+from engine.cache.block_manager import KVCacheManager
+from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
+from engine.engine_info import EngineInfo, WarmupReport
 from engine.metrics import EngineMetrics
 from engine.models.registry import model_class
-from engine.presets import PREFIX as PRESET_PREFIX, preset
-from engine.request import PhaseTimes, Request, RequestStatus, SpecStats
-from engine.executor import Executor
+from engine.loading.presets import PREFIX as PRESET_PREFIX, preset
+from engine.sched.request import PhaseTimes, Request, RequestStatus, SpecStats
+from engine.distributed.executor import Executor
 from engine.sampling_params import SamplingParams
-from engine.overlap import InflightRound, TokenReadback, plan_ahead, why_synchronous
-from engine.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.hybrid_config import state_slot_counts
-from engine.state_slots import StateSlotPool
-from engine.state_snapshots import StateSnapshots
-from engine.stats import FinishReason, RequestStats
+from engine.worker.async_rounds import InflightRound, TokenReadback, plan_ahead, why_synchronous
+from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.loading.hybrid_config import state_slot_counts
+from engine.cache.state_slots import StateSlotPool
+from engine.cache.state_snapshots import StateSnapshots
+from engine.request_stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 log = structlog.get_logger(__name__)
@@ -126,7 +126,7 @@ class EngineCore:
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
-        # async scheduling (engine.overlap): the decode round enqueued and not read yet
+        # async scheduling (engine.worker.async_rounds): the decode round enqueued and not read yet
         self.sync_reason = why_synchronous(config)
         self.async_scheduling = not self.sync_reason
         self._inflight: InflightRound | None = None
@@ -159,7 +159,7 @@ class EngineCore:
         elif self.config.enforce_eager:
             why = "--enforce-eager"
         else:
-            from engine.cuda_graphs import default_buckets
+            from engine.worker.cuda_graphs import default_buckets
             buckets = default_buckets(self.config.max_batch)
             log.info("cuda_graphs_capturing", buckets=buckets, ranks=self.executor.num_ranks)
             graph_s = max(self.executor.run_all(lambda runner: runner.capture_graphs(buckets)))
@@ -221,7 +221,7 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """One round. With async scheduling a decode round is enqueued here and its tokens come out of
-        the next step, which enqueues the round after it first (engine.overlap)."""
+        the next step, which enqueues the round after it first (engine.worker.async_rounds)."""
         outputs = self.expire()
         if self._inflight is not None:
             ahead = plan_ahead(self.scheduler, self._inflight)

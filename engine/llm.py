@@ -13,7 +13,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import FinishReason, RequestStats
+from engine.request_stats import FinishReason, RequestStats
 
 
 @dataclass

@@ -26,9 +26,9 @@ import structlog
 
 from engine.core import EngineCore, RequestOutput
 from engine.errors import EngineDeadError, QueueTimeoutError, RequestNotFoundError
-from engine.info import EngineInfo, WarmupReport
+from engine.engine_info import EngineInfo, WarmupReport
 from engine.sampling_params import SamplingParams
-from engine.stats import FinishReason
+from engine.request_stats import FinishReason
 
 log = structlog.get_logger(__name__)
 IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked requests checks timeouts
@@ -163,7 +163,7 @@ class EngineLoop:
         return self._call(lambda: self.core.scheduler.num_unfinished)
 
     def add_kv_listener(self, listener) -> None:
-        """From now on the KV manager tells `listener` (`engine.kv_cache.KVEventListener`, called on the
+        """From now on the KV manager tells `listener` (`engine.cache.block_manager.KVEventListener`, called on the
         engine thread) about blocks that become reusable and blocks evicted (the router's KV events)."""
         self._call(lambda: self.core.kv.listeners.append(listener))
 

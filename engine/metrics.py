@@ -1,7 +1,7 @@
 """The engine snapshot (the seed's metrics contract), fed by steps and finished requests. No torch.
 
 `history` holds raw counts per interval (tokens, seconds), never rates, so that any window can be
-re-aggregated exactly; session peaks are copied from the request stats (`engine.stats`) they came from.
+re-aggregated exactly; session peaks are copied from the request stats (`engine.request_stats`) they came from.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.stats import RequestStats
+from engine.request_stats import RequestStats
 
 
 @dataclass

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ninfer.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.client import ServerClient
-from services.tls import ClientTLS
+from services.engine_client import ServerClient
+from services.server.tls import ClientTLS
 
 SamplingParams = common_pb2.SamplingParams
 

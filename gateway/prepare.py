@@ -20,7 +20,7 @@ from engine.errors import InvalidArgumentError
 from engine.sampling_params import SamplingParams
 from ninfer.v1 import gateway_pb2
 from services.convert import sampling_from_proto, token_ids_from_proto
-from services.errors import RpcAbort
+from services.server.errors import RpcAbort
 from gateway.router import ServedModel
 
 MAX_CHARS_PER_TOKEN = 32          # far above any tokenizer's average (English text: about 4)

@@ -11,10 +11,10 @@ import grpc
 import structlog
 from opentelemetry.trace import Span, Status, StatusCode
 
-from engine.stats import RequestStats
+from engine.request_stats import RequestStats
 from ninfer.v1 import common_pb2, gateway_pb2
-from services.prometheus import GatewayPrometheus, observe_per_token
-from services.telemetry import stats_attributes
+from services.server.prometheus import GatewayPrometheus, observe_per_token
+from services.server.telemetry import stats_attributes
 
 log = structlog.get_logger(__name__)
 

@@ -22,9 +22,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.tokenizer import Tokenizer
 from ninfer.v1 import decode_pb2_grpc, engine_info_pb2, engine_info_pb2_grpc, prefill_pb2_grpc
-from services.auth import bearer_metadata
-from services.errors import RpcAbort
-from services.tls import ClientTLS, open_channel
+from services.server.auth import bearer_metadata
+from services.server.errors import RpcAbort
+from services.server.tls import ClientTLS, open_channel
 
 log = structlog.get_logger(__name__)
 MODEL_INFO_MAX_BYTES = 256 * 1024 * 1024          # a large vocabulary's tokenizer.json is tens of MB

@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 
 from engine.config import EngineConfig
 from services.engine_host import EngineHost
-from services.limits import admission_rpcs
-from services.server import ServerOptions
+from services.server.limits import admission_rpcs
+from services.server.grpc_server import ServerOptions
 from gateway.server import GatewayServer
 
 

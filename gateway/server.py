@@ -11,11 +11,11 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from ninfer.v1 import gateway_pb2, gateway_pb2_grpc
-from services.prometheus import GatewayPrometheus
+from services.server.prometheus import GatewayPrometheus
 from engine.config import EngineConfig
-from services.limits import admission_rpcs
-from services.server import NinferServer, ServerOptions
-from services.tls import ClientTLS
+from services.server.limits import admission_rpcs
+from services.server.grpc_server import NinferServer, ServerOptions
+from services.server.tls import ClientTLS
 from gateway.router import EngineRouter
 from gateway.servicer import GatewayServicer
 
@@ -28,7 +28,7 @@ class GatewayServer(NinferServer):
     def __init__(self, engines: list[str], options: ServerOptions, engine_api_key: str | None = None,
                  registry: CollectorRegistry | None = None, poll_interval_s: float = 0.5,
                  engine_tls: ClientTLS | None = None, engine_admission_rpcs: int | None = None):
-        """`engine_admission_rpcs`: calls one engine admits (services.limits.admission_rpcs); the
+        """`engine_admission_rpcs`: calls one engine admits (services.server.limits.admission_rpcs); the
         default concurrency limit is that times the engines (the engine defaults when not given)."""
         per_engine = engine_admission_rpcs or admission_rpcs(DEFAULT_ENGINE.max_batch, DEFAULT_ENGINE.max_pending)
         super().__init__(options, [SERVICE_NAME], "no engine is serving", "ninfer-gateway-rpc", registry,

@@ -24,9 +24,9 @@ from structlog.contextvars import bound_contextvars
 
 from ninfer.v1 import common_pb2, decode_pb2, engine_info_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from services.convert import stats_from_proto
-from services.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
-from services.lifecycle import ServingState
-from services.prometheus import GatewayPrometheus
+from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
+from services.server.lifecycle import ServingState
+from services.server.prometheus import GatewayPrometheus
 from gateway.prepare import prepare
 from gateway.report import RequestRecord, report
 from gateway.router import Engine, EngineRouter

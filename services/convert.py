@@ -1,6 +1,6 @@
 """Protobuf <-> engine domain objects. The only place that knows both shapes.
 
-`stats_to_proto` and `stats_from_proto` are exact inverses over `engine.stats.RequestStats`, so a
+`stats_to_proto` and `stats_from_proto` are exact inverses over `engine.request_stats.RequestStats`, so a
 number survives engine -> gateway -> client unchanged.
 """
 
@@ -12,7 +12,7 @@ from engine.errors import InvalidArgumentError
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
-from engine.stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage
+from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage
 from ninfer.v1 import common_pb2, engine_info_pb2
 
 _FINISH_REASONS = {

@@ -11,14 +11,14 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from engine.loop import RequestStream
-from engine.stats import FinishReason, RequestStats
+from engine.request_stats import FinishReason, RequestStats
 from ninfer.v1 import decode_pb2, decode_pb2_grpc
 from services.convert import stats_to_proto
 from services.engine_context import EngineContext
-from services.errors import SHUT_DOWN_DETAILS, RpcAbort
+from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.prefill import AbortOnTermination
-from services.prometheus import observe_per_token
-from services.telemetry import stats_attributes
+from services.server.prometheus import observe_per_token
+from services.server.telemetry import stats_attributes
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from opentelemetry.trace import Tracer
 
-from engine.info import EngineInfo
+from engine.engine_info import EngineInfo
 from engine.loop import EngineLoop
-from services.lifecycle import ServingState
-from services.prometheus import EnginePrometheus
+from services.server.lifecycle import ServingState
+from services.server.prometheus import EnginePrometheus
 
 
 @dataclass

@@ -21,9 +21,9 @@ from services.decode import DecodeServicer
 from services.engine_context import EngineContext
 from services.engine_info import EngineInfoServicer
 from services.prefill import PrefillServicer
-from services.prometheus import EnginePrometheus
-from services.limits import admission_rpcs
-from services.server import NinferServer, ServerOptions
+from services.server.prometheus import EnginePrometheus
+from services.server.limits import admission_rpcs
+from services.server.grpc_server import NinferServer, ServerOptions
 from services.smg import add_smg_services
 
 log = structlog.get_logger(__name__)

@@ -6,7 +6,7 @@ import hashlib
 
 import grpc
 
-from engine.info import EngineInfo
+from engine.engine_info import EngineInfo
 from ninfer.v1 import engine_info_pb2, engine_info_pb2_grpc
 from services.convert import metrics_to_proto
 from services.engine_context import EngineContext

@@ -16,12 +16,12 @@ import structlog
 from structlog.contextvars import bound_contextvars
 
 from engine.loop import EngineLoop
-from engine.stats import FinishReason
+from engine.request_stats import FinishReason
 from ninfer.v1 import prefill_pb2, prefill_pb2_grpc
 from services.convert import sampling_from_proto, stats_to_proto
 from services.engine_context import EngineContext
-from services.errors import SHUT_DOWN_DETAILS, RpcAbort
-from services.telemetry import prefill_attributes, stats_attributes
+from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort
+from services.server.telemetry import prefill_attributes, stats_attributes
 
 log = structlog.get_logger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.scheduler import ModelOutput
+from engine.sched.scheduler import ModelOutput
 
 # The test models are tiny: one intra-op thread is as fast as two on an idle 2-core CI machine, and
 # tens of times faster when another process holds a core (OpenMP threads spin at every barrier).
@@ -109,7 +109,7 @@ _ids = itertools.count()
 def make_request(prompt: int | list[int] = 8, max_tokens: int = 4, request_id: str | None = None,
                  arrival: float = 0.0, draft_tokens: int = 0, **sampling):
     """A scheduler Request; `prompt` is a token list or a length (tokens 1..n, distinct per request)."""
-    from engine.request import PhaseTimes, Request, SpecStats
+    from engine.sched.request import PhaseTimes, Request, SpecStats
     from engine.sampling_params import SamplingParams
     n = next(_ids)
     ids = list(prompt) if isinstance(prompt, list) else [(n * 7919 + i) % 30000 + 1 for i in range(prompt)]
@@ -143,8 +143,8 @@ def model_step(sched, out) -> list:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 16, clock=None, prefix_reuse: bool = True, **cfg):
     """A real Scheduler over a real KVCacheManager; SchedulerConfig fields may be overridden."""
-    from engine.kv_cache import KVCacheManager
-    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.cache.block_manager import KVCacheManager
+    from engine.sched.scheduler import Scheduler, SchedulerConfig
     fields = dict(max_batch=8, max_pending=16, pending_timeout_s=60.0, prefill_chunk=64, draft_tokens=0,
                   max_model_len=4096)
     fields.update(cfg)
@@ -177,7 +177,7 @@ def build_random_hf_model(path: Path, seed: int = 0, **overrides):
     Returns the float32 transformers model."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from engine.default_model import build_default_tokenizer
+    from engine.loading.embedded_model import build_default_tokenizer
     cfg = Qwen3Config(**{**RANDOM_HF_CONFIG, **overrides})
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).float().eval()

@@ -15,7 +15,7 @@ the next kernel is not a PDL launch, so kernels with and without PDL mix freely 
 a CUDA graph (stream capture keeps the programmatic edges). The idea is CUTLASS's and TensorRT-LLM's;
 Triton exposes it as `launch_pdl=True` and `tl.extra.cuda.gdc_wait/gdc_launch_dependents`.
 
-On by default on sm90+ CUDA devices; `NINFER_PDL=0` turns it off (the A/B of tools/profile_decode.py).
+On by default on sm90+ CUDA devices; `NINFER_PDL=0` turns it off (the A/B of tools/dev/profile_decode.py).
 """
 
 from __future__ import annotations

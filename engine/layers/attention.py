@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import ForwardContext, get_forward_context
-from engine.kv_pages import LayerKV
+from engine.worker.forward_context import ForwardContext, get_forward_context
+from engine.worker.paged_kv import LayerKV
 
 INT8_MAX = 127.0
 
@@ -81,7 +81,7 @@ class PagedAttention(nn.Module):
         # already wrote them into the pages -> [T, heads, head_dim]
         ctx = get_forward_context()
         if q.is_cuda:
-            from engine.kernels import attention as kernels
+            from engine.kernels.attention.paged import paged as kernels
             if k is not None:
                 kernels.write_kv(self.kv, k, v, ctx.slot_mapping)
             return kernels.paged_attention(q, self.kv, ctx, self.scale)

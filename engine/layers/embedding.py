@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel import SINGLE_RANK, TPGroup
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -67,6 +67,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     def _project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # hidden: [N, hidden]; weight: [V, hidden] -> [N, V]; decode rows take the GEMV where it beat cuBLAS
         if hidden.is_cuda:
-            from engine.kernels import gemv
+            from engine.kernels.linear import gemv
             return gemv.dense(hidden, weight)
         return F.linear(hidden, weight)

@@ -4,7 +4,7 @@ Differences from Qwen3's attention: `q_proj` emits, per head, the query (head_di
 output gate (head_dim), and the attention output is multiplied by sigmoid(gate) before `o_proj`;
 q/k norms are zero-centred; RoPE (rotate-half) turns only the first `partial_rotary_factor` of each
 head's dims, the rest pass through. On CUDA the norms, the partial RoPE and the gate take two
-Triton launches (engine.kernels.gated_attention_prep); the torch code below is their twin.
+Triton launches (engine.kernels.elementwise.gated_attention_prep); the torch code below is their twin.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from engine.layers.attention import PagedAttention
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
-from engine.parallel import SINGLE_RANK, TPGroup
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 
 class GatedAttention(nn.Module):
@@ -38,7 +38,7 @@ class GatedAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
     def _fused_prep_fits(self) -> bool:
-        from engine.kernels import gated_attention_prep
+        from engine.kernels.elementwise import gated_attention_prep
         return gated_attention_prep.supported(self.head_dim, self.rotary_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ class GatedAttention(nn.Module):
         qg, k, v = self.qkv_proj(x).split([2 * h * d, kvh * d, kvh * d], dim=-1)
         q, gate = qg.view(-1, h, 2 * d).split([d, d], dim=-1)                 # [T, h, d] each
         if x.is_cuda and self._fused_prep_fits():
-            from engine.kernels import gated_attention_prep as prep
+            from engine.kernels.elementwise import gated_attention_prep as prep
             q, k = prep.qk_norm_partial_rope(q, k.view(-1, kvh, d), self.q_norm.weight, self.k_norm.weight,
                                              self.q_norm.eps, self.rotary.cos_sin, positions)
             o = self.attn(q, k, v.reshape(-1, kvh, d))

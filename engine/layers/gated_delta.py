@@ -3,10 +3,10 @@
     [q k v] = causal depthwise conv1d (width 4) over in_proj_qkv(x), then SiLU
     q, k    = L2-normalised per head (q also scaled by dk^-1/2); key heads serve groups of value heads
     beta    = sigmoid(in_proj_b(x));  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
-    o       = gated delta rule (engine.kernels.gated_delta_ref) from the request's state
+    o       = gated delta rule (engine.kernels.gated_delta.reference) from the request's state
     out     = out_proj(GatedRMSNorm(o, z = in_proj_z(x)))
 
-A request's state lives in a slot of `self.state` (engine.state_cache), picked by
+A request's state lives in a slot of `self.state` (engine.worker.state_pool), picked by
 `ForwardContext.state_slots`. Three uses:
 - prefill chunks and decode steps read the slot and write the state after their tokens back;
 - a verify pass (`ctx.defer_state_commit`) reads the slot, computes every position's output, writes
@@ -16,7 +16,7 @@ A request's state lives in a slot of `self.state` (engine.state_cache), picked b
   k+1 states costs a few KB per row instead of (k+1) recurrent matrices.
 
 On CUDA, runs of at most RECURRENT_MAX_TOKENS tokens (decode, verify, commit) take two fused
-kernels (engine.kernels.gated_delta_step) that update the slot in place; prefill chunks take the
+kernels (engine.kernels.gated_delta.decode_step) that update the slot in place; prefill chunks take the
 general path below with fla-core's kernels.
 
 The input projections run as two matmuls (`GatedDeltaInProj`: q k v z, and b a; two, because
@@ -32,11 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.forward_context import get_forward_context
-from engine.kernels import gated_delta_ref
+from engine.worker.forward_context import get_forward_context
+from engine.kernels.gated_delta import reference as gated_delta_ref
 from engine.layers.hybrid_norm import GatedRMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear, expand_loaded
-from engine.parallel import SINGLE_RANK, TPGroup
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 # Runs of at most this many new tokens use the recurrent form (decode, verify, short chunks).
 RECURRENT_MAX_TOKENS = 16
@@ -110,7 +110,7 @@ class GatedDeltaNet(nn.Module):
             p.weight_loader = self._load_heads
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_dim, h, tp, quant(["out_proj"]))
-        self.state = None                    # engine.state_cache.LayerState, bound by the runner
+        self.state = None                    # engine.worker.state_pool.LayerState, bound by the runner
         self._pending = None                 # a verify pass's inputs, until `commit`
 
     def _load_qkv(self, param, loaded, shard_id=None) -> None:
@@ -180,14 +180,14 @@ class GatedDeltaNet(nn.Module):
         return o
 
     def _fused_step_fits(self) -> bool:
-        from engine.kernels import gated_delta_step
+        from engine.kernels.gated_delta import decode_step as gated_delta_step
         return self.kernel == gated_delta_step.CONV_WIDTH
 
     def _step(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
               defer: bool) -> torch.Tensor:
         # CUDA, runs of n <= RECURRENT_MAX_TOKENS: mixed [B, n, C]; a, b [B, n, Hv] -> o [B, n, Hv, dv] float32,
         # the slot's window and state updated in place (a verify pass: neither, until `commit`)
-        from engine.kernels import gated_delta_step
+        from engine.kernels.gated_delta import decode_step as gated_delta_step
         q, k, v = gated_delta_step.conv_qkv(mixed, self.state.conv, self.conv_weight, slots, self.num_k_heads,
                                             self.head_k_dim, self.head_v_dim, write_window=not defer)
         o = gated_delta_step.recurrent(q, k, v, a, b, self.A_log, self.dt_bias, self.state.ssm, slots,
@@ -197,7 +197,7 @@ class GatedDeltaNet(nn.Module):
         return o
 
     def _commit_step(self, num_kept: torch.Tensor) -> None:
-        from engine.kernels import gated_delta_step
+        from engine.kernels.gated_delta import decode_step as gated_delta_step
         _, slots, mixed, q, k, v, a, b = self._pending
         self._pending = None
         # the window first: it still holds the state before the verified tokens
@@ -232,6 +232,6 @@ class GatedDeltaNet(nn.Module):
 def _kernels(device: torch.device):
     """The gated delta rule for a device: fla-core's Triton kernels on CUDA, the torch reference elsewhere."""
     if device.type == "cuda":
-        from engine.kernels import gated_delta_fla
+        from engine.kernels.gated_delta import fla as gated_delta_fla
         return gated_delta_fla
     return gated_delta_ref

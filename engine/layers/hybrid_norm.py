@@ -5,7 +5,7 @@
   MTP norms). Kept as an offset here too: folding 1 + w into a bf16 weight would round it.
 - `GatedRMSNorm`: the Gated DeltaNet output norm, per value head, with a plain weight, multiplied
   by SiLU of the output gate z.
-On CUDA each is one Triton launch (engine.kernels.fused.rms_norm, engine.kernels.hybrid_norm); the
+On CUDA each is one Triton launch (engine.kernels.elementwise.norm_rope.rms_norm, engine.kernels.elementwise.gated_rms_norm); the
 torch code here is their twin.
 """
 
@@ -30,7 +30,7 @@ class ZeroCentredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [..., hidden]. With `residual`, returns (norm(x + residual), x + residual), as RMSNorm.
         if x.is_cuda:
-            from engine.kernels.fused import rms_norm
+            from engine.kernels.elementwise.norm_rope import rms_norm
             return rms_norm(x, self.weight, self.eps, residual, zero_centred=True)
         if residual is not None:
             x = x + residual
@@ -47,7 +47,7 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, head_dim] (any float dtype); z: [T, heads, head_dim] in the model dtype
         if z.is_cuda:
-            from engine.kernels.hybrid_norm import gated_rms_norm
+            from engine.kernels.elementwise.gated_rms_norm import gated_rms_norm
             return gated_rms_norm(x, z, self.weight, self.eps)
         dtype = z.dtype
         normed = self.weight * _rms(x, self.eps).to(dtype)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.parallel import SINGLE_RANK, TPGroup
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 
 class _Linear(nn.Module):
@@ -70,7 +70,7 @@ class _Linear(nn.Module):
             from engine.quant.linear import apply
             return apply(self, x)
         if x.is_cuda:
-            from engine.kernels import gemv
+            from engine.kernels.linear import gemv
             return gemv.dense(x, self.weight)
         return F.linear(x, self.weight)
 
@@ -146,7 +146,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(_Linear):
     """Input features split over ranks; partial outputs summed with one all-reduce, unless the
-    caller sets `reduce = False` and sums them itself (engine.layers.tp_norm fuses that sum with
+    caller sets `reduce = False` and sums them itself (engine.layers.reduce_add_norm fuses that sum with
     the residual add and the next norm)."""
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK, quant: str | None = None):
@@ -154,7 +154,7 @@ class RowParallelLinear(_Linear):
         self.reduce = True
         # With reduce False: for up to `split_rows` rows, a batched GEMM over `k_splits` slices of
         # the input features, returning [k_splits, T, out] partials that the fused all-reduce sums
-        # (engine.layers.tp_norm); it replaces cuBLAS's split-K GEMV and its separate reduce kernel.
+        # (engine.layers.reduce_add_norm); it replaces cuBLAS's split-K GEMV and its separate reduce kernel.
         self.k_splits, self.split_rows = 1, 0
 
     def _col_range(self):

@@ -21,7 +21,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [..., hidden]. With `residual`, returns (norm(x + residual), x + residual).
         if x.is_cuda:
-            from engine.kernels.fused import rms_norm
+            from engine.kernels.elementwise.norm_rope import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

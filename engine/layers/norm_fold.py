@@ -5,7 +5,7 @@ A Qwen3 layer at decode is four GEMVs and, between them, an add + RMSNorm kernel
     unfolded:  x, h = norm(x + h);  qkv(x) ... o_proj -> x;  x, h = norm(x + h);  gate_up(x) ... down -> x
     folded:    qkv(norm(h)) ... h = h + o_proj(o);  gate_up(norm(h)) ... h = h + down(a)
 
-Every program of the decode GEMV (engine/kernels/gemv_kernel.py) walks all of K, so the GEMV after a norm
+Every program of the decode GEMV (engine/kernels/linear/gemv_triton.py) walks all of K, so the GEMV after a norm
 sums the squares of the residual stream on the way, multiplies it by the norm weight, and scales each output
 by the row's 1 / rms at the end (`NORM`); the GEMV before one adds its output to the stream in its epilogue
 (`RESIDUAL`). That removes both norm kernels of a layer (72 of a qwen3-8b step's 73 norm launches, the final
@@ -47,8 +47,8 @@ if not 0 <= FOLD_ROWS <= 2:
 
 def linear_folds(layer: nn.Module, rows: int) -> bool:
     """Whether `rows` decode rows of this linear layer (one rank) take gemv_kernel, which folds."""
-    from engine.kernels import gemv
-    from engine.kernels.quant_gemv_mma import MMA_GEMV_ROWS
+    from engine.kernels.linear import gemv
+    from engine.kernels.linear.quant_gemv_mma import MMA_GEMV_ROWS
     if not 1 <= rows <= min(FOLD_ROWS, gemv.NORM_MAX_ROWS):
         return False
     quant = getattr(layer, "quant", None)
@@ -77,7 +77,7 @@ def stack_folds(x: torch.Tensor, tp_size: int, layers) -> bool:
 def linear(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] -> layer(norm(x)) with `norm`, or residual + layer(x) with `residual` [T, out]: one GEMV."""
-    from engine.kernels import gemv
+    from engine.kernels.linear import gemv
     x = x if x.stride(-1) == 1 else x.contiguous()
     nw, eps = (norm.weight, norm.eps) if norm is not None else (None, 1e-6)
     if getattr(layer, "quant", None) is None:
@@ -89,10 +89,10 @@ def linear(x: torch.Tensor, layer: nn.Module, norm: RMSNorm | None = None,
 def gate_up_act(x: torch.Tensor, layer: nn.Module, norm: RMSNorm) -> torch.Tensor:
     """x [T, hidden] (the residual stream) -> silu(gate) * up of norm(x) [T, F]: the SwiGLU in the GEMV's
     epilogue where the unfolded path puts it there (`gemv.takes_gate_up_silu`), else the GEMV then the kernel."""
-    from engine.kernels import gemv
+    from engine.kernels.linear import gemv
     if gemv.takes_gate_up_silu(x, layer):
         return gemv.layer_gate_up_silu(x, layer, norm_weight=norm.weight, eps=norm.eps)
-    from engine.kernels.fused import silu_and_mul
+    from engine.kernels.elementwise.norm_rope import silu_and_mul
     return silu_and_mul(linear(x, layer, norm=norm))
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.forward_context import get_forward_context
+from engine.worker.forward_context import get_forward_context
 from engine.layers import norm_fold
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
@@ -24,8 +24,8 @@ from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear,
                                   RowParallelLinear)
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.tp_norm import defer_reduce, reduce_add_norm
-from engine.parallel import SINGLE_RANK, TPGroup
+from engine.layers.reduce_add_norm import defer_reduce, reduce_add_norm
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 
 class Qwen3Attention(nn.Module):
@@ -54,7 +54,7 @@ class Qwen3Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if qkv.is_cuda:
             # one kernel: q/k norms, RoPE and the K/V write into the pages
-            from engine.kernels.fused import qk_norm_rope
+            from engine.kernels.elementwise.norm_rope import qk_norm_rope
             q, _ = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                                 self.rotary.cos_sin, positions, kv=self.attn.kv, v=v,
                                 slot_mapping=get_forward_context().slot_mapping, return_k=False)
@@ -75,7 +75,7 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from engine.kernels import gemv
+            from engine.kernels.linear import gemv
             if gemv.takes_gate_up_silu(x, self.gate_up_proj):       # one decode row: SwiGLU in the GEMV's epilogue
                 return self.down_proj(gemv.layer_gate_up_silu(x, self.gate_up_proj))
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -93,7 +93,7 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
-        # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.tp_norm).
+        # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.reduce_add_norm).
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

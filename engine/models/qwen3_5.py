@@ -22,9 +22,9 @@ from engine.layers.gated_delta import GatedDeltaNet
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.tp_norm import defer_reduce, reduce_add_norm
+from engine.layers.reduce_add_norm import defer_reduce, reduce_add_norm
 from engine.models.qwen3 import MTPModule, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, quant_format
-from engine.parallel import SINGLE_RANK, TPGroup
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 LINEAR = "linear_attention"
 
@@ -46,7 +46,7 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
-        # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.tp_norm).
+        # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.reduce_add_norm).
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

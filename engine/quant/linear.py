@@ -15,7 +15,7 @@ a block (small models under TP): then the block scales are repeated to the large
 every slice starts on, so a rank never holds part of a scale block.
 
 On the CPU the layer dequantizes with the reference (`engine.quant.formats`) and multiplies; on CUDA
-it runs the Triton kernels of `engine.kernels.quant_gemm`.
+it runs the Triton kernels of `engine.kernels.linear.quant_gemm`.
 """
 
 from __future__ import annotations
@@ -74,6 +74,6 @@ def dequantized_weight(layer: nn.Module) -> torch.Tensor:
 def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x: [T, in] -> [T, out]
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        from engine.kernels import quant_gemm
+        from engine.kernels.linear import quant_gemm
         return quant_gemm.quant_linear(layer, x)
     return F.linear(x, dequantized_weight(layer).to(x.dtype))

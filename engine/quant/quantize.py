@@ -50,7 +50,7 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from engine.loader import CheckpointWeights
+    from engine.loading.checkpoint import CheckpointWeights
     from engine.quant.random_weights import quantize_tensor
 
     config = json.loads((model / "config.json").read_text())

@@ -1,6 +1,6 @@
 """Random quantized weights made on the target device (benchmarks of large shapes).
 
-Each linear layer's bf16 matrix is drawn like `engine.loader.RandomWeights` does (std 1/sqrt(fan_in))
+Each linear layer's bf16 matrix is drawn like `engine.loading.checkpoint.RandomWeights` does (std 1/sqrt(fan_in))
 and quantized on the device by the same reference quantizer the quantize tool uses, so the engine
 loads exactly the tensors, dtypes and scale magnitudes a real checkpoint of that format holds,
 through the loader path users run."""
@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.loader import RandomWeights
+from engine.loading.checkpoint import RandomWeights
 from engine.quant import formats
 from engine.quant.scheme import NVFP4, QuantScheme
 

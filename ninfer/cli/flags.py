@@ -12,7 +12,7 @@ import argparse
 
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
-from services.address import join_host_port, split_host_port
+from services.server.address import join_host_port, split_host_port
 
 DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50051"
 DEFAULT_ENGINE_LISTEN = "127.0.0.1:50052"
@@ -125,7 +125,7 @@ def engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list
 # -- servers --------------------------------------------------------------------------------------
 
 def add_server_args(p: argparse.ArgumentParser, listen: str, metrics_listen: str) -> None:
-    from services.server import DEFAULT_MAX_MESSAGE_BYTES
+    from services.server.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
     g = p.add_argument_group("server")
     g.add_argument("--listen", default=listen, metavar="HOST:PORT", help="address to serve gRPC on (port 0 = any)")
     g.add_argument("--host", default=None, help="host to serve on (overrides the host of --listen)")
@@ -176,9 +176,9 @@ def listen_address(args: argparse.Namespace) -> str:
 
 def server_options(args: argparse.Namespace, service_name: str):
     """Flags -> ServerOptions; reads OTEL_*, NINFER_API_KEY(_FILE) and the TLS files now, at startup."""
-    from services.server import ServerOptions
-    from services.telemetry import build_tracer_provider
-    from services.tls import ServerTLS, read_secret
+    from services.server.grpc_server import ServerOptions
+    from services.server.telemetry import build_tracer_provider
+    from services.server.tls import ServerTLS, read_secret
     if (args.tls_cert is None) != (args.tls_key is None):
         raise OSError("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
@@ -207,7 +207,7 @@ def add_client_tls_args(g, prefix: str = "--", what: str = "the server") -> None
 
 def client_tls(ca: str | None, cert: str | None, key: str | None, flag: str = "--tls"):
     """ClientTLS from the client flags; None (plaintext) when none is given."""
-    from services.tls import ClientTLS
+    from services.server.tls import ClientTLS
     if not (ca or cert or key):
         return None
     tls = ClientTLS(ca, cert, key)

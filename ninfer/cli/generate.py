@@ -50,7 +50,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
                               top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     msg = None
     from ninfer.cli.flags import client_tls
-    from services.tls import read_secret
+    from services.server.tls import read_secret
     api_key = read_secret(args.api_key, args.api_key_file, "NINFER_API_KEY", "NINFER_API_KEY_FILE", "--api-key")
     tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
     with GatewayClient(args.gateway, api_key=api_key, tls=tls) as client:

@@ -30,7 +30,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.server import GatewayServer
-    from services.tls import read_secret
+    from services.server.tls import read_secret
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
     options = server_options(args, "ninfer-gateway")
     engine_key = read_secret(args.engine_api_key, args.engine_api_key_file, "NINFER_ENGINE_API_KEY",

@@ -1,1 +1,1 @@
-"""Generated protobuf code for the ninfer.v1 API (tools/gen_protos.py); do not edit."""
+"""Generated protobuf code for the ninfer.v1 API (tools/dev/gen_protos.py); do not edit."""

@@ -7,9 +7,9 @@ import datetime
 from typing import Any
 
 from engine.errors import InvalidArgumentError
-from engine.info import EngineInfo
+from engine.engine_info import EngineInfo
 from engine.sampling_params import SamplingParams
-from engine.stats import RequestStats
+from engine.request_stats import RequestStats
 from services.smg.engine_port import EngineFacts
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 

@@ -12,10 +12,10 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
-from engine.info import EngineInfo
-from engine.kv_cache import KVEventListener
+from engine.engine_info import EngineInfo
+from engine.cache.block_manager import KVEventListener
 from engine.loop import EngineLoop, RequestStream
-from engine.presets import PREFIX as PRESET_PREFIX
+from engine.loading.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
 from services.engine_context import EngineContext
 

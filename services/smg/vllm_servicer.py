@@ -31,16 +31,16 @@ from structlog.contextvars import bound_contextvars
 from engine.config import EngineConfig
 from engine.errors import InvalidArgumentError
 from engine.sampling_params import SamplingParams
-from engine.stats import FinishReason, RequestStats
+from engine.request_stats import FinishReason, RequestStats
 from services.convert import stats_to_proto, token_ids_from_proto
 from services.engine_context import EngineContext
-from services.errors import RpcAbort
-from services.prometheus import observe_per_token
+from services.server.errors import RpcAbort
+from services.server.prometheus import observe_per_token
 from services.smg import convert
 from services.smg.engine_port import EnginePort
 from services.smg.kv_events import KvEventPublisher
 from services.smg.tokenizer_bundle import tokenizer_chunks, tokenizer_zip
-from services.telemetry import stats_attributes
+from services.server.telemetry import stats_attributes
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 

@@ -5,7 +5,7 @@ acceptance workloads (`tools.bench.workloads`, plus random token ids: a workload
 at k = k_max, greedy and at T = 0.7, and records every round's accepted length L (0 .. k_max) per
 request. It then replays those rounds through a batch of B requests (B consecutive recorded rounds
 make one batch round) for each fixed k -- a request drafting k keeps min(L, k) drafts, since
-drafts 1..k are the same tokens whatever the k -- and for `engine.draft_policy.DraftPolicy`, which
+drafts 1..k are the same tokens whatever the k -- and for `engine.sched.draft_policy.DraftPolicy`, which
 sees only what the engine would (its own choices' outcomes). Throughput = tokens / the round cost
 model (`RoundCost`, seeded from the qwen3-8b H200 sweep). The replay is an approximation: with
 another k, the rounds would start at other positions.
@@ -20,7 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
-from engine.draft_policy import DraftPolicy, RoundCost
+from engine.sched.draft_policy import DraftPolicy, RoundCost
 from engine.sampling_params import SamplingParams
 from tools.bench.workloads import WORKLOADS
 

@@ -1,6 +1,6 @@
 """TTFT of a burst: N prompts of P tokens submitted together, against one such prompt alone.
 
-The packed prefill lane (`engine.prefill_pack`) lets prompts that wait together share a chunk, so
+The packed prefill lane (`engine.sched.prefill_lane`) lets prompts that wait together share a chunk, so
 the burst's median time to first token should stay a small multiple of one prompt's (BENCH.md:
 `ttft_8x512_over_single` <= 3 at N = 8, P = 512). Every TTFT is the request's own (`timings.ttft`:
 arrival to first token, on the engine's clock); the figure is the median over every request of

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
-from engine.stats import RequestStats
+from engine.request_stats import RequestStats
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import compact, random_prompt
 
@@ -175,7 +175,7 @@ def engine_flags(bench, tp: int, k: int, draft_vocab: int) -> list[str]:
 
 def run(bench, sec: dict) -> None:
     from gateway.client import GatewayClient
-    from tools.server_process import ServerProcess
+    from tools.serving.server_process import ServerProcess
 
     plan = bench.plan.e2e
     gpus = bench.gpu_count()

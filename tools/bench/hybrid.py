@@ -149,8 +149,8 @@ def one_gpu_deployment(bench, sec: dict, plan, cfg, key: str, who: str = "hybrid
     the device), int8 KV, TP=1 -- decode at the shortest context against its own floor (packed
     weights and scales, bf16 lm_head, KV, state) and the long context; sec[key] says whether it ran.
     The quant section calls it for the dense qwen3-32b (issue 14), this one for the hybrid."""
-    from engine.capacity import shard_bytes
-    from engine.presets import preset
+    from engine.worker.memory_plan import shard_bytes
+    from engine.loading.presets import preset
     model = f"preset:{plan.shape}-{plan.one_gpu_format}"
     guess = bench.build_guess_s() * 3
     if not bench.budget.allows(guess):

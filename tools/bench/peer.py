@@ -21,7 +21,7 @@ import time
 import torch
 
 from engine.config import ModelConfig
-from engine.runner import default_dtype
+from engine.worker.model_runner import default_dtype
 from tools.bench import compiled_peer
 from tools.bench.plan import PeerPlan
 from tools.bench.progress import fmt_rate, say

@@ -2,7 +2,7 @@
 FP8 (128x128 blocks) and NVFP4, random weights made on the device and quantized there by the
 quantize tool's own quantizer (`engine.quant.random_weights`), loaded through the engine's loader:
 decode batch 1 and batch 8 at a short context (k = 0), and a fresh-prompt prefill of P tokens in one
-chunk. Speed does not depend on the values; quality is tools/quant_quality.py's.
+chunk. Speed does not depend on the values; quality is tools/quality/quant_quality.py's.
 
 Then the seed's one-GPU deployment (`seed_shape`, qwen3-32b): NVFP4 weights, int8 KV, one GPU, a
 192k-token prompt and 512 decoded tokens, with a decode point against its floor -- the hybrid
@@ -29,8 +29,8 @@ FORMATS = ("bf16", "fp8", "nvfp4")
 def decode_bytes(shape: str, fmt: str, context: float) -> float:
     """Bytes one k=0 batch-1 step reads: every parameter but the embedding table, each in its stored
     dtype (bf16 for the rest), plus the KV at `context`."""
-    from engine.capacity import shard_bytes
-    from engine.presets import preset
+    from engine.worker.memory_plan import shard_bytes
+    from engine.loading.presets import preset
     cfg = preset(shape if fmt == "bf16" else f"{shape}-{fmt}")
     weights = shard_bytes(cfg, 1, False, 1, 2)
     weights -= cfg.vocab_size * cfg.hidden_size * 2 if not cfg.tie_word_embeddings else 0

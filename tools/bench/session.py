@@ -23,7 +23,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loop import EngineLoop, RequestStream
 from engine.sampling_params import SamplingParams
-from engine.stats import RequestStats
+from engine.request_stats import RequestStats
 
 FIRST_TOKEN_ID = 3                 # below: the byte-level tokenizer's special tokens
 _nonce = itertools.count(1)

@@ -13,7 +13,7 @@ Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no devic
 from __future__ import annotations
 
 from engine.config import ModelConfig
-from engine.presets import preset
+from engine.loading.presets import preset
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 INT8_SCALE_BYTES = 4          # one float32 scale per (token, KV head) for K and for V
@@ -53,7 +53,7 @@ def state_bytes_per_step(cfg: ModelConfig, tp: int = 1) -> int:
     once (0 for a model with no linear-attention layers)."""
     if not cfg.is_hybrid:
         return 0
-    from engine.hybrid_config import linear_state_bytes
+    from engine.loading.hybrid_config import linear_state_bytes
     return 2 * linear_state_bytes(cfg, tp)
 
 

@@ -1,0 +1,1 @@
+"""Cache accounting, torch-free: KV blocks and prefix hashes, linear-attention state slots and their snapshots."""

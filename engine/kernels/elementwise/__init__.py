@@ -1,0 +1,1 @@
+"""Fused elementwise kernels: RMSNorm (+ residual), qk-norm + RoPE, gated norms, the decode round's bookkeeping."""

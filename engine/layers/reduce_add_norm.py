@@ -1,0 +1,73 @@
+"""The end of a tensor-parallel decoder half-layer: all-reduce, residual add, next RMSNorm.
+
+With TP > 1 the row-parallel projections that close attention and the MLP (`o_proj`, `out_proj`,
+`down_proj`) leave their outputs unreduced (`defer_reduce`), and the layer hands the partial sum to
+`reduce_add_norm`, which runs
+
+    h = all_reduce(partial) + residual;  return norm(h), h
+
+as one launch where the communicator has the fused kernel (the one-shot P2P all-reduce on CUDA:
+`engine.distributed.fused_allreduce`), and as the unfused ops otherwise (NCCL, messages above the P2P limit,
+the in-process CPU ranks, norms other than RMSNorm / ZeroCentredRMSNorm). With one rank it is
+the norm alone.
+
+Contract of the decoder layers' `forward(positions, x, residual)` under TP > 1: x is this rank's
+partial sum whenever residual is not None (the first layer gets the reduced embedding and
+residual None), and the layer returns the MLP's partial sum with the residual.
+
+`NINFER_TP_FUSED_NORM=0` in the environment turns the fused kernel off (for before/after
+measurements); the results agree to the rounding of the norm's row sum.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from engine.layers.hybrid_norm import ZeroCentredRMSNorm
+from engine.layers.linear import RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.distributed.tp_group import TPGroup
+from engine.distributed.fused_allreduce import sum_splits
+
+FUSED = os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0"
+# Row-parallel projections with at most SPLIT_ROWS rows may run as a batched GEMM over K_SPLITS
+# slices of their input (RowParallelLinear.k_splits) when the communicator fuses: NINFER_TP_K_SPLITS=8.
+# Off by default: alone, on an H200's TP=2 shards in graphs, it beats cuBLAS (qwen3-8b down_proj
+# 15.6 us as split-K GEMV + reduce kernel -> 10.7 us over 8 slices at 1 row; tools/splitk_probe.py),
+# and it removes 36 kernels per qwen3-8b round, but the fused kernel's staging of 8 partials costs
+# ~0.8 us per call and the engine measured no gain: decode b1 4.164 ms with it, 4.151 ms without
+# (bench/results/2026-11-30-h200-tpfuse). It also rounds 8 partials per rank instead of one.
+K_SPLITS = int(os.environ.get("NINFER_TP_K_SPLITS", "1"))
+SPLIT_ROWS = 8                                   # the row counts measured (1 and 8)
+
+
+def defer_reduce(tp: TPGroup, *projections: RowParallelLinear) -> bool:
+    """Make these row-parallel layers return partial sums when tp has several ranks; True if so."""
+    deferred = tp.size > 1
+    fused = deferred and FUSED and hasattr(tp.comm, "all_reduce_add_rms_norm")
+    for p in projections:
+        p.reduce = not deferred
+        if fused and K_SPLITS > 1 and p.in_features % K_SPLITS == 0:
+            p.k_splits, p.split_rows = K_SPLITS, SPLIT_ROWS
+    return deferred
+
+
+def reduce_add_norm(tp: TPGroup, norm: nn.Module, x: torch.Tensor,
+                    residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: this rank's partial [T, hidden] (the reduced value with one rank); residual: [T, hidden].
+    Returns (norm(sum + residual), sum + residual), the contract of RMSNorm.forward with a residual."""
+    if tp.size > 1:
+        if FUSED and type(norm) in (RMSNorm, ZeroCentredRMSNorm):
+            fused = getattr(tp.comm, "all_reduce_add_rms_norm", None)
+            if fused is not None:
+                got = fused(tp.rank, x, residual, norm.weight, norm.eps,
+                            zero_centred=isinstance(norm, ZeroCentredRMSNorm))
+                if got is not None:
+                    return got
+        if x.dim() == residual.dim() + 1:                # [S, T, hidden] partials of K slices
+            x = sum_splits(x)
+        x = tp.all_reduce(x)
+    return norm(x, residual)

@@ -1,0 +1,1 @@
+"""Model loading: checkpoint directories, configs, the embedded model and the reference shapes."""

@@ -1,0 +1,1 @@
+"""Scheduling, torch-free: requests, FIFO admission, the prefill lane, the decode batch, the draft policy."""

@@ -1,0 +1,375 @@
+"""FIFO admission, one prefill lane, a continuous decode batch. Pure Python: counts tokens, not phases.
+
+Every request wants its KV to catch up with its tokens: `num_tokens - num_computed_tokens` new
+tokens, plus `k` draft slots while it decodes. A prefill chunk and a decode round are that one
+thing at two sizes. The single asymmetry is the lane: prompts prefill in FIFO order, at most
+`prefill_chunk` tokens per step shared by the prompts at the lane's front (`engine.sched.prefill_lane`),
+while every running request advances one round per step, so a long prompt never stalls running
+streams for more than one chunk.
+
+Out of KV mid-decode: the newest running request is preempted (its blocks are freed, it goes back
+to the head of the queue and is recomputed from prompt + outputs when blocks free up); streams
+never see it except as a pause. A request alone always fits: admission refuses at the door any
+prompt + max_tokens that exceeds the context limit or the whole KV capacity.
+
+The prefill/decode split parks a prefilled request under a handle until a decode attaches. Parked
+requests take no decode-batch seat: they hold their KV (which admission counts like any other) and
+at most `max_parked` of them (parked + attached, waiting for a seat) exist at once; a request that
+would park beyond that waits in the queue under the pending timeout. An attached request joins
+the decode batch when a seat frees, ahead of new prefills.
+
+Hybrid models: a request also holds a linear-attention state slot (engine.cache.state_slots) from admission
+to finish or preemption, and a prefix hit is used only up to a state snapshot (engine.cache.state_snapshots).
+Their prompts pack in the lane like any other, each piece from its own slot (engine.sched.prefill_lane).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.sched.draft_policy import DraftPolicy
+from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
+from engine.cache.block_manager import KVCacheManager
+from engine.sched.prefill_lane import PrefillLane, PrefillWork
+from engine.sched.request import FinishReason, Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.cache.state_slots import StateSlotPool
+from engine.cache.state_snapshots import StateSnapshots
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int
+    max_pending: int
+    pending_timeout_s: float
+    prefill_chunk: int
+    draft_tokens: int              # engine-wide k; 0 = no speculation
+    max_model_len: int
+    lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
+    max_parked: int | None = None  # parked + attached-awaiting-a-seat at once; None = max_batch
+    adaptive_draft: bool = False   # each round's k is picked in [0, draft_tokens] (engine.sched.draft_policy)
+
+
+@dataclass
+class DecodeWork:
+    """One round for one running request: verify x_{n-1} plus k drafts, emit 1..k+1 tokens."""
+
+    request_id: str
+    last_token_id: int             # x_{n-1}, the one token whose target KV is not written yet
+    num_tokens: int                # n
+    num_mtp_computed: int          # m0: first MTP position whose entry is recomputed this round
+    mtp_token_ids: list[int]       # x_{m0+1} .. x_{n-1}: the next token of each position recomputed
+    block_ids: list[int]
+    draft_tokens: int              # this request's drafts this round (<= its k <= the engine's)
+    output_index: int
+    sampling: SamplingParams
+    seed: int
+    state_slot: int = -1           # hybrids: the request's linear-attention state slot
+    # Async scheduling (engine.worker.async_rounds): the row of the round before whose tokens this row adds on the
+    # device (engine.worker.decode_round.carry_forward); num_tokens and output_index are then as they were
+    # before that round, last_token_id and mtp_token_ids are unused, and that round adds at most
+    # `carried_max` tokens.
+    carry_row: int = -1
+    carried_max: int = 0
+
+    @property
+    def max_num_tokens(self) -> int:
+        """An upper bound of n for this round (exact unless carried)."""
+        return self.num_tokens + self.carried_max
+
+
+@dataclass
+class SchedulerOutput:
+    # One packed prefill chunk: pieces of several prompts in FIFO order (engine.sched.prefill_lane).
+    prefills: list[PrefillWork]
+    decode: list[DecodeWork]
+    # Requests that left since the previous step: the runner drops any state it keeps for them.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefills and not self.decode
+
+
+@dataclass
+class ModelOutput:
+    # request id -> tokens this step produced (prefill: the first one; decode: accepted drafts + 1)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class RequestEvent:
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, clock: Callable[[], float] = time.monotonic,
+                 states: StateSlotPool | None = None, snapshots: StateSnapshots | None = None):
+        self.config = config
+        self.kv = kv
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        self.lane = PrefillLane(config.prefill_chunk, config.draft_tokens, kv, clock, states, snapshots)
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}
+        self.attached: deque[Request] = deque()       # resumed (decode attached), waiting for a seat
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self._lease_deadline: dict[str, float] = {}
+        self.draft_policy = DraftPolicy(config.draft_tokens) if config.adaptive_draft else None
+
+    # hybrids: linear-attention state slots (held beside KV) and snapshots at block boundaries; the
+    # lane owns them (it admits), the scheduler frees a request's slot with its KV
+    @property
+    def states(self) -> StateSlotPool | None:
+        return self.lane.states
+
+    @states.setter
+    def states(self, pool: StateSlotPool | None) -> None:
+        self.lane.states = pool
+
+    @property
+    def snapshots(self) -> StateSnapshots | None:
+        return self.lane.snapshots
+
+    # -- the door -------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        n = len(req.prompt_token_ids)
+        total = n + req.sampling.max_tokens
+        if total > self.config.max_model_len:
+            raise InvalidArgumentError(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) = {total} exceeds "
+                f"the context limit of {self.config.max_model_len} tokens")
+        if total + self.config.draft_tokens > self.kv.capacity_tokens:
+            raise InvalidArgumentError(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) + draft slots "
+                f"({self.config.draft_tokens}) exceeds the KV capacity of {self.kv.capacity_tokens} tokens")
+        if req.request_id in self.requests:
+            raise InvalidArgumentError("request_id", f"{req.request_id!r} is already in use")
+        if len(self.waiting) >= self.config.max_pending:
+            raise QueueFullError(f"the pending queue is full ({self.config.max_pending} requests)")
+        req.num_prefill_tokens = n
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def expire(self) -> list[Request]:
+        """Finish queued requests past the pending timeout and parked ones past their lease."""
+        now = self.clock()
+        # only requests that never started: a preempted one is back in the queue but was admitted
+        done = [r for r in self.waiting
+                if r.times.prefill_start is None and now - r.times.arrival > self.config.pending_timeout_s]
+        for req in done:
+            self.waiting.remove(req)
+            self._finish(req, FinishReason.QUEUE_TIMEOUT)
+        for rid, deadline in list(self._lease_deadline.items()):
+            if now > deadline:
+                done.append(self.parked[rid])
+                self._finish(self.parked[rid], FinishReason.LEASE_EXPIRED)
+        return done
+
+    def schedule(self) -> SchedulerOutput:
+        k = self.config.draft_tokens
+        while self.attached and len(self.running) < self.config.max_batch:
+            req = self.attached.popleft()
+            req.status = RequestStatus.RUNNING
+            req.times.decode_start = self.clock()
+            self.running.append(req)
+        decode: list[DecodeWork] = []
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:      # preempted earlier in this loop
+                continue
+            while not self.kv.allocate(req, req.num_tokens + k):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                decode.append(self.decode_work(req))
+        if self.draft_policy is not None and decode:
+            k_round = self.draft_policy.choose(len(decode))
+            for work in decode:
+                work.draft_tokens = min(work.draft_tokens, k_round)
+        prefills = self.lane.plan(self.waiting, self._has_room)
+        return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=self.take_finished_ids())
+
+    def take_finished_ids(self) -> list[str]:
+        """Requests that left since the last call (their runner state is dropped with the next round)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
+
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> list[RequestEvent]:
+        now = self.clock()
+        events: list[RequestEvent] = []
+        spec = self.config.draft_tokens > 0
+        for piece in out.prefills:
+            req = self.requests[piece.request_id]
+            end = piece.start + len(piece.token_ids)
+            if req.num_preemptions == 0:
+                req.computed_prefill_tokens += len(piece.token_ids)
+            req.num_computed_tokens = end
+            req.num_mtp_computed = min(end, req.num_prefill_tokens - 1) if spec else 0
+            if piece.sample:
+                self.lane.done(req)
+                if req.times.first_token is None:
+                    req.times.first_token = now
+                if req.park_after_prefill and req.num_preemptions == 0:
+                    req.status = RequestStatus.PARKED
+                    self.parked[req.request_id] = req
+                    self._lease_deadline[req.request_id] = now + self.config.lease_s
+                else:
+                    req.status = RequestStatus.RUNNING
+                    self.running.append(req)
+                    if req.times.decode_start is None:
+                        req.times.decode_start = now
+                events.append(self._append(req, result.sampled[req.request_id], now))
+            self._register(req, spec)
+            if piece.snapshot_slot >= 0:
+                keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
+                self.snapshots.bind(piece.snapshot_slot, keys[i] if i < len(keys) else None)
+        for work in out.decode:
+            req = self.requests[work.request_id]
+            tokens = result.sampled[work.request_id]
+            if spec:
+                accepted = len(tokens) - 1
+                s = req.spec
+                s.rounds += 1
+                s.drafted += work.draft_tokens
+                s.accepted += accepted
+                for i in range(accepted):
+                    s.accepted_per_position[i] += 1
+                if self.draft_policy is not None:
+                    self.draft_policy.observe(work.draft_tokens, accepted)
+                req.num_mtp_computed = req.num_tokens - 1
+            req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
+            events.append(self._append(req, tokens, now))
+            if not req.finished:
+                self._register(req, spec)
+        return events
+
+    # -- caller actions -------------------------------------------------------------------------
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request:
+        """End a request in any state (abort, stop string); its blocks are freed once."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"no request {request_id!r}")
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self._finish(req, reason)
+        return req
+
+    def resume(self, request_id: str) -> Request:
+        """A decode attached to a parked request: its lease ends and it joins the decode batch at the
+        next step that has a seat (it stays PARKED, holding its KV, until then)."""
+        req = self.parked.pop(request_id, None)
+        if req is None:
+            raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, attached or expired)")
+        del self._lease_deadline[request_id]
+        self.attached.append(req)
+        return req
+
+    def is_unclaimed(self, request_id: str) -> bool:
+        """A split request no decode has attached to: parked, or still queued or prefilling on its way
+        to park (releasing it then ends it before it parks)."""
+        req = self.requests.get(request_id)
+        if req is None or not req.park_after_prefill or req.num_preemptions:
+            return False
+        return request_id in self.parked or req.status in (RequestStatus.WAITING, RequestStatus.PREFILLING)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.lane or self.running or self.attached)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @property
+    def has_timeouts(self) -> bool:
+        """Requests whose pending timeout or lease may expire while nothing else happens."""
+        return bool(self.parked or self.waiting)
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self.parked
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _has_room(self, req: Request) -> bool:
+        """Room for the queue's head once prefilled: a request that will park needs room among the
+        parked; one that will decode needs a seat. The lane's requests count where they are headed."""
+        def parks(r: Request) -> bool:
+            return r.park_after_prefill and r.num_preemptions == 0
+        ahead = sum(1 for r in self.lane.requests if parks(r) == parks(req))
+        if parks(req):
+            return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
+        return len(self.running) + len(self.attached) + ahead < self.config.max_batch
+
+    def decode_work(self, req: Request) -> DecodeWork:
+        """The request's next round, packed whole from what the host knows (every round of it read)."""
+        return DecodeWork(
+            request_id=req.request_id, last_token_id=req.last_token_id, num_tokens=req.num_tokens,
+            num_mtp_computed=req.num_mtp_computed,
+            mtp_token_ids=req.tokens_from(req.num_mtp_computed + 1) if self.config.draft_tokens else [],
+            block_ids=req.block_ids,       # read within this step only: no copy per round
+            draft_tokens=req.draft_tokens, output_index=req.num_output_tokens,
+            sampling=req.sampling, seed=req.seed, state_slot=req.state_slot)
+
+    def _append(self, req: Request, tokens: list[int], now: float) -> RequestEvent:
+        """Append tokens one by one, stopping at EOS / a stop token id / max_tokens."""
+        taken: list[int] = []
+        for tok in tokens:
+            req.output_token_ids.append(tok)
+            taken.append(tok)
+            if tok in req.stop_token_ids:
+                self._finish(req, FinishReason.STOP, now)
+                break
+            if req.num_output_tokens >= req.sampling.max_tokens:
+                self._finish(req, FinishReason.LENGTH, now)
+                break
+        return RequestEvent(req, taken, req.finished)
+
+    def _register(self, req: Request, spec: bool) -> None:
+        final = min(req.num_computed_tokens, req.num_mtp_computed) if spec else req.num_computed_tokens
+        self.kv.register_blocks(req, final)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_mtp_computed = 0
+        req.num_prefill_tokens = req.num_tokens
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._finished_ids.append(req.request_id)        # the runner's per-request state is stale
+
+    def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
+        if req.finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.PARKED:
+            if self.parked.pop(req.request_id, None) is None:
+                self.attached.remove(req)
+            self._lease_deadline.pop(req.request_id, None)
+        elif req.status is RequestStatus.PREFILLING:
+            self.lane.done(req)
+        self._free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.times.finish = self.clock() if now is None else now
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _free(self, req: Request) -> None:
+        """Everything the request holds: KV blocks, and its state slot on a hybrid model."""
+        self.kv.free(req)
+        if self.states is not None:
+            self.states.free(req)

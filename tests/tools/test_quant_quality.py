@@ -1,0 +1,42 @@
+"""The quality tool on the shared tiny model, cut down for CI (one text and one prompt per kind):
+loose floors that a broken format (a swapped nibble, a lost scale) falls far below. The full figures
+are tools/quality/quant_quality.py's, committed under bench/results/."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.quality.quant_quality import markdown, measure
+from tools.quality.quant_quality_texts import PROMPTS, TEXTS
+
+FLOORS = {"fp8": 0.95, "nvfp4": 0.85, "nvfp4-search": 0.85}
+
+
+@pytest.fixture(scope="module")
+def small_run(shared_model, tmp_path_factory):
+    texts = {k: v[:1] for k, v in TEXTS.items()}
+    prompts = {k: v[:1] for k, v in PROMPTS.items()}
+    return measure(shared_model, texts=texts, prompts=prompts, max_tokens=16,
+                   workdir=str(tmp_path_factory.mktemp("quality")))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nvfp4-search"])
+def test_teacher_forced_agreement_clears_a_loose_floor(small_run, fmt):
+    tf = small_run["formats"][fmt]["teacher_forced"]
+    assert set(tf) == {"prose", "code", "json", "enumeration", "overall"}
+    assert tf["overall"]["agreement"] >= FLOORS[fmt], tf
+    assert small_run["formats"][fmt]["quantized_modules"] == 64       # 8 layers x 7, MTP layer 7, MTP fc
+
+
+def test_fp8_agrees_more_than_nvfp4(small_run):
+    f = small_run["formats"]
+    assert f["fp8"]["teacher_forced"]["overall"]["agreement"] >= f["nvfp4"]["teacher_forced"]["overall"]["agreement"]
+    assert f["fp8"]["greedy"]["token_agreement"] >= 0.5
+
+
+def test_mtp_acceptance_is_measured_for_every_model(small_run):
+    for acc in [small_run["bf16_acceptance_k3"]] + [e["acceptance_k3"] for e in small_run["formats"].values()]:
+        assert len(acc["overall"]) == 3
+        assert acc["overall"][0] >= acc["overall"][1] >= acc["overall"][2]   # all-accepted-up-to is monotone
+        assert acc["overall"][0] > 0.3
+    assert "| fp8 | overall |" in markdown(small_run)

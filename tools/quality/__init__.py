@@ -1,0 +1,1 @@
+"""Quality of quantized formats on a real model."""
