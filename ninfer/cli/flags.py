@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from services.server.address import join_host_port, split_host_port
@@ -189,7 +190,7 @@ def server_options(args: argparse.Namespace, service_name: str):
     return ServerOptions(
         listen=listen_address(args),
         metrics_listen=None if args.metrics_listen in ("", "off") else args.metrics_listen,
-        api_key=read_secret(args.api_key, args.api_key_file, "NINFER_API_KEY", "NINFER_API_KEY_FILE", "--api-key"),
+        api_key=read_secret(args.api_key, args.api_key_file, envs.API_KEY, envs.API_KEY_FILE, "--api-key"),
         enable_reflection=args.enable_reflection, max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_message_bytes=args.max_message_bytes, retry_pushback_ms=args.retry_pushback_ms,
         drain_timeout_s=args.drain_timeout, tls=tls,

@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from engine import envs
 from ninfer.cli.flags import engine_config_from_args, sampling_from_args
 
 
@@ -51,7 +52,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     msg = None
     from ninfer.cli.flags import client_tls
     from services.server.tls import read_secret
-    api_key = read_secret(args.api_key, args.api_key_file, "NINFER_API_KEY", "NINFER_API_KEY_FILE", "--api-key")
+    api_key = read_secret(args.api_key, args.api_key_file, envs.API_KEY, envs.API_KEY_FILE, "--api-key")
     tls = client_tls(args.tls_ca, args.tls_cert, args.tls_key)
     with GatewayClient(args.gateway, api_key=api_key, tls=tls) as client:
         try:

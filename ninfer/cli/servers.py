@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 
+from engine import envs
 from ninfer.cli.flags import client_tls, engine_config_from_args, server_options
 
 SIGNAL_CHECK_S = 0.2
@@ -33,8 +34,8 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from services.server.tls import read_secret
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
     options = server_options(args, "ninfer-gateway")
-    engine_key = read_secret(args.engine_api_key, args.engine_api_key_file, "NINFER_ENGINE_API_KEY",
-                             "NINFER_ENGINE_API_KEY_FILE", "--engine-api-key")
+    engine_key = read_secret(args.engine_api_key, args.engine_api_key_file, envs.ENGINE_API_KEY,
+                             envs.ENGINE_API_KEY_FILE, "--engine-api-key")
     engine_tls = client_tls(args.engine_tls_ca, args.engine_tls_cert, args.engine_tls_key, "--engine-tls")
     return _run(GatewayServer(engines, options, engine_api_key=engine_key, engine_tls=engine_tls), options)
 

@@ -9,11 +9,12 @@ environment (never needed on the command line, where `ps` shows them to every us
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+
+from engine.envs import Switch
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,13 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
-def read_secret(value: str | None, file: str | None, env: str, file_env: str, flag: str) -> str | None:
-    """A secret from (in order) its flag, its file flag, $<env>_FILE, $<env>; None when none is set.
-    A file's trailing newline is not part of the secret."""
+def read_secret(value: str | None, file: str | None, env: Switch[str], file_env: Switch[str],
+                flag: str) -> str | None:
+    """A secret from (in order) its flag, its file flag, $<env>_FILE, $<env> (switches of engine.envs); None
+    when none is set. A file's trailing newline is not part of the secret."""
     if value:
         return value
-    path = file or os.environ.get(file_env)
+    path = file or file_env.read()
     if path:
         try:
             secret = Path(path).read_text().strip()
@@ -74,7 +76,7 @@ def read_secret(value: str | None, file: str | None, env: str, file_env: str, fl
         if not secret:
             raise OSError(f"{flag}-file {path}: the file is empty")
         return secret
-    return os.environ.get(env) or None
+    return env.read() or None
 
 
 def is_loopback(host: str) -> bool:
