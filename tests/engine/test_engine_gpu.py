@@ -1,6 +1,6 @@
 """The engine on CUDA: speculative decoding stays lossless, graphs equal eager, int8 KV, TP=2.
 
-Marked `gpu` / `multi_gpu`; skipped where no CUDA device is present (CI). Run on the GPU machine.
+Marked `gpu` by tests/conftest.py and skipped without a CUDA device (CI); TP=2: test_engine_multi_gpu.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ _CANDIDATES = [Path(__file__).resolve().parents[2] / ".models", Path(__file__).r
 MODEL = next((c / "tiny-qwen3-mtp" for c in _CANDIDATES if (c / "tiny-qwen3-mtp").exists()),
              _CANDIDATES[-1] / "tiny-qwen3-mtp")
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_model = pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")
-pytestmark = [pytest.mark.gpu, needs_gpu, needs_model]
+pytestmark = [needs_model]
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -183,32 +182,11 @@ def test_sampled_decoding_is_reproducible_on_gpu():
     assert first == second
 
 
-@pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@pytest.mark.parametrize("tp_comm", ["p2p", "nccl"])
-def test_tp2_equals_tp1_fp32(fp32_k0, tp_comm):
-    assert _generate(dtype="float32", draft_tokens=0, tensor_parallel_size=2, tp_comm=tp_comm) == fp32_k0
-    assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2, tp_comm=tp_comm) == fp32_k0
+def test_automatic_kv_capacity_fits_the_device():
+    check_automatic_kv_capacity(tp=1)
 
 
-@pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_tp2_async_scheduling_equals_synchronous_fp32():
-    # every rank's graph replayed from the engine thread, rank 0 read one round late
-    mixed = _generate_mixed(dtype="float32", draft_tokens=3, tensor_parallel_size=2, async_scheduling=False)
-    assert _generate_mixed(dtype="float32", draft_tokens=3, tensor_parallel_size=2) == mixed
-
-
-@pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_tp2_eager_equals_tp1_fp32(fp32_k0):
-    # the rank threads' eager path (the graphed one replays from the engine thread)
-    assert _generate(dtype="float32", draft_tokens=3, tensor_parallel_size=2, enforce_eager=True) == fp32_k0
-
-
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=[
-    pytest.mark.multi_gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")])])
-def test_automatic_kv_capacity_fits_the_devices(tp):
+def check_automatic_kv_capacity(tp: int) -> None:
     """kv_capacity=None sizes the KV pool from free memory; with MTP KV, graphs of every bucket, a
     full prefill chunk and a full decode batch in flight, no device may go past memory_utilization."""
     import random
@@ -239,8 +217,8 @@ def test_long_prompts_through_the_tma_prefill_routes_agree_with_the_paged_kernel
     keys pass the (shrunk) gather bound, through prefill_segments, against the same prompts on the paged kernel
     (NINFER_PREFILL_TMA=0). The trained model's head_dim 64 is let onto the TMA routes for the test; bounds shrunk
     so 1 MiB holds 2,048 keys and segments hold 768."""
-    from engine.kernels.attention.paged import paged as A
-    from engine.kernels.attention.paged import prefill_tma as P
+    from engine.kernels.attention import paged as A
+    from engine.kernels.attention import prefill_tma as P
     monkeypatch.setattr(A, "PREFILL_TMA_HEAD_DIMS", (64, 128, 256))
     monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 1 << 20)
     monkeypatch.setattr(A, "PREFILL_SEGMENT_MIN_QUERIES", 256)
