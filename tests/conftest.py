@@ -19,7 +19,7 @@ from engine.sched.scheduler import ModelOutput
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
-# The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (DESIGN.md).
+# The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (docs/development.md).
 SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared/models/tiny-qwen3-mtp"
 SKIP_REASON = (f"the trained test model is not at {SHARED_MODEL} (a checkout outside the ninfer workplace); "
                "tests that need real text behaviour run only beside ../shared/models/tiny-qwen3-mtp")

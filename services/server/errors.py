@@ -1,4 +1,4 @@
-"""Exceptions -> gRPC status, in one table (DESIGN.md, "Error model"), and the interceptor that applies it.
+"""Exceptions -> gRPC status, in one table (docs/architecture.md, "Error model"), and the interceptor that applies it.
 
 Servicers raise domain errors (engine.errors) or `RpcAbort`; they never call `context.abort`. The
 gateway passes an engine's status through unchanged, retry pushback included.

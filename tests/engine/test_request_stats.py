@@ -1,5 +1,5 @@
 """Per-request statistics: token counts and phase timings, and the rates derived from them exactly as
-DESIGN.md defines them:  prefill_tok_s = computed_prefill_tokens / timings.prefill,
+docs/performance.md defines them:  prefill_tok_s = computed_prefill_tokens / timings.prefill,
 decode_tok_s = (completion_tokens - 1) / timings.decode.
 
 An injected clock that advances 0.25 s per target-model forward (a forward hook: the model really runs)

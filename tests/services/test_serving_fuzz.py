@@ -1,6 +1,6 @@
 """Property-based fuzz of live servers (hypothesis, derandomized so CI is repeatable): every field of
 GenerateRequest, PrefillRequest and DecodeRequest, and raw bytes sent to every method. Every answer
-is OK or a documented status (DESIGN.md, "Error model"), never INTERNAL or UNKNOWN; afterwards the
+is OK or a documented status (docs/architecture.md, "Error model"), never INTERNAL or UNKNOWN; afterwards the
 servers are healthy, the engine is idle with every KV block free and every reference dropped, and
 the gateway has nothing in flight.
 

@@ -117,7 +117,7 @@ def main() -> int:
                 json.dump({"model": args.model, "context": CONTEXT, "rows": rows}, f, indent=1)
     base = next((r for r in rows if r["variant"] == "tp1"), None)
     tp2 = next((r for r in rows if r["variant"] == "tp2"), None)
-    if base and tp2 and out:                     # BENCH.md's headline keys, from this run's points
+    if base and tp2 and out:                     # headline keys (docs/performance.md), from this run's points
         keys = {"tp2_over_tp1_decode_b1": tp2["decode_b1_tok_s"] / base["decode_b1_tok_s"],
                 "tp2_over_tp1_agg_8": tp2["agg_8_streams_tok_s"] / base["agg_8_streams_tok_s"],
                 "tp2_over_tp1_prefill_512": tp2["prefill_512_tok_s"] / base["prefill_512_tok_s"]}
