@@ -11,6 +11,7 @@ neither takes every core nor delays short prompts (those never wait for a slot).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass
 
@@ -78,6 +79,23 @@ def prepare(request: gateway_pb2.GenerateRequest, model: ServedModel, wait_s: fl
     if not request.sampling.HasField("max_tokens"):        # the default, clamped to what the context leaves
         params = sampling_from_proto(request.sampling, room=info.max_model_len - len(ids))
     return PreparedRequest(ids, params, operation)
+
+
+async def prepare_off_loop(request: gateway_pb2.GenerateRequest, model: ServedModel,
+                           wait_s: float | None = None) -> PreparedRequest:
+    """`prepare` for the server's event loop: short inputs at once (well under a millisecond), long
+    ones on a worker thread, so that tokenizing them never stalls the other streams."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        chars = len(request.prompt)
+    elif kind == "messages":
+        messages = request.messages.messages
+        chars = SLOT_CHARS + 1 if len(messages) > SLOT_CHARS else sum(len(m.content) for m in messages)
+    else:
+        chars = 0
+    if chars <= SLOT_CHARS:
+        return prepare(request, model, wait_s)
+    return await asyncio.to_thread(prepare, request, model, wait_s)
 
 
 def _encode(tokenizer, text: str, wait_s: float | None) -> list[int]:

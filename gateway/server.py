@@ -42,7 +42,7 @@ class GatewayServer(NinferServer):
 
     def start(self) -> "GatewayServer":
         super().start()
-        self.router.start()
+        self.runtime.run(self.router.start())
         log.info("gateway_listening", address=self.address, engines=[e.address for e in self.router.engines],
                  metrics_port=self.metrics_port)
         return self
@@ -53,8 +53,10 @@ class GatewayServer(NinferServer):
         return super().drain()
 
     def stop(self) -> None:
+        if not self.runtime.loop.is_closed():
+            self.runtime.run(self.server.stop(0))
+            self.runtime.run(self.router.stop())
         super().stop()
-        self.router.stop()
         log.info("gateway_stopped", address=self.address)
 
     def _engines_changed(self, any_serving: bool) -> None:

@@ -12,14 +12,14 @@ handle waits for its lease.
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 import structlog
-from opentelemetry.propagate import inject
-from opentelemetry.trace import SpanKind, Tracer
+from opentelemetry.trace import Tracer
 from structlog.contextvars import bound_contextvars
 
 from ninfer.v1 import common_pb2, decode_pb2, engine_info_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
@@ -27,43 +27,51 @@ from services.convert import stats_from_proto
 from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
 from services.server.lifecycle import ServingState
 from services.server.prometheus import GatewayPrometheus
-from gateway.prepare import prepare
+from gateway.client_spans import client_span
+from gateway.prepare import prepare_off_loop
 from gateway.report import RequestRecord, report
 from gateway.router import Engine, EngineRouter
 from gateway.text import StreamingText
 
 log = structlog.get_logger(__name__)
-DECODE_METHOD = "/ninfer.v1.DecodeService/Decode"
-DECODE_SPAN_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": "ninfer.v1.DecodeService", "rpc.method": "Decode",
-                          "rpc.grpc.status_code": grpc.StatusCode.OK.value[0]}
 NO_DEADLINE_S = 1e8           # grpc reports ~forever when the client set no deadline
 RELEASE_TIMEOUT_S = 5.0
 
 
 class CallCanceller:
-    """Termination callback of the client's call: cancels whichever engine call is in flight."""
+    """Done callback of the client's call (and the drain's cutter): cancels whichever engine call is in
+    flight, and releases a prefilled handle the request still owns (no decode attached yet). Runs on
+    the gateway's event loop, like the calls it cancels."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._call: grpc.Future | grpc.Call | None = None
+        self._call: grpc.aio.Call | None = None
+        self._release: Callable[[], None] | None = None
         self._terminated = False
 
-    def __call__(self) -> None:
-        with self._lock:
-            self._terminated = True
-            call = self._call
-        if call is not None:
+    def __call__(self, context: grpc.aio.ServicerContext | None = None) -> None:
+        self._terminated = True
+        if self._call is not None:
+            self._call.cancel()
+        self.release_owned()
+
+    def watch(self, call: grpc.aio.Call) -> None:
+        self._call = call
+        if self._terminated:
             call.cancel()
 
-    def watch(self, call) -> None:
-        with self._lock:
-            self._call = call
-            terminated = self._terminated
-        if terminated:
-            call.cancel()
+    def own(self, release: Callable[[], None] | None) -> None:
+        """`release` frees a handle the request owns now (None: it owns none any more)."""
+        self._release = release
+        if self._terminated:
+            self.release_owned()
+
+    def release_owned(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
 
 
-def time_left(context: grpc.ServicerContext) -> float | None:
+def time_left(context: grpc.aio.ServicerContext) -> float | None:
     """The client's remaining deadline in seconds, for the next engine call (None: no deadline)."""
     left = context.time_remaining()
     if left is None or left > NO_DEADLINE_S:
@@ -79,10 +87,22 @@ def time_left(context: grpc.ServicerContext) -> float | None:
 DEADLINE_SKEW_S = 0.25
 
 
-def past_deadline(context: grpc.ServicerContext) -> bool:
+def past_deadline(context: grpc.aio.ServicerContext) -> bool:
     """Whether the call's deadline has passed, give or take the client-to-gateway skew (DEADLINE_SKEW_S)."""
     left = context.time_remaining()
     return left is not None and left <= DEADLINE_SKEW_S
+
+
+def client_left(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
+    """Whether `exc` ends the call because the client went away. A CancelledError while neither the
+    call nor its task was cancelled comes from an engine call the gateway cancelled itself (the drain
+    cut): the client is still there and gets a status."""
+    if isinstance(exc, GeneratorExit):
+        return True
+    if isinstance(exc, asyncio.CancelledError):
+        task = asyncio.current_task()
+        return context.done() or (task is not None and task.cancelling() > 0)
+    return False
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -91,18 +111,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.state = state
         self.tracer = tracer
         self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
 
-    def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.ServicerContext):
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         record = RequestRecord(request_id=uuid.uuid4().hex, received=time.monotonic())
         with bound_contextvars(request_id=record.request_id), \
                 self.tracer.start_as_current_span("generate") as span:
             canceller = CallCanceller()
             try:
                 with self.state.admit(), self.state.on_cut(canceller):
-                    yield from self._generate(request, context, record, canceller)
+                    async for response in self._generate(request, context, record, canceller):
+                        yield response
                 record.status = grpc.StatusCode.OK
-            except BaseException as e:        # GeneratorExit too: the client went away
-                if self.state.shut_down and not isinstance(e, GeneratorExit):
+            except BaseException as e:        # GeneratorExit, CancelledError too: the client went away
+                if self.state.shut_down and not client_left(e, context):
                     record.status = grpc.StatusCode.UNAVAILABLE          # cut at the drain timeout
                     raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS) from e
                 record.status = status_for(e, 0).code
@@ -112,22 +134,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             finally:
                 report(record, span, self.metrics)
 
-    def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord,
-                  canceller: CallCanceller):
+    async def _generate(self, request: gateway_pb2.GenerateRequest, context, record: RequestRecord,
+                        canceller: CallCanceller):
         model = self.router.model
         if model is None:
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "no engine has reported its model yet")
         record.model = model.info.model
         record.sampling = request.sampling
-        prepared = prepare(request, model, wait_s=time_left(context))
+        prepared = await prepare_off_loop(request, model, wait_s=time_left(context))
         record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
         record.tokenize_s = time.monotonic() - record.received
         text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)
-        if not context.add_callback(canceller):
+        if context.done():
             raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
-        engine, first = self._prefill(request, prepared.prompt_ids, context, record, canceller)
+        context.add_done_callback(canceller)
+        engine, first = await self._prefill(request, prepared.prompt_ids, context, record, canceller)
         record.engine = engine.address
         handle = None if first.finished else first.handle        # a handle no decode has attached yet
+        if handle is not None:
+            canceller.own(lambda: self._release_handle(engine, handle))
         try:
             opts = request.stream_options
             if first.finished:
@@ -138,38 +163,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # a millisecond of Python, which would otherwise add to the time to first token.
             record.token_sent(len(first.token_ids), self.metrics)
             yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
-            if not context.is_active():
+            if context.done():
                 raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away after the prefill")
-            # The decode stream's client span is made here: the instrumentation's stream wrapper would
-            # hide the call's cancel(). The traceparent goes in the call's metadata.
-            with self.tracer.start_as_current_span(DECODE_METHOD, kind=SpanKind.CLIENT,
-                                                   attributes=DECODE_SPAN_ATTRIBUTES) as span:
-                carrier: dict[str, str] = {}
-                inject(carrier)
+            with client_span(self.tracer, "ninfer.v1.DecodeService", "Decode") as (span, trace_metadata):
                 call = engine.decode.Decode(decode_pb2.DecodeRequest(handle=handle), timeout=time_left(context),
-                                            metadata=(*self.router.metadata, *carrier.items()))
+                                            metadata=(*self.router.metadata, *trace_metadata))
                 canceller.watch(call)
-                try:
-                    for msg in call:           # read to the stream's end, so that it ends OK, not cancelled
-                        handle = None          # a message: the engine attached the handle, the stream owns it
-                        delta = text.push(list(msg.token_ids), final=msg.finished)
-                        record.token_sent(len(msg.token_ids), self.metrics)
-                        if msg.finished:
-                            yield self._final(record, delta, msg.token_ids, msg.stats, opts)
-                        elif delta or opts.include_token_ids or opts.continuous_usage_stats:
-                            yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
-                except grpc.RpcError as e:
-                    span.set_attribute("rpc.grpc.status_code", e.code().value[0])
-                    raise
+                async for msg in call:         # read to the stream's end, so that it ends OK, not cancelled
+                    canceller.own(None)        # a message: the engine attached the handle, the stream owns it
+                    delta = text.push(list(msg.token_ids), final=msg.finished)
+                    record.token_sent(len(msg.token_ids), self.metrics)
+                    if msg.finished:
+                        yield self._final(record, delta, msg.token_ids, msg.stats, opts)
+                    elif delta or opts.include_token_ids or opts.continuous_usage_stats:
+                        yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
                 if record.result is None:
                     raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
         finally:
             self.router.release(engine)
-            if handle is not None:
-                self._release_handle(engine, handle)
+            canceller.release_owned()
 
-    def _prefill(self, request, prompt_ids: list[int], context, record: RequestRecord,
-                 canceller: CallCanceller) -> tuple[Engine, prefill_pb2.PrefillResponse]:
+    async def _prefill(self, request, prompt_ids: list[int], context, record: RequestRecord,
+                       canceller: CallCanceller) -> tuple[Engine, prefill_pb2.PrefillResponse]:
         """Prefill on the least-loaded engine; an engine that turns out UNAVAILABLE (down, draining)
         is skipped for the next one, since nothing ran there."""
         tried: tuple[Engine, ...] = ()
@@ -180,12 +195,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             engine = self.router.acquire(exclude=tried)
             start = time.monotonic()
             try:
-                future = engine.prefill.Prefill.future(message, timeout=timeout, metadata=self.router.metadata)
-                canceller.watch(future)
-                response = future.result()
+                with client_span(self.tracer, "ninfer.v1.PrefillService", "Prefill") as (_, trace_metadata):
+                    call = engine.prefill.Prefill(message, timeout=timeout,
+                                                  metadata=(*self.router.metadata, *trace_metadata))
+                    canceller.watch(call)
+                    response = await call
             except grpc.RpcError as e:
                 self.router.release(engine)
-                if e.code() is grpc.StatusCode.UNAVAILABLE and context.is_active():
+                if e.code() is grpc.StatusCode.UNAVAILABLE and not context.done():
                     self.router.mark_unavailable(engine)
                     tried += (engine,)
                     log.warning("engine_unavailable", engine=engine.address, details=e.details())
@@ -204,15 +221,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _release_handle(self, engine: Engine, handle: str) -> None:
         """Release without waiting for the answer: NOT_FOUND (attached, finished or never parked) is
         the usual one; anything else is logged (the lease frees the handle then)."""
-        future = engine.prefill.Release.future(prefill_pb2.ReleaseRequest(handle=handle), timeout=RELEASE_TIMEOUT_S,
-                                               metadata=self.router.metadata)
+        task = asyncio.get_running_loop().create_task(self._release(engine, handle))
+        self._background.add(task)                 # the loop keeps only a weak reference to a task
+        task.add_done_callback(self._background.discard)
 
-        def done(f: grpc.Future) -> None:
-            e = f.exception()
-            if e is not None and e.code() is not grpc.StatusCode.NOT_FOUND:
+    async def _release(self, engine: Engine, handle: str) -> None:
+        try:
+            await engine.prefill.Release(prefill_pb2.ReleaseRequest(handle=handle), timeout=RELEASE_TIMEOUT_S,
+                                         metadata=self.router.metadata)
+        except grpc.RpcError as e:
+            if e.code() is not grpc.StatusCode.NOT_FOUND:
                 log.warning("release_failed", engine=engine.address, handle=handle, code=e.code().name,
                             details=e.details())
-        future.add_done_callback(done)
 
     def _chunk(self, record: RequestRecord, text: str, token_ids, usage: common_pb2.Usage,
                opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:
@@ -237,15 +257,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             msg.token_ids.extend(token_ids)
         return msg
 
-    def GetEngineMetrics(self, request, context: grpc.ServicerContext):
-        entries = []
-        for engine in self.router.engines:
-            entry = gateway_pb2.EngineMetricsEntry(engine=engine.address, serving=engine.serving,
-                                                   in_flight=engine.in_flight)
+    async def GetEngineMetrics(self, request, context: grpc.aio.ServicerContext):
+        async def entry(engine: Engine) -> gateway_pb2.EngineMetricsEntry:
+            e = gateway_pb2.EngineMetricsEntry(engine=engine.address, serving=engine.serving,
+                                               in_flight=engine.in_flight)
             try:
-                entry.metrics.CopyFrom(engine.info.GetMetrics(engine_info_pb2.GetMetricsRequest(), timeout=5.0,
-                                                              metadata=self.router.metadata))
-            except grpc.RpcError as e:
-                log.warning("engine_metrics_failed", engine=engine.address, code=e.code().name)
-            entries.append(entry)
-        return gateway_pb2.GetEngineMetricsResponse(engines=entries)
+                e.metrics.CopyFrom(await engine.info.GetMetrics(engine_info_pb2.GetMetricsRequest(), timeout=5.0,
+                                                                metadata=self.router.metadata))
+            except grpc.RpcError as err:
+                log.warning("engine_metrics_failed", engine=engine.address, code=err.code().name)
+            return e
+        return gateway_pb2.GetEngineMetricsResponse(engines=await asyncio.gather(*map(entry, self.router.engines)))

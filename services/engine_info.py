@@ -33,12 +33,12 @@ class EngineInfoServicer(engine_info_pb2_grpc.EngineInfoServiceServicer):
         self.ctx = engine
         self._model_info: engine_info_pb2.ModelInfo | None = None
 
-    def GetModelInfo(self, request, context: grpc.ServicerContext):
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             if self._model_info is None:              # built once: the tokenizer is large
                 self._model_info = model_info_to_proto(self.ctx.info)
             return self._model_info
 
-    def GetMetrics(self, request, context: grpc.ServicerContext):
+    async def GetMetrics(self, request, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
-            return metrics_to_proto(self.ctx.engine.metrics())
+            return metrics_to_proto(await self.ctx.engine.metrics_async())
