@@ -121,7 +121,8 @@ class EngineCore:
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
+            lease_s=config.lease_seconds, handoff_timeout_s=config.handoff_timeout_seconds,
+            seat_timeout_s=config.seat_timeout_seconds or None, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
             states=self.states, snapshots=self.snapshots)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
@@ -315,7 +316,7 @@ class EngineCore:
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
-                 "parked": len(s.parked)}
+                 "parked": len(s.parked), "awaiting_seat": len(s.attached), **s.waits()}
         return self.metrics.snapshot(self.clock(), kv, queue)
 
     def info(self) -> EngineInfo:

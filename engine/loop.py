@@ -47,6 +47,7 @@ class RequestStream:
         self._loop = loop
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         self.finished = False
+        self.attached = False                            # resumed (a decode attached to it)
         self._waiter: asyncio.Future | None = None       # an asyncio reader waiting for the next output
         self._waiter_lock = threading.Lock()
 
@@ -89,8 +90,11 @@ class RequestStream:
         if item.finished:
             self.finished = True
             if item.finish_reason is FinishReason.QUEUE_TIMEOUT:
-                raise QueueTimeoutError(
-                    f"request waited longer than pending_timeout_ms={self._loop.core.config.pending_timeout_ms}")
+                config = self._loop.core.config
+                if self.attached:             # prefilled and attached: it waited for a decode seat
+                    raise QueueTimeoutError(f"no decode seat within seat_timeout_seconds="
+                                            f"{config.seat_timeout_seconds:g} (the decode batch stayed full)")
+                raise QueueTimeoutError(f"request waited longer than pending_timeout_ms={config.pending_timeout_ms}")
         return item
 
     def __iter__(self) -> Iterator[RequestOutput]:
@@ -187,6 +191,7 @@ class EngineLoop:
         def do() -> list[RequestStream]:
             for rid in request_ids:
                 self.core.resume(rid)
+                self._streams[rid].attached = True
             return [self._streams[rid] for rid in request_ids]
         return do
 

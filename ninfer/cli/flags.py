@@ -82,6 +82,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(--no-async-scheduling: every round waits for the last)")
     g.add_argument("--lease-seconds", type=float, default=d["lease_seconds"].default,
                    help="how long a prefilled handle keeps its KV without a decode attaching")
+    g.add_argument("--handoff-timeout", dest="handoff_timeout_seconds", type=float,
+                   default=d["handoff_timeout_seconds"].default, metavar="SECONDS",
+                   help="a prefilled handle no decode attached within this long gives its room to a queued "
+                        "request (it keeps --lease-seconds only while no one waits)")
+    g.add_argument("--seat-timeout", dest="seat_timeout_seconds", type=float,
+                   default=d["seat_timeout_seconds"].default, metavar="SECONDS",
+                   help="a prefilled request waits this long at most for a decode seat (then RESOURCE_EXHAUSTED "
+                        "with retry pushback); 0 = no bound")
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
@@ -113,6 +121,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
+        handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling)
 
 

@@ -144,16 +144,22 @@ class KvCacheState(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ...) -> None: ...
 
 class QueueState(_message.Message):
-    __slots__ = ("waiting", "prefilling", "running", "parked")
+    __slots__ = ("waiting", "prefilling", "running", "parked", "awaiting_seat", "oldest_parked_s", "oldest_awaiting_seat_s")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFILLING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     PARKED_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_SEAT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_PARKED_S_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_AWAITING_SEAT_S_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     prefilling: int
     running: int
     parked: int
-    def __init__(self, waiting: _Optional[int] = ..., prefilling: _Optional[int] = ..., running: _Optional[int] = ..., parked: _Optional[int] = ...) -> None: ...
+    awaiting_seat: int
+    oldest_parked_s: float
+    oldest_awaiting_seat_s: float
+    def __init__(self, waiting: _Optional[int] = ..., prefilling: _Optional[int] = ..., running: _Optional[int] = ..., parked: _Optional[int] = ..., awaiting_seat: _Optional[int] = ..., oldest_parked_s: _Optional[float] = ..., oldest_awaiting_seat_s: _Optional[float] = ...) -> None: ...
 
 class EngineMetrics(_message.Message):
     __slots__ = ("history", "last", "performance", "kv", "queue")
