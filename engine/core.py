@@ -313,6 +313,9 @@ class EngineCore:
         kv = {"num_blocks": self.kv.num_blocks, "free_blocks": self.kv.num_free_blocks,
               "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
               "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
+        if self.states is not None:                  # hybrids: one linear-attention state per admitted request
+            kv["state_slots"] = self.states.num_slots
+            kv["state_slots_used"] = self.states.num_slots - self.states.num_free
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
@@ -327,7 +330,7 @@ class EngineCore:
             draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
-            warmup=self.warmup_report)
+            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

@@ -8,7 +8,9 @@ one can forge a turn. A raw `prompt` is text too unless the request sets `parse_
 
 Sizes are checked before any tokenizing, with limits derived from the context (`max_model_len`):
 a prompt of more than MAX_CHARS_PER_TOKEN characters per token of context cannot fit, nor can more
-messages than half the context (a chat message takes at least two tokens: <|im_start|>, <|im_end|>).
+messages than half the context (a chat message takes at least two tokens: <|im_start|>, <|im_end|>),
+nor a text whose UTF-8 bytes need more tokens than the context even if every token were the
+vocabulary's longest (check_byte_bound: emoji are 4 bytes per character).
 Tokenizing runs with the GIL released (other streams go on); a long text (more than SLOT_CHARS)
 takes one of TOKENIZER_SLOTS first, waiting within its deadline, so that a burst of long prompts
 neither takes every core nor delays short prompts (those never wait for a slot).
@@ -57,6 +59,7 @@ def prepare(request: gateway_pb2.GenerateRequest, model: ServedModel, wait_s: fl
         if len(request.prompt) > max_chars:
             raise InvalidArgumentError("prompt", f"{len(request.prompt)} characters exceed the limit of {max_chars} "
                                        f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={info.max_model_len})")
+        check_byte_bound("prompt", len(request.prompt.encode()), model)
         ids, operation = _encode(tokenizer, request.prompt, wait_s, request.parse_special_tokens), "text_completion"
     elif kind == "messages" and request.messages.messages:
         messages = request.messages.messages
@@ -68,6 +71,7 @@ def prepare(request: gateway_pb2.GenerateRequest, model: ServedModel, wait_s: fl
             raise InvalidArgumentError("messages", f"{chars} characters exceed the limit of {max_chars} "
                                        f"({MAX_CHARS_PER_TOKEN} per token of max_model_len={info.max_model_len})")
         check_roles(messages)
+        check_byte_bound("messages", sum(len(m.content.encode()) for m in messages), model)
         if request.parse_special_tokens:
             raise InvalidArgumentError("parse_special_tokens", "applies to `prompt` only: chat messages are "
                                        "always text (the template alone makes control tokens)")
@@ -104,6 +108,17 @@ async def prepare_off_loop(request: gateway_pb2.GenerateRequest, model: ServedMo
     if chars <= SLOT_CHARS:
         return prepare(request, model, wait_s)
     return await asyncio.to_thread(prepare, request, model, wait_s)
+
+
+def check_byte_bound(field: str, num_bytes: int, model: ServedModel) -> None:
+    """A text of B UTF-8 bytes takes at least B / (the longest token's bytes) tokens: past the context,
+    it is refused before the tokenizer builds an encoding of it (131,072 emoji passed the character
+    bound, became 524,288 tokens and lifted the gateway to 720 MiB before the token count refused them)."""
+    longest = model.max_token_bytes
+    least = -(-num_bytes // longest)
+    if least >= model.info.max_model_len:
+        raise InvalidArgumentError(field, f"{num_bytes} UTF-8 bytes make at least {least} tokens (a token covers at "
+                                   f"most {longest} bytes), beyond the context limit of {model.info.max_model_len}")
 
 
 def check_roles(messages) -> None:

@@ -75,9 +75,13 @@ class ServedModel:
 
     info: engine_info_pb2.ModelInfo
     tokenizer: Tokenizer = field(init=False)
+    max_token_bytes: int = field(init=False)     # the most UTF-8 bytes one token stands for (a bound, see prepare)
 
     def __post_init__(self) -> None:
         self.tokenizer = Tokenizer(HFTokenizer.from_str(self.info.tokenizer_json), tuple(self.info.eos_token_ids))
+        # a vocabulary entry's UTF-8 length bounds the bytes it decodes to (byte-level entries map a
+        # byte to one character of at most 2 UTF-8 bytes; others are the text itself)
+        self.max_token_bytes = max((len(t.encode()) for t in self.tokenizer.inner.get_vocab(True)), default=1)
 
 
 class EngineRouter:

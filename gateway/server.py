@@ -33,6 +33,8 @@ class GatewayServer(NinferServer):
         per_engine = engine_admission_rpcs or admission_rpcs(DEFAULT_ENGINE.max_batch, DEFAULT_ENGINE.max_pending)
         super().__init__(options, [SERVICE_NAME], "no engine is serving", "ninfer-gateway-rpc", registry,
                          default_max_rpcs=per_engine * max(1, len(engines)))
+        self._sized_by_flag = options.max_concurrent_rpcs is not None
+        self._default_per_engine = per_engine
         self.router = EngineRouter(engines, options.tracer_provider, engine_api_key, poll_interval_s,
                                    on_change=self._engines_changed, tls=engine_tls)
         self.tracer = options.tracer_provider.get_tracer("ninfer.gateway")
@@ -60,4 +62,17 @@ class GatewayServer(NinferServer):
         log.info("gateway_stopped", address=self.address)
 
     def _engines_changed(self, any_serving: bool) -> None:
+        self._size_from_engines()
         self.state.set_serving(any_serving and self.router.model is not None, self.router.why_not_serving())
+
+    def _size_from_engines(self) -> None:
+        """Without --max-concurrent-rpcs the limit is what the engines admit, from their ModelInfo as
+        they report it (an engine not heard from yet counts with the engine defaults)."""
+        if self._sized_by_flag:
+            return
+        limit = sum(admission_rpcs(e.model_info.max_num_seqs, e.model_info.max_pending)
+                    if e.model_info is not None and e.model_info.max_num_seqs else self._default_per_engine
+                    for e in self.router.engines)
+        if limit != self.limiter.limit:
+            log.info("gateway_concurrency_limit", limit=limit, engines=len(self.router.engines))
+            self.limiter.limit = limit

@@ -126,7 +126,7 @@ class MetricsPerformance(_message.Message):
     def __init__(self, requests: _Optional[_Mapping[str, int]] = ..., rounds: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., mean_prefill_tok_s: _Optional[float] = ..., mean_decode_tok_s: _Optional[float] = ...) -> None: ...
 
 class KvCacheState(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "block_size", "capacity_tokens", "usage", "refs_taken", "refs_dropped")
+    __slots__ = ("num_blocks", "free_blocks", "block_size", "capacity_tokens", "usage", "refs_taken", "refs_dropped", "state_slots", "state_slots_used")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class KvCacheState(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REFS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     REFS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     block_size: int
@@ -141,7 +143,9 @@ class KvCacheState(_message.Message):
     usage: float
     refs_taken: int
     refs_dropped: int
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ...) -> None: ...
+    state_slots: int
+    state_slots_used: int
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ..., state_slots: _Optional[int] = ..., state_slots_used: _Optional[int] = ...) -> None: ...
 
 class QueueState(_message.Message):
     __slots__ = ("waiting", "prefilling", "running", "parked", "awaiting_seat", "oldest_parked_s", "oldest_awaiting_seat_s")

@@ -93,6 +93,12 @@ class _EngineSnapshotCollector(Collector):
         yield oldest
         yield GaugeMetricFamily("ninfer_engine_kv_cache_usage_ratio", "Share of KV blocks in use", value=kv["usage"])
         yield GaugeMetricFamily("ninfer_engine_kv_free_blocks", "KV blocks free", value=kv["free_blocks"])
+        if "state_slots" in kv:                       # hybrid models
+            slots = GaugeMetricFamily("ninfer_engine_state_slots", "Linear-attention state slots (hybrid models)",
+                                      labels=["state"])
+            slots.add_metric(["used"], kv["state_slots_used"])
+            slots.add_metric(["free"], kv["state_slots"] - kv["state_slots_used"])
+            yield slots
         finished = CounterMetricFamily("ninfer_engine_requests_finished", "Finished requests by finish reason",
                                        labels=["finish_reason"])
         for reason, n in sorted(snap["performance"]["requests"].items()):
