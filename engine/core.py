@@ -179,7 +179,10 @@ class EngineCore:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     park_after_prefill: bool = False, arrival: float | None = None,
-                    prefix_cache: bool = True) -> Request:
+                    prefix_cache: bool = True, output_token_ids: list[int] | None = None) -> Request:
+        """`output_token_ids`: a request resumed from another engine (a migrated stream): the tokens it
+        generated there. Its prefill covers prompt + those and samples nothing; decoding continues
+        after them with the same seed and output counters (engine.sched.scheduler: resumed requests)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgumentError("prompt", "must not be empty")
@@ -187,6 +190,14 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError("prompt_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        resumed = list(output_token_ids or ())
+        if resumed:
+            bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgumentError("output_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            if len(resumed) >= params.max_tokens:
+                raise InvalidArgumentError("output_token_ids", f"{len(resumed)} tokens already generated leave "
+                                           f"nothing to do under max_tokens={params.max_tokens}")
         k_r = self.draft_tokens if params.draft_tokens is None else min(params.draft_tokens, self.draft_tokens)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -197,10 +208,13 @@ class EngineCore:
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache)
+            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache, output_token_ids=resumed,
+            resuming=bool(resumed))
         self.scheduler.add_request(req)
         if params.stop:
-            self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+            detok = self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+            detok.push(resumed)          # a stop string may span the tokens sent before the migration
+            detok.flush()
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:

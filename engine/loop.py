@@ -48,6 +48,7 @@ class RequestStream:
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
         self.finished = False
         self.attached = False                            # resumed (a decode attached to it)
+        self.seed = 0                                    # the request's seed (the caller's or a drawn one)
         self._waiter: asyncio.Future | None = None       # an asyncio reader waiting for the next output
         self._waiter_lock = threading.Lock()
 
@@ -149,19 +150,23 @@ class EngineLoop:
         return self._call(self._add(prompt, params, request_id, park_after_prefill))
 
     async def submit_async(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                           park_after_prefill: bool = False) -> RequestStream:
+                           park_after_prefill: bool = False,
+                           output_token_ids: list[int] | None = None) -> RequestStream:
         """`submit` for an asyncio caller; a caller cancelled while the request is being admitted leaves
-        nothing behind (the request is aborted once admitted)."""
-        return await self._call_async(self._add(prompt, params, request_id, park_after_prefill),
+        nothing behind (the request is aborted once admitted). `output_token_ids`: a resumed stream
+        (EngineCore.add_request)."""
+        return await self._call_async(self._add(prompt, params, request_id, park_after_prefill, output_token_ids),
                                       orphaned=lambda stream: self.abort(stream.request_id))
 
-    def _add(self, prompt, params: SamplingParams, request_id: str | None,
-             park_after_prefill: bool) -> Callable[[], RequestStream]:
+    def _add(self, prompt, params: SamplingParams, request_id: str | None, park_after_prefill: bool,
+             output_token_ids: list[int] | None = None) -> Callable[[], RequestStream]:
         arrival = self.clock()
 
         def add() -> RequestStream:
-            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival)
+            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival,
+                                        output_token_ids=output_token_ids)
             stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
+            stream.seed = req.seed
             return stream
         return add
 

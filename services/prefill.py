@@ -76,7 +76,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             room = min(info.max_model_len, info.kv_capacity_tokens - info.draft_tokens) - len(request.prompt_token_ids)
             params = sampling_from_proto(request.sampling, room=room)
             stream = await loop.submit_async(list(request.prompt_token_ids), params, request.request_id or None,
-                                             park_after_prefill=True)
+                                             park_after_prefill=True,
+                                             output_token_ids=list(request.output_token_ids) or None)
             guard = AbortOnTermination.register(context, loop, stream.request_id)
             with ctx.state.on_cut(guard):
                 try:
@@ -101,7 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             span.set_attribute("ninfer.request_id", stream.request_id)
             return prefill_pb2.PrefillResponse(
                 handle=stream.request_id, token_ids=first.new_token_ids, finished=first.finished,
-                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds)
+                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds, seed=stream.seed)
 
     async def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True), bound_contextvars(request_id=request.handle):

@@ -163,7 +163,9 @@ class Scheduler:
             raise InvalidArgumentError("request_id", f"{req.request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_pending:
             raise QueueFullError(f"the pending queue is full ({self.config.max_pending} requests)")
-        req.num_prefill_tokens = n
+        # a resumed request's last token is "sampled" already: its KV is computed by the first decode
+        # round, as after any round (the state a migrated stream had on its first engine)
+        req.num_prefill_tokens = req.num_tokens - 1 if req.resuming else n
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -264,7 +266,11 @@ class Scheduler:
                     self.running.append(req)
                     if req.times.decode_start is None:
                         req.times.decode_start = now
-                events.append(self._append(req, result.sampled[req.request_id], now))
+                if req.resuming:              # its next token is known: the one its first engine sent last
+                    req.resuming = False
+                    events.append(RequestEvent(req, [], False))
+                else:
+                    events.append(self._append(req, result.sampled[req.request_id], now))
             self._register(req, spec)
             if piece.snapshot_slot >= 0:
                 keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
