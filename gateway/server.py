@@ -16,6 +16,7 @@ from engine.config import EngineConfig
 from services.server.limits import admission_rpcs
 from services.server.grpc_server import NinferServer, ServerOptions
 from services.server.tls import ClientTLS
+from gateway.migration import MigrationPolicy
 from gateway.router import EngineRouter
 from gateway.servicer import GatewayServicer
 
@@ -27,7 +28,8 @@ DEFAULT_ENGINE = EngineConfig(device="cpu")      # only its admission defaults a
 class GatewayServer(NinferServer):
     def __init__(self, engines: list[str], options: ServerOptions, engine_api_key: str | None = None,
                  registry: CollectorRegistry | None = None, poll_interval_s: float = 0.5,
-                 engine_tls: ClientTLS | None = None, engine_admission_rpcs: int | None = None):
+                 engine_tls: ClientTLS | None = None, engine_admission_rpcs: int | None = None,
+                 migration: MigrationPolicy = MigrationPolicy()):
         """`engine_admission_rpcs`: calls one engine admits (services.server.limits.admission_rpcs); the
         default concurrency limit is that times the engines (the engine defaults when not given)."""
         per_engine = engine_admission_rpcs or admission_rpcs(DEFAULT_ENGINE.max_batch, DEFAULT_ENGINE.max_pending)
@@ -40,7 +42,7 @@ class GatewayServer(NinferServer):
         self.tracer = options.tracer_provider.get_tracer("ninfer.gateway")
         self.metrics = GatewayPrometheus(self.registry, self.router.loads)
         gateway_pb2_grpc.add_GatewayServicer_to_server(
-            GatewayServicer(self.router, self.state, self.tracer, self.metrics), self.server)
+            GatewayServicer(self.router, self.state, self.tracer, self.metrics, migration), self.server)
 
     def start(self) -> "GatewayServer":
         super().start()

@@ -28,6 +28,7 @@ from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
 from services.server.lifecycle import ServingState
 from services.server.prometheus import GatewayPrometheus
 from gateway.client_spans import client_span
+from gateway.migration import EngineLost, MigrationPolicy, StallWatch, StreamProgress, lost_by_status
 from gateway.prepare import prepare_off_loop
 from gateway.report import RequestRecord, report
 from gateway.router import Engine, EngineRouter
@@ -106,8 +107,10 @@ def client_left(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, router: EngineRouter, state: ServingState, tracer: Tracer, metrics: GatewayPrometheus):
+    def __init__(self, router: EngineRouter, state: ServingState, tracer: Tracer, metrics: GatewayPrometheus,
+                 policy: MigrationPolicy = MigrationPolicy()):
         self.router = router
+        self.policy = policy
         self.state = state
         self.tracer = tracer
         self.metrics = metrics
@@ -148,48 +151,109 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if context.done():
             raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
         context.add_done_callback(canceller)
-        engine, first = await self._prefill(request, prepared.prompt_ids, context, record, canceller)
+        progress = StreamProgress(list(prepared.prompt_ids))
+        engine, first = await self._prefill(request, progress, context, record, canceller)
         record.engine = engine.address
-        handle = None if first.finished else first.handle        # a handle no decode has attached yet
-        if handle is not None:
-            canceller.own(lambda: self._release_handle(engine, handle))
-        try:
-            opts = request.stream_options
-            if first.finished:
-                yield self._final(record, text.push(list(first.token_ids), final=True), first.token_ids,
-                                  first.stats, opts)
+        progress.seed = first.seed
+        opts = request.stream_options
+        if first.finished:
+            self.router.release(engine)
+            yield self._final(record, text.push(list(first.token_ids), final=True), first.token_ids, first.stats, opts)
+            return
+        # The first token goes out before the decode call starts: starting a gRPC call costs about
+        # a millisecond of Python, which would otherwise add to the time to first token.
+        record.token_sent(len(first.token_ids), self.metrics)
+        progress.sent += first.token_ids
+        usage = first.stats.usage
+        yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, usage, opts)
+        handle = first.handle
+        while True:
+            try:
+                async for response in self._decode(engine, handle, context, record, canceller, text, usage, opts,
+                                                   progress):
+                    yield response
                 return
-            # The first token goes out before the decode call starts: starting a gRPC call costs about
-            # a millisecond of Python, which would otherwise add to the time to first token.
-            record.token_sent(len(first.token_ids), self.metrics)
-            yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
+            except EngineLost as lost:
+                engine, handle = await self._migrate(request, lost, engine, context, record, canceller, progress)
+
+    async def _decode(self, engine: Engine, handle: str, context, record: RequestRecord, canceller: CallCanceller,
+                      text: StreamingText, usage: common_pb2.Usage, opts: gateway_pb2.StreamOptions,
+                      progress: StreamProgress):
+        """Stream a prefilled handle's tokens to the client; EngineLost when its engine is lost."""
+        canceller.own(lambda: self._release_handle(engine, handle))   # until the engine attaches it
+        try:
             if context.done():
                 raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away after the prefill")
-            with client_span(self.tracer, "ninfer.v1.DecodeService", "Decode") as (span, trace_metadata):
+            with client_span(self.tracer, "ninfer.v1.DecodeService", "Decode") as (_, trace_metadata):
                 call = engine.decode.Decode(decode_pb2.DecodeRequest(handle=handle), timeout=time_left(context),
                                             metadata=(*self.router.metadata, *trace_metadata))
                 canceller.watch(call)
-                async for msg in call:         # read to the stream's end, so that it ends OK, not cancelled
-                    canceller.own(None)        # a message: the engine attached the handle, the stream owns it
-                    delta = text.push(list(msg.token_ids), final=msg.finished)
-                    record.token_sent(len(msg.token_ids), self.metrics)
-                    if msg.finished:
-                        yield self._final(record, delta, msg.token_ids, msg.stats, opts)
-                    elif delta or opts.include_token_ids or opts.continuous_usage_stats:
-                        yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
-                if record.result is None:
-                    raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
+                with StallWatch(engine, self.policy, call) as watch:
+                    try:
+                        async for msg in call:     # read to the stream's end, so that it ends OK, not cancelled
+                            watch.beat()
+                            canceller.own(None)    # a message: the engine attached the handle, the stream owns it
+                            progress.sent += msg.token_ids
+                            delta = text.push(list(msg.token_ids), final=msg.finished)
+                            record.token_sent(len(msg.token_ids), self.metrics)
+                            if msg.finished:
+                                yield self._final(record, delta, msg.token_ids, msg.stats, opts)
+                            elif delta or opts.include_token_ids or opts.continuous_usage_stats:
+                                yield self._chunk(record, delta, msg.token_ids, usage, opts)
+                    except asyncio.CancelledError:
+                        if watch.lost:
+                            raise EngineLost(watch.lost, RpcAbort(
+                                grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} stopped answering")) from None
+                        raise
+                    except grpc.RpcError as e:
+                        reason = lost_by_status(e)
+                        if reason is not None:
+                            raise EngineLost(reason, e) from None
+                        raise
+            if record.result is None:
+                raise EngineLost("ended_early", RpcAbort(grpc.StatusCode.UNAVAILABLE,
+                                                         f"engine {engine.address} ended the stream early"))
         finally:
             self.router.release(engine)
             canceller.release_owned()
 
-    async def _prefill(self, request, prompt_ids: list[int], context, record: RequestRecord,
-                       canceller: CallCanceller) -> tuple[Engine, prefill_pb2.PrefillResponse]:
-        """Prefill on the least-loaded engine; an engine that turns out UNAVAILABLE (down, draining)
-        is skipped for the next one, since nothing ran there."""
-        tried: tuple[Engine, ...] = ()
-        message = prefill_pb2.PrefillRequest(request_id=record.request_id, prompt_token_ids=prompt_ids,
+    async def _migrate(self, request, lost: EngineLost, engine: Engine, context, record: RequestRecord,
+                       canceller: CallCanceller, progress: StreamProgress) -> tuple[Engine, str]:
+        """Resume the stream on another engine (gateway.migration); the lost stream's error when it cannot."""
+        progress.lost_engines.append(engine)
+        if progress.migrations >= self.policy.max_migrations or self.state.shut_down or context.done():
+            raise lost.error
+        if lost.reason != "no_seat":                 # a full engine is not a lost one
+            self.router.mark_unavailable(engine, f"down ({lost.reason})")
+        log.warning("stream_migrating", engine=engine.address, reason=lost.reason, tokens_sent=len(progress.sent),
+                    migration=progress.migrations + 1)
+        try:
+            new_engine, resumed = await self._prefill(request, progress, context, record, canceller,
+                                                      resume=True)
+        except RpcAbort as e:
+            if e.code is grpc.StatusCode.UNAVAILABLE:    # no other engine serves: the error it had
+                raise lost.error from None
+            raise
+        progress.migrations += 1
+        record.migrations = progress.migrations
+        record.engine = new_engine.address
+        self.metrics.migrations.labels(reason=lost.reason).inc()
+        return new_engine, resumed.handle
+
+    async def _prefill(self, request, progress: StreamProgress, context, record: RequestRecord,
+                       canceller: CallCanceller, resume: bool = False) -> tuple[Engine, prefill_pb2.PrefillResponse]:
+        """Prefill on the least-loaded engine (for a resume: the prompt and the tokens sent, with the
+        stream's seed, on an engine that did not lose it). An engine that turns out UNAVAILABLE (down,
+        draining), or that stops answering while the call waits, is skipped for the next one, since
+        nothing was sent to the client from there."""
+        tried: tuple[Engine, ...] = tuple(progress.lost_engines)
+        message = prefill_pb2.PrefillRequest(request_id=record.request_id, prompt_token_ids=progress.prompt_ids,
                                              sampling=request.sampling)
+        if resume:
+            message.request_id = f"{record.request_id}-m{progress.migrations + 1}"
+            message.output_token_ids.extend(progress.sent)
+            if not message.sampling.HasField("seed"):
+                message.sampling.seed = progress.seed
         while True:
             timeout = time_left(context)          # before the engine's count is taken: it may raise
             engine = self.router.acquire(exclude=tried)
@@ -199,23 +263,32 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     call = engine.prefill.Prefill(message, timeout=timeout,
                                                   metadata=(*self.router.metadata, *trace_metadata))
                     canceller.watch(call)
-                    response = await call
-            except grpc.RpcError as e:
+                    with StallWatch(engine, self.policy, call) as watch:
+                        try:
+                            response = await call
+                        except asyncio.CancelledError:
+                            if watch.lost is None:
+                                raise
+                            raise RpcAbort(grpc.StatusCode.UNAVAILABLE, "stopped answering") from None
+            except (grpc.RpcError, RpcAbort) as e:
                 self.router.release(engine)
-                if e.code() is grpc.StatusCode.UNAVAILABLE and not context.done():
+                code = e.code() if isinstance(e, grpc.RpcError) else e.code
+                if code is grpc.StatusCode.UNAVAILABLE and not context.done():
                     self.router.mark_unavailable(engine)
                     tried += (engine,)
-                    log.warning("engine_unavailable", engine=engine.address, details=e.details())
+                    log.warning("engine_unavailable", engine=engine.address,
+                                details=e.details() if isinstance(e, grpc.RpcError) else e.details)
+                    self._release_handle(engine, message.request_id)    # in case it parked it before it hung
                     continue
-                if e.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
                     # the engine may have parked it as the call ended: its response was lost
-                    self._release_handle(engine, record.request_id)
+                    self._release_handle(engine, message.request_id)
                 raise
             except BaseException:
                 self.router.release(engine)
-                self._release_handle(engine, record.request_id)
+                self._release_handle(engine, message.request_id)
                 raise
-            record.prefill_call_s = time.monotonic() - start
+            record.prefill_call_s += time.monotonic() - start
             return engine, response
 
     def _release_handle(self, engine: Engine, handle: str) -> None:
@@ -250,7 +323,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             record.token_sent(len(token_ids), self.metrics)
         record.stats = stats_from_proto(stats)
         record.result = gateway_pb2.GenerateResult(stats=stats, gateway_timings=record.gateway_timings(),
-                                                   model=record.model, engine=record.engine)
+                                                   model=record.model, engine=record.engine,
+                                                   migrations=record.migrations)
         msg = gateway_pb2.GenerateResponse(request_id=record.request_id, text=text, usage=stats.usage,
                                            result=record.result)
         if opts.include_token_ids:

@@ -119,6 +119,8 @@ class GatewayPrometheus:
                                 registry=r)
         self.prompt_tokens = Counter("ninfer_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("ninfer_gateway_completion_tokens", "Tokens streamed", registry=r)
+        self.migrations = Counter("ninfer_gateway_stream_migrations", "Streams resumed on another engine, by why "
+                                  "their engine was lost", ["reason"], registry=r)
         r.register(_EnginePoolCollector(engines))
 
 
