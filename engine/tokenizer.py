@@ -43,6 +43,12 @@ class Tokenizer:
         inner = self.inner if parse_special else self._text_only
         return inner.encode_batch([text], add_special_tokens=False)[0].ids
 
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes one token decodes to: a vocabulary entry's UTF-8 length
+        (byte-level entries stand for one byte per character of at most 2 UTF-8 bytes; others are the
+        text itself)."""
+        return max((len(t.encode()) for t in self.inner.get_vocab(with_added_tokens=True)), default=1)
+
     def encode_text(self, text: str) -> list[int]:
         """Client text: special-token strings are encoded as the characters they are, never as control tokens."""
         return self._text_only.encode(text, add_special_tokens=False).ids

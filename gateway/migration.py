@@ -13,7 +13,7 @@ elsewhere: nothing was sent to the client yet).
 How a stream resumes: a Prefill on another engine with the prompt and `output_token_ids` = every
 token the client has been sent, the same seed (the engine's, from the first PrefillResponse, when
 the request set none) and the same sampling; the engine prefills prompt + those tokens, samples
-nothing, and decodes on with the same output counters (engine.sched.scheduler: resumed requests),
+nothing, and decodes on with the same output counters (EngineCore.add_request's output_token_ids),
 so a greedy or seeded stream continues token for token as the unbroken run would, MTP included.
 The gateway's detokenizer and stop-string state go on across the seam (the client's text is one).
 Attempts are bounded (`max_migrations`); past them, or with no other engine serving, the stream

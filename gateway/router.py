@@ -79,9 +79,7 @@ class ServedModel:
 
     def __post_init__(self) -> None:
         self.tokenizer = Tokenizer(HFTokenizer.from_str(self.info.tokenizer_json), tuple(self.info.eos_token_ids))
-        # a vocabulary entry's UTF-8 length bounds the bytes it decodes to (byte-level entries map a
-        # byte to one character of at most 2 UTF-8 bytes; others are the text itself)
-        self.max_token_bytes = max((len(t.encode()) for t in self.tokenizer.inner.get_vocab(True)), default=1)
+        self.max_token_bytes = self.tokenizer.max_token_bytes()
 
 
 class EngineRouter:

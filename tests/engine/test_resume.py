@@ -60,3 +60,22 @@ def test_a_resumed_request_counts_every_token_and_refuses_a_finished_one(core):
     with pytest.raises(InvalidArgumentError, match="output_token_ids"):
         core.add_request(ids, params, output_token_ids=list(range(10)))
     assert_kv_idle(core)
+
+
+def test_a_stop_string_that_spans_the_seam_ends_the_resumed_request_where_the_unbroken_one_ends(core):
+    ids = core.tokenizer.encode(PROMPTS[1])
+    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    unbroken = steps_of(core, ids, plain)
+    flat = [t for s in unbroken for t in s]
+    g = sum(len(s) for s in unbroken[:len(unbroken) // 2])              # a step boundary mid-stream
+    before, after = core.tokenizer.decode(flat[:g]), core.tokenizer.decode(flat[:g + 2])
+    tail = after[len(before):]
+    assert tail, "two tokens past the seam make text"
+    for k in range(3, len(before)):                                    # text on both sides of the seam,
+        stop = before[-k:] + tail                                      # first found there
+        if after.find(stop) == len(before) - k:
+            break
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+    whole = [t for s in steps_of(core, ids, params) for t in s]
+    resumed = [t for s in steps_of(core, ids, params, output_token_ids=flat[:g]) for t in s]
+    assert flat[:g] + resumed == whole and len(whole) < MAX_TOKENS, "the stop string is found across the seam"
