@@ -1,4 +1,5 @@
-"""Gateway.Generate: one client stream = a Prefill call and a Decode stream on one engine.
+"""Gateway.Generate: one client stream = a Prefill call and a Decode stream on one engine (or, when
+that engine is lost mid-stream, a resume on another: gateway.migration).
 
     client --Generate--> [validate, tokenize] --Prefill(ids)--> engine: handle, first token
                          [detokenize]         --Decode(handle)--> engine: tokens ... final stats
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 
 import grpc
 import structlog
@@ -27,6 +27,7 @@ from services.convert import stats_from_proto
 from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort, status_for
 from services.server.lifecycle import ServingState
 from services.server.prometheus import GatewayPrometheus
+from gateway.calls import CallCanceller, client_left, past_deadline, time_left
 from gateway.client_spans import client_span
 from gateway.migration import EngineLost, MigrationPolicy, StallWatch, StreamProgress, lost_by_status
 from gateway.prepare import prepare_off_loop
@@ -35,75 +36,7 @@ from gateway.router import Engine, EngineRouter
 from gateway.text import StreamingText
 
 log = structlog.get_logger(__name__)
-NO_DEADLINE_S = 1e8           # grpc reports ~forever when the client set no deadline
 RELEASE_TIMEOUT_S = 5.0
-
-
-class CallCanceller:
-    """Done callback of the client's call (and the drain's cutter): cancels whichever engine call is in
-    flight, and releases a prefilled handle the request still owns (no decode attached yet). Runs on
-    the gateway's event loop, like the calls it cancels."""
-
-    def __init__(self) -> None:
-        self._call: grpc.aio.Call | None = None
-        self._release: Callable[[], None] | None = None
-        self._terminated = False
-
-    def __call__(self, context: grpc.aio.ServicerContext | None = None) -> None:
-        self._terminated = True
-        if self._call is not None:
-            self._call.cancel()
-        self.release_owned()
-
-    def watch(self, call: grpc.aio.Call) -> None:
-        self._call = call
-        if self._terminated:
-            call.cancel()
-
-    def own(self, release: Callable[[], None] | None) -> None:
-        """`release` frees a handle the request owns now (None: it owns none any more)."""
-        self._release = release
-        if self._terminated:
-            self.release_owned()
-
-    def release_owned(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
-def time_left(context: grpc.aio.ServicerContext) -> float | None:
-    """The client's remaining deadline in seconds, for the next engine call (None: no deadline)."""
-    left = context.time_remaining()
-    if left is None or left > NO_DEADLINE_S:
-        return None
-    if left <= 0:
-        raise RpcAbort(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed")
-    return left
-
-
-# The client's deadline fires on the client, which cancels the call; the gateway's copy of the deadline started when
-# the request's headers arrived, a little later. On a loaded machine that skew left a timed-out call counted as
-# CANCELLED (a CI run with two test workers on two cores). A cancel this close to the deadline is taken as the deadline.
-DEADLINE_SKEW_S = 0.25
-
-
-def past_deadline(context: grpc.aio.ServicerContext) -> bool:
-    """Whether the call's deadline has passed, give or take the client-to-gateway skew (DEADLINE_SKEW_S)."""
-    left = context.time_remaining()
-    return left is not None and left <= DEADLINE_SKEW_S
-
-
-def client_left(exc: BaseException, context: grpc.aio.ServicerContext) -> bool:
-    """Whether `exc` ends the call because the client went away. A CancelledError while neither the
-    call nor its task was cancelled comes from an engine call the gateway cancelled itself (the drain
-    cut): the client is still there and gets a status."""
-    if isinstance(exc, GeneratorExit):
-        return True
-    if isinstance(exc, asyncio.CancelledError):
-        task = asyncio.current_task()
-        return context.done() or (task is not None and task.cancelling() > 0)
-    return False
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -165,8 +98,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record.token_sent(len(first.token_ids), self.metrics)
         progress.sent += first.token_ids
         usage = first.stats.usage
-        yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, usage, opts)
         handle = first.handle
+        canceller.own(lambda: self._release_handle(engine, handle))     # no decode has attached it yet
+        try:
+            yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, usage, opts)
+        except BaseException:                      # the client left: _decode will not run to free these
+            self.router.release(engine)
+            canceller.release_owned()
+            raise
         while True:
             try:
                 async for response in self._decode(engine, handle, context, record, canceller, text, usage, opts,
