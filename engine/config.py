@@ -153,6 +153,8 @@ class EngineConfig:
     draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
     stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
     lease_seconds: float = 60.0             # how long a prefilled (parked) request keeps its KV for a decode
+    handoff_timeout_seconds: float = 5.0    # a parked handle older than this gives its room to a queued request
+    seat_timeout_seconds: float = 60.0      # an attached request waits this long for a decode seat at most; 0 = no bound
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -190,6 +192,10 @@ class EngineConfig:
         if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
                 or not (0 < self.lease_seconds <= 86_400 and math.isfinite(self.lease_seconds)):
             raise InvalidArgumentError("lease_seconds", f"must be in (0, 86400] seconds, got {self.lease_seconds!r}")
+        for name in ("handoff_timeout_seconds", "seat_timeout_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= 86_400):
+                raise InvalidArgumentError(name, f"must be in [0, 86400] seconds, got {value!r}")
 
     @property
     def torch_dtype_name(self) -> str:

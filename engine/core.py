@@ -121,7 +121,8 @@ class EngineCore:
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
+            lease_s=config.lease_seconds, handoff_timeout_s=config.handoff_timeout_seconds,
+            seat_timeout_s=config.seat_timeout_seconds or None, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
             states=self.states, snapshots=self.snapshots)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
@@ -178,7 +179,10 @@ class EngineCore:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     park_after_prefill: bool = False, arrival: float | None = None,
-                    prefix_cache: bool = True) -> Request:
+                    prefix_cache: bool = True, output_token_ids: list[int] | None = None) -> Request:
+        """`output_token_ids`: a request resumed from another engine (a migrated stream): the tokens it
+        generated there. Its prefill covers prompt + those and samples nothing; decoding continues
+        after them with the same seed and output counters (engine.sched.scheduler: resumed requests)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgumentError("prompt", "must not be empty")
@@ -186,6 +190,14 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError("prompt_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        resumed = list(output_token_ids or ())
+        if resumed:
+            bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgumentError("output_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            if len(resumed) >= params.max_tokens:
+                raise InvalidArgumentError("output_token_ids", f"{len(resumed)} tokens already generated leave "
+                                           f"nothing to do under max_tokens={params.max_tokens}")
         k_r = self.draft_tokens if params.draft_tokens is None else min(params.draft_tokens, self.draft_tokens)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -196,10 +208,13 @@ class EngineCore:
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache)
+            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache, output_token_ids=resumed,
+            resuming=bool(resumed))
         self.scheduler.add_request(req)
         if params.stop:
-            self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+            detok = self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+            detok.push(resumed)          # a stop string may span the tokens sent before the migration
+            detok.flush()
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
@@ -312,10 +327,13 @@ class EngineCore:
         kv = {"num_blocks": self.kv.num_blocks, "free_blocks": self.kv.num_free_blocks,
               "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
               "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
+        if self.states is not None:                  # hybrids: one linear-attention state per admitted request
+            kv["state_slots"] = self.states.num_slots
+            kv["state_slots_used"] = self.states.num_slots - self.states.num_free
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
-                 "parked": len(s.parked)}
+                 "parked": len(s.parked), "awaiting_seat": len(s.attached), **s.waits()}
         return self.metrics.snapshot(self.clock(), kv, queue)
 
     def info(self) -> EngineInfo:
@@ -326,7 +344,7 @@ class EngineCore:
             draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
-            warmup=self.warmup_report)
+            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

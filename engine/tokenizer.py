@@ -9,11 +9,22 @@ from tokenizers import Tokenizer as HFTokenizer
 REPLACEMENT_CHAR = "\ufffd"
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
 class Tokenizer:
+    """`encode` parses special-token strings into their ids (for trusted text: templates, tests);
+    `encode_text` never does (for what a client wrote: "<|im_start|>" in it stays characters)."""
+
     def __init__(self, inner: HFTokenizer, eos_token_ids: tuple[int, ...] = ()):
         self.inner = inner
         self.eos_token_ids = eos_token_ids
         self.special_ids = {i for i, tok in inner.get_added_tokens_decoder().items() if tok.special}
+        # the same tokenizer with special-token parsing off (a separate instance: the flag is the
+        # tokenizer's, and requests of both kinds run at once)
+        self._text_only = HFTokenizer.from_str(inner.to_str())
+        self._text_only.encode_special_tokens = True
 
     @classmethod
     def from_file(cls, path: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer":
@@ -26,10 +37,42 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.inner.encode(text, add_special_tokens=False).ids
 
-    def encode_releasing_gil(self, text: str) -> list[int]:
-        """`encode`, with Python's GIL released while it runs (the library's batch path does; `encode`
-        holds it): a server's other threads keep streaming meanwhile."""
-        return self.inner.encode_batch([text], add_special_tokens=False)[0].ids
+    def encode_releasing_gil(self, text: str, parse_special: bool = True) -> list[int]:
+        """`encode` (or `encode_text` when not `parse_special`), with Python's GIL released while it
+        runs (the library's batch path does; `encode` holds it): other threads go on meanwhile."""
+        inner = self.inner if parse_special else self._text_only
+        return inner.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes one token decodes to: a vocabulary entry's UTF-8 length
+        (byte-level entries stand for one byte per character of at most 2 UTF-8 bytes; others are the
+        text itself)."""
+        return max((len(t.encode()) for t in self.inner.get_vocab(with_added_tokens=True)), default=1)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Client text: special-token strings are encoded as the characters they are, never as control tokens."""
+        return self._text_only.encode(text, add_special_tokens=False).ids
+
+    def encode_chat(self, messages: list[tuple[str, str]], add_generation_prompt: bool = True,
+                    releasing_gil: bool = False) -> list[int]:
+        """`apply_chat_template` tokenized so that only the template makes control tokens: each
+        message's role and content are client text (`encode_text`), the template's <|im_start|> and
+        <|im_end|> go in as their ids. For text without special-token strings this equals
+        `encode(apply_chat_template(messages))` (special tokens split the text the same way)."""
+        start, end = self.inner.token_to_id(IM_START), self.inner.token_to_id(IM_END)
+        if start is None or end is None:              # a tokenizer without them: the template is text too
+            return self.encode_releasing_gil(self.apply_chat_template(messages, add_generation_prompt), False)
+        pieces = [f"{role}\n{content}" for role, content in messages]
+        pieces += ["\n", "assistant\n"]
+        encoded = (self._text_only.encode_batch(pieces, add_special_tokens=False) if releasing_gil
+                   else [self._text_only.encode(p, add_special_tokens=False) for p in pieces])
+        newline, generation = encoded[-2].ids, encoded[-1].ids
+        ids: list[int] = []
+        for e in encoded[:-2]:
+            ids += [start, *e.ids, end, *newline]
+        if add_generation_prompt:
+            ids += [start, *generation]
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -66,6 +66,9 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     stop_token_ids: frozenset[int] = frozenset()
     prefix_cache: bool = True                # may take cached prefix blocks (off when scoring every position)
+    # Resumed from another engine (a migrated stream) with output_token_ids already generated: its
+    # first prefill covers all but the last of them and samples nothing (scheduler.update).
+    resuming: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

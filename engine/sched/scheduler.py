@@ -16,7 +16,9 @@ The prefill/decode split parks a prefilled request under a handle until a decode
 requests take no decode-batch seat: they hold their KV (which admission counts like any other) and
 at most `max_parked` of them (parked + attached, waiting for a seat) exist at once; a request that
 would park beyond that waits in the queue under the pending timeout. An attached request joins
-the decode batch when a seat frees, ahead of new prefills.
+the decode batch when a seat frees, ahead of new prefills. Both waits are bounded: a handle keeps
+its lease only while no one needs its room (older than `handoff_timeout_s` it is dropped for a
+queued request), and an attached request waits at most `seat_timeout_s` for a seat.
 
 Hybrid models: a request also holds a linear-attention state slot (engine.cache.state_slots) from admission
 to finish or preemption, and a prefix hit is used only up to a state snapshot (engine.cache.state_snapshots).
@@ -49,6 +51,11 @@ class SchedulerConfig:
     draft_tokens: int              # engine-wide k; 0 = no speculation
     max_model_len: int
     lease_s: float = 60.0          # how long a parked prefill keeps its KV without a decode
+    # a parked handle no decode attached within this long is dropped as soon as a queued request
+    # needs its room (it keeps the whole lease only while no one waits for it)
+    handoff_timeout_s: float = 5.0
+    # an attached request that waits longer than this for a decode seat ends (a queue timeout); None: no bound
+    seat_timeout_s: float | None = 60.0
     max_parked: int | None = None  # parked + attached-awaiting-a-seat at once; None = max_batch
     adaptive_draft: bool = False   # each round's k is picked in [0, draft_tokens] (engine.sched.draft_policy)
 
@@ -121,6 +128,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self._lease_deadline: dict[str, float] = {}
+        self._parked_at: dict[str, float] = {}         # when each parked handle parked
+        self._attached_at: dict[str, float] = {}       # when each attached request began to wait for a seat
         self.draft_policy = DraftPolicy(config.draft_tokens) if config.adaptive_draft else None
 
     # hybrids: linear-attention state slots (held beside KV) and snapshots at block boundaries; the
@@ -154,7 +163,9 @@ class Scheduler:
             raise InvalidArgumentError("request_id", f"{req.request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_pending:
             raise QueueFullError(f"the pending queue is full ({self.config.max_pending} requests)")
-        req.num_prefill_tokens = n
+        # a resumed request's last token is "sampled" already: its KV is computed by the first decode
+        # round, as after any round (the state a migrated stream had on its first engine)
+        req.num_prefill_tokens = req.num_tokens - 1 if req.resuming else n
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -173,12 +184,37 @@ class Scheduler:
             if now > deadline:
                 done.append(self.parked[rid])
                 self._finish(self.parked[rid], FinishReason.LEASE_EXPIRED)
+        done += self._drop_stale_handles(now)
+        seat_timeout = self.config.seat_timeout_s
+        if seat_timeout is not None:
+            for req in [r for r in self.attached if now - self._attached_at[r.request_id] > seat_timeout]:
+                done.append(req)
+                self._finish(req, FinishReason.QUEUE_TIMEOUT)
         return done
+
+    def _drop_stale_handles(self, now: float) -> list[Request]:
+        """While the queue's head waits for room among the parked, drop the oldest handles that no
+        decode attached within handoff_timeout_s (an abandoned handle never holds admission for a lease)."""
+        dropped: list[Request] = []
+        while self.waiting and self.parked and self._parks(self.waiting[0]) and not self._has_room(self.waiting[0]):
+            rid = min(self.parked, key=self._parked_at.__getitem__)
+            if now - self._parked_at[rid] <= self.config.handoff_timeout_s:
+                break
+            dropped.append(self.parked[rid])
+            self._finish(self.parked[rid], FinishReason.LEASE_EXPIRED)
+        return dropped
+
+    def waits(self) -> dict[str, float]:
+        """The longest wait now of a parked handle (for its decode) and of an attached request (for a seat)."""
+        now = self.clock()
+        return {"oldest_parked_s": max((now - t for t in self._parked_at.values()), default=0.0),
+                "oldest_awaiting_seat_s": max((now - t for t in self._attached_at.values()), default=0.0)}
 
     def schedule(self) -> SchedulerOutput:
         k = self.config.draft_tokens
         while self.attached and len(self.running) < self.config.max_batch:
             req = self.attached.popleft()
+            del self._attached_at[req.request_id]
             req.status = RequestStatus.RUNNING
             req.times.decode_start = self.clock()
             self.running.append(req)
@@ -224,12 +260,17 @@ class Scheduler:
                     req.status = RequestStatus.PARKED
                     self.parked[req.request_id] = req
                     self._lease_deadline[req.request_id] = now + self.config.lease_s
+                    self._parked_at[req.request_id] = now
                 else:
                     req.status = RequestStatus.RUNNING
                     self.running.append(req)
                     if req.times.decode_start is None:
                         req.times.decode_start = now
-                events.append(self._append(req, result.sampled[req.request_id], now))
+                if req.resuming:              # its next token is known: the one its first engine sent last
+                    req.resuming = False
+                    events.append(RequestEvent(req, [], False))
+                else:
+                    events.append(self._append(req, result.sampled[req.request_id], now))
             self._register(req, spec)
             if piece.snapshot_slot >= 0:
                 keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
@@ -273,6 +314,8 @@ class Scheduler:
         if req is None:
             raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, attached or expired)")
         del self._lease_deadline[request_id]
+        del self._parked_at[request_id]
+        self._attached_at[request_id] = self.clock()
         self.attached.append(req)
         return req
 
@@ -295,18 +338,21 @@ class Scheduler:
     @property
     def has_timeouts(self) -> bool:
         """Requests whose pending timeout or lease may expire while nothing else happens."""
-        return bool(self.parked or self.waiting)
+        return bool(self.parked or self.waiting or self.attached)
 
     def is_parked(self, request_id: str) -> bool:
         return request_id in self.parked
 
     # -- internals ------------------------------------------------------------------------------
 
+    @staticmethod
+    def _parks(r: Request) -> bool:
+        return r.park_after_prefill and r.num_preemptions == 0
+
     def _has_room(self, req: Request) -> bool:
         """Room for the queue's head once prefilled: a request that will park needs room among the
         parked; one that will decode needs a seat. The lane's requests count where they are headed."""
-        def parks(r: Request) -> bool:
-            return r.park_after_prefill and r.num_preemptions == 0
+        parks = self._parks
         ahead = sum(1 for r in self.lane.requests if parks(r) == parks(req))
         if parks(req):
             return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
@@ -359,6 +405,8 @@ class Scheduler:
             if self.parked.pop(req.request_id, None) is None:
                 self.attached.remove(req)
             self._lease_deadline.pop(req.request_id, None)
+            self._parked_at.pop(req.request_id, None)
+            self._attached_at.pop(req.request_id, None)
         elif req.status is RequestStatus.PREFILLING:
             self.lane.done(req)
         self._free(req)

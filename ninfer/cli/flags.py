@@ -82,6 +82,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(--no-async-scheduling: every round waits for the last)")
     g.add_argument("--lease-seconds", type=float, default=d["lease_seconds"].default,
                    help="how long a prefilled handle keeps its KV without a decode attaching")
+    g.add_argument("--handoff-timeout", dest="handoff_timeout_seconds", type=float,
+                   default=d["handoff_timeout_seconds"].default, metavar="SECONDS",
+                   help="a prefilled handle no decode attached within this long gives its room to a queued "
+                        "request (it keeps --lease-seconds only while no one waits)")
+    g.add_argument("--seat-timeout", dest="seat_timeout_seconds", type=float,
+                   default=d["seat_timeout_seconds"].default, metavar="SECONDS",
+                   help="a prefilled request waits this long at most for a decode seat (then RESOURCE_EXHAUSTED "
+                        "with retry pushback); 0 = no bound")
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
@@ -113,6 +121,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
+        handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling)
 
 
@@ -148,6 +157,19 @@ def add_server_args(p: argparse.ArgumentParser, listen: str, metrics_listen: str
                    default=None, help="calls served at once; the next is refused at once (RESOURCE_EXHAUSTED "
                    "with retry pushback); health is exempt (default: what the engines admit, "
                    "2 x --max-num-seqs + --max-pending + 1 per engine)")
+    g.add_argument("--receive-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="a call's request message must arrive within this after its headers (else "
+                        "DEADLINE_EXCEEDED); a call waiting for its message holds no thread and no seat")
+    g.add_argument("--max-streams-per-connection", type=positive_int, default=None,
+                   help="HTTP/2 streams one connection may have open (default: --max-concurrent-rpcs + 32)")
+    g.add_argument("--max-connections", type=positive_int, default=1000,
+                   help="connections at once; a new one past it is closed when accepted")
+    g.add_argument("--connection-idle-timeout", type=nonnegative_float, default=300.0, metavar="SECONDS",
+                   help="close a connection with no call for this long (GOAWAY; clients reconnect); 0 = never")
+    g.add_argument("--max-connection-age", type=nonnegative_float, default=0.0, metavar="SECONDS",
+                   help="ask a connection this old to go away (no new calls on it); 0 = no age limit")
+    g.add_argument("--max-connection-age-grace", type=nonnegative_float, default=0.0, metavar="SECONDS",
+                   help="the calls on an aged connection get this long to finish; 0 = as long as they need")
     g.add_argument("--drain-timeout", type=nonnegative_float, default=30.0,
                    help="seconds from SIGTERM to exit, in total: streams still running shortly before it "
                         "end UNAVAILABLE")
@@ -177,6 +199,7 @@ def listen_address(args: argparse.Namespace) -> str:
 
 def server_options(args: argparse.Namespace, service_name: str):
     """Flags -> ServerOptions; reads OTEL_*, NINFER_API_KEY(_FILE) and the TLS files now, at startup."""
+    from services.server.connections import ConnectionLimits
     from services.server.grpc_server import ServerOptions
     from services.server.telemetry import build_tracer_provider
     from services.server.tls import ServerTLS, read_secret
@@ -193,7 +216,11 @@ def server_options(args: argparse.Namespace, service_name: str):
         api_key=read_secret(args.api_key, args.api_key_file, envs.API_KEY, envs.API_KEY_FILE, "--api-key"),
         enable_reflection=args.enable_reflection, max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_message_bytes=args.max_message_bytes, retry_pushback_ms=args.retry_pushback_ms,
-        drain_timeout_s=args.drain_timeout, tls=tls,
+        drain_timeout_s=args.drain_timeout, tls=tls, receive_timeout_s=args.receive_timeout,
+        connections=ConnectionLimits(
+            max_streams_per_connection=args.max_streams_per_connection, max_connections=args.max_connections,
+            idle_timeout_s=args.connection_idle_timeout, max_age_s=args.max_connection_age,
+            age_grace_s=args.max_connection_age_grace),
         tracer_provider=build_tracer_provider(service_name, args.otlp_endpoint))
 
 
@@ -220,6 +247,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

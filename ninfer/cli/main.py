@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = command("gateway", "serve the public Gateway API in front of engine processes", _servers("cmd_gateway"))
     gateway.add_argument("--engine", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                          help="engine endpoints; each request goes to the least loaded one")
+    gateway.add_argument("--max-stream-migrations", type=int, default=2, metavar="N",
+                         help="times a stream may move to another engine when its engine dies or stops answering "
+                              "(0 = never)")
+    gateway.add_argument("--stream-stall-timeout", type=float, default=2.0, metavar="SECONDS",
+                         help="a stream with no message this long probes its engine's health; no answer within "
+                              "as long again: the engine is lost and the stream moves")
     gateway.add_argument("--engine-api-key", default=None,
                          help="bearer token the engines expect; visible in `ps`: prefer --engine-api-key-file "
                               "(default: $NINFER_ENGINE_API_KEY_FILE, then $NINFER_ENGINE_API_KEY)")

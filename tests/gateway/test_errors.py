@@ -71,7 +71,7 @@ BAD_PROMPTS = [
     ("empty token ids", dict(prompt_token_ids=[]), "prompt_token_ids: must not be empty"),
     ("token id outside the vocabulary", dict(prompt_token_ids=[1, 384]),
      "prompt_token_ids: token id 384 is outside the vocabulary [0, 384)"),
-    ("chat message without a role", dict(messages=[("", "hi")]), "messages[0].role: must not be empty"),
+    ("chat message without a role", dict(messages=[("", "hi")]), "messages[0].role: must be one of system, user, assistant, tool"),
     ("prompt longer than the context", dict(prompt="x" * 4096), "prompt: 4096 prompt tokens leave no room "
                                                                 "under the context limit of 4096 tokens"),
     ("prompt + max_tokens beyond the context", dict(prompt="x" * 100, sampling=SamplingParams(max_tokens=4000)),
