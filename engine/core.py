@@ -4,6 +4,7 @@ drives it from its own thread, `LLM.generate` from the caller's."""
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -25,13 +26,14 @@ from engine.loading.presets import PREFIX as PRESET_PREFIX, preset
 from engine.sched.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.distributed.executor import Executor
 from engine.sampling_params import SamplingParams
+from engine.admission import admit_options
 from engine.worker.async_rounds import InflightRound, TokenReadback, plan_ahead, why_synchronous
 from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
 from engine.request_stats import FinishReason, RequestStats
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
 
 log = structlog.get_logger(__name__)
 
@@ -58,8 +60,16 @@ class RequestOutput:
     text: str | None = None                      # final text when a stop string ended it
 
 
+def logs_to_stderr() -> None:
+    """structlog prints to stdout unless configured: where no entry point configured it (the Python
+    API, a script), the engine's logs go to stderr, leaving the user's stdout to the user."""
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, clock=time.monotonic):
+        logs_to_stderr()
         self.config = config
         self.clock = clock
         if config.model is None:
@@ -103,6 +113,14 @@ class EngineCore:
         if model_config.quant is None and hasattr(weights, "dtypes"):
             check_dtypes(weights.dtypes(), self.model_name)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            # the RoPE of these checkpoints is unscaled (ModelConfig.from_hf refuses a scaled one): a
+            # longer context would run positions the model never saw
+            raise InvalidArgumentError(
+                "max_model_len", f"{self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{model_config.max_position_embeddings} (its config has no RoPE scaling that would allow it)")
+        if config.served_model_name:
+            self.model_name = config.served_model_name
         if config.draft_vocab > model_config.vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
         self.memory = plan_memory(config, model_config, k, self.max_model_len)
@@ -144,7 +162,7 @@ class EngineCore:
         if self.has_work:
             raise RuntimeError("warm up before serving requests")
         prompt = list(range(1, min(self.max_model_len - 8, 2 * self.config.block_size + 3) + 1))
-        req = self.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+        req = self.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                                request_id=f"warmup-{uuid.uuid4().hex}", park_after_prefill=True)
         while req.status is not RequestStatus.PARKED and not req.finished:
             self.step()
@@ -186,6 +204,9 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError("prompt_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        checked = admit_options(params, vocab, self.tokenizer, self.config.max_batch, self.max_model_len)
+        if checked.truncate_to is not None:
+            ids = ids[-checked.truncate_to:]
         k_r = self.draft_tokens if params.draft_tokens is None else min(params.draft_tokens, self.draft_tokens)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -196,10 +217,14 @@ class EngineCore:
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache)
+            stop_token_ids=frozenset(stop_ids),
+            # prompt logprobs need every prompt position computed: a cached prefix would skip some
+            prefix_cache=prefix_cache and params.prompt_logprobs is None,
+            bad_words_token_ids=checked.bad_words_token_ids)
         self.scheduler.add_request(req)
         if params.stop:
-            self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+            self._stops[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens)
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
@@ -271,13 +296,17 @@ class EngineCore:
         detok = self._stops.get(req.request_id)
         if detok is None or not tokens:
             return tokens
+        params = req.sampling
+        first = len(req.output_token_ids) - len(tokens)          # output index of tokens[0]
         for i, tok in enumerate(tokens):
             before = len(detok.text)
             detok.push([tok])
-            cut = find_stop(detok.text, req.sampling.stop, before)
+            if first + i + 1 <= params.min_tokens:               # stop strings count after min_tokens (vLLM)
+                continue
+            cut = stop_cut(detok.text, params.stop, before, params.include_stop_str_in_output)
             if cut is not None:
                 kept = tokens[:i + 1]
-                del req.output_token_ids[len(req.output_token_ids) - len(tokens) + i + 1:]
+                del req.output_token_ids[first + i + 1:]
                 self._stop_text[req.request_id] = detok.text[:cut]
                 if not req.finished:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
@@ -332,7 +361,7 @@ class EngineCore:
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill.
         The prefix cache is not used: a cached prefix would skip the logits of its positions."""
-        req = self.add_request(prompt, SamplingParams(max_tokens=1), prefix_cache=False)
+        req = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), prefix_cache=False)
         with self.executor.collect_prompt_logits(req.request_id) as chunks:
             while not req.finished:
                 self.step()

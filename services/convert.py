@@ -10,10 +10,12 @@ from typing import Any
 
 from engine.errors import InvalidArgumentError
 from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-
-DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage
 from ninfer.v1 import common_pb2, engine_info_pb2
+
+# ninfer.v1's own defaults for unset fields (common.proto documents them): greedy, 64 tokens
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_TEMPERATURE = 0.0
 
 _FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -49,10 +51,11 @@ def sampling_from_proto(p: common_pb2.SamplingParams, room: int | None = None) -
     for name in ("max_tokens", "temperature", "top_p", "seed", "draft_tokens"):
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
-    if room is not None and "max_tokens" not in kwargs:
-        if room < 1:
+    kwargs.setdefault("temperature", DEFAULT_TEMPERATURE)
+    if "max_tokens" not in kwargs:
+        if room is not None and room < 1:
             raise InvalidArgumentError("prompt", "the prompt leaves no room for a token under the context limit")
-        kwargs["max_tokens"] = min(DEFAULT_MAX_TOKENS, room)
+        kwargs["max_tokens"] = DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
     return SamplingParams(top_k=p.top_k, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                           ignore_eos=p.ignore_eos, **kwargs)
 

@@ -66,6 +66,7 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     stop_token_ids: frozenset[int] = frozenset()
     prefix_cache: bool = True                # may take cached prefix blocks (off when scoring every position)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # engine.admission.bad_words_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -39,10 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="Hugging Face model directory, or preset:NAME (random weights of a reference shape); "
                         "default: the embedded tiny model (random weights: it serves plumbing, not text)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients see and ask for (default: the model directory's name)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
-    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto",
-                   help="KV cache dtype: auto (= --dtype) or int8 (per token and head scales)")
+    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", type=kv_cache_dtype_flag,
+                   help="KV cache dtype: auto (= --dtype), int8 (per token and head scales), or a float dtype")
     g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV page")
     g.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default,
                    help="tokens per prefill step of the one prefill lane")
@@ -70,8 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d["tensor_parallel_size"].default, help="GPUs to shard the model over (in one process)")
     g.add_argument("--tp-comm", default=d["tp_comm"].default, choices=("auto", "p2p", "nccl"),
                    help="TP all-reduce: one-shot peer-to-peer over NVLink, NCCL, or auto (p2p where it works)")
-    g.add_argument("--no-enable-prefix-caching", "--no-prefix-reuse", dest="prefix_reuse", action="store_false",
-                   help="never share KV blocks between requests with the same prefix")
+    g.add_argument("--enable-prefix-caching", dest="prefix_reuse", action=argparse.BooleanOptionalAction,
+                   default=d["prefix_reuse"].default,
+                   help="share KV blocks between requests with the same prefix (--no-enable-prefix-caching: never)")
+    g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--state-snapshots", type=int, default=d["state_snapshots"].default,
                    help="hybrid models: linear-attention states kept at block boundaries for prefix reuse "
                         "(each costs one request's state)")
@@ -85,6 +89,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
+KV_CACHE_DTYPES = ("auto", "int8", "bfloat16", "float16", "float32")
+
+
+def kv_cache_dtype_flag(text: str) -> str:
+    if text in KV_CACHE_DTYPES:
+        return text
+    hint = (" (an FP8 KV cache is not implemented; int8 is the quantized KV cache)"
+            if text.lower().startswith("fp8") else "")
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(KV_CACHE_DTYPES)}{hint}")
 
 
 class AutoDraftTokens(int):
@@ -105,7 +118,7 @@ def draft_tokens_flag(text: str) -> int:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+        model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
         block_size=args.block_size, prefill_chunk=args.prefill_chunk, kv_capacity=args.kv_capacity,
         memory_utilization=args.memory_utilization, draft_tokens=int(args.draft_tokens),
         adaptive_draft=args.adaptive_draft or isinstance(args.draft_tokens, AutoDraftTokens),
@@ -114,6 +127,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
         async_scheduling=args.async_scheduling)
+
+
+def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:
+    """The first option string of the flag whose value lands in `field` (an EngineConfig or
+    SamplingParams field), to name it in an error; None when no flag sets it."""
+    for action in parser._actions:
+        if action.dest == field and action.option_strings and action.help is not argparse.SUPPRESS:
+            return max(action.option_strings, key=len) if action.option_strings[0].startswith("-") else None
+    return None
 
 
 def engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

@@ -66,7 +66,7 @@ def seconds_per_token(session, context: int) -> float:
     """From the engine's first request when it decoded enough, else from a short request now."""
     stats = session.warm_stats
     if stats is None or stats.usage.completion_tokens < 16:
-        stats = session.generate(random_prompt(context, session.vocab), SamplingParams(max_tokens=24, ignore_eos=True))
+        stats = session.generate(random_prompt(context, session.vocab), SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))
     return speed_from_warmup(stats)
 
 

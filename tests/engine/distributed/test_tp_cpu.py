@@ -88,7 +88,7 @@ def test_tp2_prompt_logits_equal_tp1(tp_pair):
 @pytest.mark.parametrize("draft_tokens", [0, 3])
 def test_tp2_greedy_equals_tp1(shared_model, tp_pair, draft_tokens):
     one, _ = tp_pair
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     want = [o.token_ids for o in one.generate(PROMPTS, greedy)]
     two = make_llm(shared_model, tensor_parallel_size=2, draft_tokens=draft_tokens)
     got = [o.token_ids for o in two.generate(PROMPTS, greedy)]
@@ -188,7 +188,7 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduli
     from its own last tokens): same tokens as TP=1, greedy and sampled, with chunked prefills between."""
     prompts = [s * 4 for s in ("def f(x):\n    return", "Hello world, this is", "Line 1: the quick brown fox",
                                "import numpy as np\n", "The capital of", "a b c d e f g")]
-    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
     sampled = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, top_k=50, seed=s, ignore_eos=True)
                for s in range(len(prompts))]
     one = make_llm(shared_model, prefill_chunk=16, **kw)
