@@ -134,7 +134,7 @@ class Executor:
         for runner in self.runners[1:]:
             if runner.round_setup.pool_rows != rows:      # every rank assigns rows in the same order
                 raise RuntimeError("hidden-pool rows differ between ranks")
-        cap, key = driver.graphs.select(works, *sampling_variant(works))
+        cap, key = driver.graphs.select(works, sampling_variant(works))
         cap.pack(works)              # once every rank's copy out of this turn's staging arrays is done
         caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):

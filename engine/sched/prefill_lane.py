@@ -34,6 +34,17 @@ from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
 
 
+@dataclass(frozen=True)
+class SampleHistory:
+    """What a prefill's sample needs of its request when its logit options read the history: the
+    prompt and the outputs so far (after a preemption), its stop token ids and bad words."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: frozenset[int]
+    bad_words_token_ids: tuple[tuple[int, ...], ...]
+
+
 @dataclass
 class PrefillWork:
     """One chunk of one request's prefill: the tokens at positions [start, start + len(token_ids))."""
@@ -54,6 +65,8 @@ class PrefillWork:
     restore_slot: int = -1
     # hybrids: the chunk ends on a block boundary; copy the state there into this snapshot slot
     snapshot_slot: int = -1
+    # the sampling chunk of a request with logit options (engine.worker.logit_options): its history
+    history: SampleHistory | None = None
 
 
 class PrefillLane:
@@ -154,9 +167,11 @@ class PrefillLane:
                 snapshot_slot = self.snapshots.reserve()
         tokens = req.all_token_ids
         sample = end == req.num_prefill_tokens
+        history = (SampleHistory(req.prompt_token_ids, list(req.output_token_ids), req.stop_token_ids,
+                                 req.bad_words_token_ids) if sample and req.sampling.adjusts_logits else None)
         return PrefillWork(
             request_id=req.request_id, token_ids=tokens[start:end], start=start,
             next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
             sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed,
             state_slot=req.state_slot, restore_slot=self._restore.pop(req.request_id, -1),
-            snapshot_slot=snapshot_slot)
+            snapshot_slot=snapshot_slot, history=history)

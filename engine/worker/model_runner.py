@@ -21,6 +21,7 @@ from engine.worker import sampler
 from engine.config import EngineConfig, ModelConfig
 from engine.worker.decode_round import RoundInputs, RoundSetup, pack_round, round_drafts, run_round, sampling_variant
 from engine.worker.forward_context import build_forward_context, forward_context
+from engine.worker.logit_options import LogitOptionPool, LogitOptionRows, option_slots
 from engine.worker.mtp_hidden_pool import HiddenStatePool
 from engine.worker.async_rounds import why_synchronous
 from engine.worker.paged_kv import LayerKV
@@ -100,13 +101,16 @@ class ModelRunner:
         # rows beyond the batch: parked requests (the scheduler's max_parked = max_batch) and the prefill lane
         self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
                                        self.device, extra_rows=self.max_batch + 1) if draft_tokens > 0 else None)
+        # logit options of the requests that hold them: a slot per running or parked request, like the hidden pool
+        self.options = LogitOptionPool(option_slots(self.max_batch), model_config.vocab_size, self.device)
         self.round_setup = RoundSetup(
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
             max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
             scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0,
             last_tokens=(torch.zeros(self.max_batch, draft_tokens + 1, dtype=torch.int64, device=self.device)
-                         if not why_synchronous(config) else None))
+                         if not why_synchronous(config) else None),
+            options=self.options)
         self.graphs = None                               # engine.worker.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -131,6 +135,7 @@ class ModelRunner:
     def release_rows(self, request_ids: list[str]) -> None:
         if self.hidden is not None:
             self.hidden.release(request_ids)
+        self.options.release(request_ids)
 
     def graphed(self, works: list[DecodeWork]) -> bool:
         return self.graphs is not None and self.graphs.fits(len(works))
@@ -173,13 +178,26 @@ class ModelRunner:
         if not done:
             return
         last = hidden[[row for _, row in done]]                                          # [S, hidden]
+        slots = torch.tensor([self._fill_options(w) for w, _ in done], dtype=torch.int64, device=self.device)
         s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
-                                        [w.output_index for w, _ in done], self.device)
-        tokens = sampler.sample(self.model.compute_logits(last), s).tolist()
+                                        [w.output_index for w, _ in done], self.device,
+                                        options=LogitOptionRows.at_slots(self.options, slots))
+        sampled = sampler.sample(self.model.compute_logits(last), s)                     # [S]
+        if s.options is not None:
+            self.options.advance(slots, sampled.unsqueeze(1))
+        tokens = sampled.tolist()
         for i, (w, _) in enumerate(done):
             if self.hidden is not None:
                 self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
             result.sampled[w.request_id] = [tokens[i]]
+
+    def _fill_options(self, w: PrefillWork) -> int:
+        """The slot of a sampling piece's logit options, written from its history (scratch: none)."""
+        h = w.history
+        if h is None:
+            return self.options.scratch
+        return self.options.fill(w.request_id, h.prompt_token_ids, h.output_token_ids, w.sampling,
+                                 h.stop_token_ids, h.bad_words_token_ids)
 
     # -- decode ---------------------------------------------------------------------------------
 
@@ -189,15 +207,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_decode(self, works: list[DecodeWork]) -> torch.Tensor:
         """Enqueue the round; no host read. -> its tokens [>= len(works), k+1] on the device."""
-        all_greedy, any_filter = sampling_variant(works)
+        variant = sampling_variant(works)
         if self.graphed(works):
-            return self.graphs.replay(works, all_greedy, any_filter)
+            return self.graphs.replay(works, variant)
         width = max(len(w.block_ids) for w in works)
         packed = pack_round(self.round_setup, works, len(works), width)
         inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
         max_len = max(w.max_num_tokens for w in works) + self.k
-        tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
-                              round_drafts(self.round_setup, works))
+        tokens, _ = run_round(self.round_setup, inp, max_len, variant, round_drafts(self.round_setup, works))
         return tokens
 
 
