@@ -32,6 +32,7 @@ from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, Sche
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
+from engine.logprobs import TokenLogprob
 from engine.request_stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
 
@@ -58,6 +59,10 @@ class RequestOutput:
     # figures of its prefill phase, taken on the engine thread in the step that parked it).
     stats: RequestStats | None = None
     text: str | None = None                      # final text when a stop string ended it
+    logprobs: list[TokenLogprob] | None = None   # one per new token (SamplingParams.logprobs set)
+    # with the request's first output (SamplingParams.prompt_logprobs set): one per prompt token,
+    # None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def logs_to_stderr() -> None:
@@ -281,15 +286,22 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         for ev in events:                # tokens past a stop string are neither delivered nor counted
             ev.new_token_ids = self._apply_stop_strings(ev.request, ev.new_token_ids)
+            if ev.logprobs is not None:
+                ev.logprobs = ev.logprobs[:len(ev.new_token_ids)]
         self._record(sched, prefilling, events)
         for ev in events:
             req = ev.request
             if req.finished:
-                outputs.append(self._finished_output(req, ev.new_token_ids))
+                out = self._finished_output(req, ev.new_token_ids)
             else:
                 parked = req.status is RequestStatus.PARKED
-                outputs.append(RequestOutput(req.request_id, ev.new_token_ids, False, stats=(
-                    req.stats(self.config.prefill_chunk) if parked else None)))
+                out = RequestOutput(req.request_id, ev.new_token_ids, False, stats=(
+                    req.stats(self.config.prefill_chunk) if parked else None))
+            out.logprobs = ev.logprobs
+            if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+                out.prompt_logprobs = [None, *req.prompt_logprobs]
+                req.prompt_logprobs_sent = True
+            outputs.append(out)
         return outputs
 
     def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:

@@ -67,6 +67,8 @@ class PrefillWork:
     snapshot_slot: int = -1
     # the sampling chunk of a request with logit options (engine.worker.logit_options): its history
     history: SampleHistory | None = None
+    # score the prompt tokens after this chunk's positions, with this many alternatives (prompt_logprobs)
+    prompt_logprobs: int | None = None
 
 
 class PrefillLane:
@@ -174,4 +176,6 @@ class PrefillLane:
             next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
             sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed,
             state_slot=req.state_slot, restore_slot=self._restore.pop(req.request_id, -1),
-            snapshot_slot=snapshot_slot, history=history)
+            snapshot_slot=snapshot_slot, history=history,
+            # the first prefill only (a recompute after preemption covers outputs too, scored already)
+            prompt_logprobs=req.sampling.prompt_logprobs if req.num_preemptions == 0 else None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage, rate
 
@@ -67,6 +68,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     prefix_cache: bool = True                # may take cached prefix blocks (off when scoring every position)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # engine.admission.bad_words_token_ids
+    # prompt_logprobs: one per prompt token after the first, filled as the prefill's chunks score them
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sched.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
@@ -98,6 +99,10 @@ class SchedulerOutput:
 class ModelOutput:
     # request id -> tokens this step produced (prefill: the first one; decode: accepted drafts + 1)
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> the logprobs of those tokens (requests with `logprobs` set), one per token
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request id -> the logprobs of the prompt tokens this step's chunk scored (`prompt_logprobs`)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,6 +110,7 @@ class RequestEvent:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    logprobs: list[TokenLogprob] | None = None          # one per new token (requests that asked)
 
 
 class Scheduler:
@@ -212,6 +218,9 @@ class Scheduler:
         for piece in out.prefills:
             req = self.requests[piece.request_id]
             end = piece.start + len(piece.token_ids)
+            scored = result.prompt_logprobs.get(piece.request_id)
+            if scored is not None:
+                req.prompt_logprobs.extend(scored)
             if req.num_preemptions == 0:
                 req.computed_prefill_tokens += len(piece.token_ids)
             req.num_computed_tokens = end
@@ -229,7 +238,8 @@ class Scheduler:
                     self.running.append(req)
                     if req.times.decode_start is None:
                         req.times.decode_start = now
-                events.append(self._append(req, result.sampled[req.request_id], now))
+                events.append(self._append(req, result.sampled[req.request_id], now,
+                                           result.logprobs.get(req.request_id)))
             self._register(req, spec)
             if piece.snapshot_slot >= 0:
                 keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
@@ -249,7 +259,7 @@ class Scheduler:
                     self.draft_policy.observe(work.draft_tokens, accepted)
                 req.num_mtp_computed = req.num_tokens - 1
             req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
-            events.append(self._append(req, tokens, now))
+            events.append(self._append(req, tokens, now, result.logprobs.get(work.request_id)))
             if not req.finished:
                 self._register(req, spec)
         return events
@@ -322,9 +332,13 @@ class Scheduler:
             draft_tokens=req.draft_tokens, output_index=req.num_output_tokens,
             sampling=req.sampling, seed=req.seed, state_slot=req.state_slot)
 
-    def _append(self, req: Request, tokens: list[int], now: float) -> RequestEvent:
+    def _append(self, req: Request, tokens: list[int], now: float,
+                logprobs: list[TokenLogprob] | None = None) -> RequestEvent:
         """Append tokens one by one, stopping at EOS / a stop token id / max_tokens."""
         taken: list[int] = []
+        if req.sampling.max_tokens == 0:             # scoring only: the prompt's logprobs, no token
+            self._finish(req, FinishReason.LENGTH, now)
+            return RequestEvent(req, [], True, [])
         for tok in tokens:
             req.output_token_ids.append(tok)
             taken.append(tok)
@@ -334,7 +348,7 @@ class Scheduler:
             if req.num_output_tokens >= req.sampling.max_tokens:
                 self._finish(req, FinishReason.LENGTH, now)
                 break
-        return RequestEvent(req, taken, req.finished)
+        return RequestEvent(req, taken, req.finished, logprobs[:len(taken)] if logprobs is not None else None)
 
     def _register(self, req: Request, spec: bool) -> None:
         final = min(req.num_computed_tokens, req.num_mtp_computed) if spec else req.num_computed_tokens

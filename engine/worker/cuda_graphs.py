@@ -17,14 +17,15 @@ import numpy as np
 import structlog
 import torch
 
-from engine.worker.decode_round import FLOAT_ROWS, ROWS, RoundInputs, RoundSetup, pack_round, round_drafts, run_round
+from engine.worker.decode_round import (FLOAT_ROWS, ROWS, RoundInputs, RoundOutput, RoundSetup, pack_round,
+                                        round_drafts, run_round)
 from engine.worker.sampler import SamplingVariant
 
 log = structlog.get_logger(__name__)
 
 # Every sampling variant a round may need, each captured: greedy, sampled, sampled with filters, and
-# each of those with logit options (penalties, bias, bad words, min_tokens).
-VARIANTS = tuple(SamplingVariant(greedy, filt, opts) for opts in (False, True)
+# each of those with logit options (penalties, bias, bad words, min_tokens) and with logprobs.
+VARIANTS = tuple(SamplingVariant(greedy, filt, opts, lp) for lp in (False, True) for opts in (False, True)
                  for greedy, filt in ((True, False), (False, False), (False, True)))
 # upper bounds of a round's longest context (positions, drafts included); the last is the limit
 CONTEXT_CLASSES = (2048, 16384)
@@ -54,8 +55,8 @@ class _Captured:
         self._turn = 0
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
-        # (context class, variant, draft steps) -> (graph, its output tokens)
-        self.graphs: dict[tuple[int, SamplingVariant, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (context class, variant, draft steps) -> (graph, its outputs)
+        self.graphs: dict[tuple[int, SamplingVariant, int], tuple[torch.cuda.CUDAGraph, RoundOutput]] = {}
 
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -136,8 +137,8 @@ class GraphedRounds:
                 graph = torch.cuda.CUDAGraph()
                 # the ranks of a TP group capture at the same time, each on its own thread: NCCL
                 # may talk to its peers while a collective is captured
-                tokens, _ = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
-                cap.graphs[(cls, variant, drafts)] = (graph, tokens)
+                out = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
+                cap.graphs[(cls, variant, drafts)] = (graph, out)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
@@ -156,13 +157,13 @@ class GraphedRounds:
         return cap, (cls, variant, round_drafts(self.setup, works))
 
     @staticmethod
-    def launch(cap: _Captured, key: tuple) -> torch.Tensor:
-        """Replay (inputs uploaded). -> the graph's output tokens [bucket, k+1] (device)."""
-        graph, tokens = cap.graphs[key]
+    def launch(cap: _Captured, key: tuple) -> RoundOutput:
+        """Replay (inputs uploaded). -> the graph's outputs: tokens [bucket, k+1] (device), ..."""
+        graph, out = cap.graphs[key]
         graph.replay()
-        return tokens
+        return out
 
-    def replay(self, works, variant: SamplingVariant) -> torch.Tensor:
+    def replay(self, works, variant: SamplingVariant) -> RoundOutput:
         cap, key = self.select(works, variant)
         cap.pack(works)
         cap.upload()

@@ -32,6 +32,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from engine.sched.scheduler import DecodeWork, ModelOutput
+from engine.worker import logprobs as engine_logprobs
+from engine.worker.logprobs import as_token_logprobs, rows_to_host
 from engine.worker import sampler
 from engine.worker.forward_context import ForwardContext, forward_context
 from engine.worker.logit_options import LogitOptionPool, LogitOptionRows
@@ -48,6 +51,22 @@ FUSED_ROUND_PREP = os.environ.get("NINFER_FUSED_ROUND_PREP", "1") != "0"
 def sampling_variant(works: list) -> sampler.SamplingVariant:
     """Which sampling code a round's graph runs, from its requests' settings."""
     return sampler.SamplingVariant.of([w.sampling for w in works])
+
+
+@dataclass
+class RoundOutput:
+    """What a round leaves on the device: tokens [B, drafts+1] (accepted drafts, the bonus, then -1),
+    num_accepted [B], and with a logprobs variant the logprobs at each emitted position."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    logprobs: engine_logprobs.RoundLogprobs | None = None
+
+    def rows(self, n: int) -> "RoundOutput":
+        """The first n rows (a graph bucket's padding dropped)."""
+        lp = self.logprobs
+        return RoundOutput(self.tokens[:n], self.num_accepted[:n], None if lp is None else
+                           engine_logprobs.RoundLogprobs(*(t[:n] for t in lp.tensors())))
 
 
 @dataclass(frozen=True)
@@ -162,8 +181,9 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
 
 @torch.inference_mode()
 def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sampler.SamplingVariant,
-              drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1) and num_accepted [B].
+              drafts: int | None = None) -> RoundOutput:
+    """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1), num_accepted [B] and (a logprobs
+    variant) each emitted token's raw logprob and the top alternatives at its position.
 
     `drafts` (default k) is the round's number of draft steps (an adaptive draft length runs fewer).
     Step 1 still recomputes a window of k + 1 MTP entries (the previous round may have accepted k),
@@ -173,16 +193,16 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sa
     states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
     if setup.last_tokens is not None:
         inp = carry_forward(inp, setup.last_tokens)
-    tokens, num_accepted = _run_round(setup, inp, max_seq_len, variant, drafts)
+    out = _run_round(setup, inp, max_seq_len, variant, drafts)
     if setup.last_tokens is not None:
-        keep_last_tokens(setup.last_tokens, tokens)
+        keep_last_tokens(setup.last_tokens, out.tokens)
     if variant.any_options and setup.options is not None:
-        setup.options.advance(inp.option_slots, tokens)       # the next round's history includes these
-    return tokens, num_accepted
+        setup.options.advance(inp.option_slots, out.tokens)   # the next round's history includes these
+    return out
 
 
 def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sampler.SamplingVariant,
-               drafts: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+               drafts: int | None) -> RoundOutput:
     model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     hidden_pool = setup.hidden.states if setup.hidden is not None else None
     drafts = k if drafts is None else drafts
@@ -194,7 +214,8 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: s
         with forward_context(ctx):
             logits = model.compute_logits(model(inp.last_ids, positions))
         tokens = sampler.sample(logits, s).unsqueeze(1)
-        return tokens, torch.zeros_like(inp.num_tokens)
+        return RoundOutput(tokens, torch.zeros_like(inp.num_tokens),
+                           engine_logprobs.compute(logits.unsqueeze(1), tokens) if variant.logprobs else None)
 
     bsz = inp.last_ids.shape[0]
     rows = torch.arange(bsz, device=inp.last_ids.device)
@@ -232,7 +253,9 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: s
         model.commit_linear_states(num_accepted + 1)
     # rows 0 .. drafts of each request's pool slot: the next round's step 1 reads accepted + 1 of them
     hidden_pool[inp.pool_rows, :width] = hidden.view(bsz, width, -1)
-    return tokens, num_accepted
+    # the verify pass's logits at position j are the target's after x_{n-1}, d_1 .. d_j: the same
+    # distribution k = 0 would report for the token emitted there
+    return RoundOutput(tokens, num_accepted, engine_logprobs.compute(logits, tokens) if variant.logprobs else None)
 
 
 def carry_forward(inp: RoundInputs, last_tokens: torch.Tensor) -> RoundInputs:
@@ -300,3 +323,17 @@ def pack_round(setup: RoundSetup, works: list, batch: int, width: int,
             mtp[r, :len(w.mtp_token_ids)] = w.mtp_token_ids
         tables[r, :len(w.block_ids)] = w.block_ids
     return ints, floats, tables
+
+
+def read_round(works: list[DecodeWork], out: RoundOutput, result: ModelOutput) -> None:
+    """The round's device-to-host read: tokens [>= len(works), k+1] (-1 after the last kept), and the
+    logprobs of the rows that asked for them."""
+    wanted = [(r, w) for r, w in enumerate(works) if w.sampling.logprobs is not None]
+    for w, row in zip(works, out.tokens.tolist()):
+        result.sampled[w.request_id] = [t for t in row if t >= 0]
+    if wanted and out.logprobs is not None:
+        rows = rows_to_host(out.logprobs, [r for r, _ in wanted],
+                            [len(result.sampled[w.request_id]) for _, w in wanted],
+                            [w.sampling.logprobs for _, w in wanted])
+        for (_, w), host in zip(wanted, rows):
+            result.logprobs[w.request_id] = as_token_logprobs(result.sampled[w.request_id], host)

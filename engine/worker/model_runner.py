@@ -19,7 +19,10 @@ import torch
 
 from engine.worker import sampler
 from engine.config import EngineConfig, ModelConfig
-from engine.worker.decode_round import RoundInputs, RoundSetup, pack_round, round_drafts, run_round, sampling_variant
+from engine.worker.decode_round import (RoundInputs, RoundOutput, RoundSetup, pack_round, read_round, round_drafts,
+                                        run_round, sampling_variant)
+from engine.worker.logprobs import as_token_logprobs, prompt_logprobs, rows_to_host
+from engine.worker import logprobs as engine_logprobs
 from engine.worker.forward_context import build_forward_context, forward_context
 from engine.worker.logit_options import LogitOptionPool, LogitOptionRows, option_slots
 from engine.worker.mtp_hidden_pool import HiddenStatePool
@@ -172,8 +175,13 @@ class ModelRunner:
             if w.snapshot_slot >= 0:
                 self.states.copy(w.state_slot, w.snapshot_slot)
             collect = self.prompt_logits.get(w.request_id)
-            if collect is not None:
-                collect.chunks.append(self.model.compute_logits(hidden[end - n:end]).float().cpu())
+            if collect is not None or w.prompt_logprobs is not None:
+                chunk_logits = self.model.compute_logits(hidden[end - n:end])            # [n, V]
+                if collect is not None:
+                    collect.chunks.append(chunk_logits.float().cpu())
+                if w.prompt_logprobs is not None:       # each next prompt token, given what precedes it
+                    result.prompt_logprobs[w.request_id] = prompt_logprobs(
+                        chunk_logits, w.next_token_ids, w.prompt_logprobs)
         done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
         if not done:
             return
@@ -182,10 +190,17 @@ class ModelRunner:
         s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
                                         [w.output_index for w, _ in done], self.device,
                                         options=LogitOptionRows.at_slots(self.options, slots))
-        sampled = sampler.sample(self.model.compute_logits(last), s)                     # [S]
+        logits = self.model.compute_logits(last)                                       # [S, V]
+        sampled = sampler.sample(logits, s)                                              # [S]
         if s.options is not None:
             self.options.advance(slots, sampled.unsqueeze(1))
         tokens = sampled.tolist()
+        wanted = [i for i, (w, _) in enumerate(done) if w.sampling.logprobs is not None]
+        if wanted:
+            lp = engine_logprobs.compute(logits.unsqueeze(1), sampled.unsqueeze(1))
+            host = rows_to_host(lp, wanted, [1] * len(wanted), [done[i][0].sampling.logprobs for i in wanted])
+            for i, rows in zip(wanted, host):
+                result.logprobs[done[i][0].request_id] = as_token_logprobs([tokens[i]], rows)
         for i, (w, _) in enumerate(done):
             if self.hidden is not None:
                 self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
@@ -202,11 +217,11 @@ class ModelRunner:
     # -- decode ---------------------------------------------------------------------------------
 
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
-        read_tokens(works, self.launch_decode(works), result)
+        read_round(works, self.launch_decode(works), result)
 
     @torch.inference_mode()
-    def launch_decode(self, works: list[DecodeWork]) -> torch.Tensor:
-        """Enqueue the round; no host read. -> its tokens [>= len(works), k+1] on the device."""
+    def launch_decode(self, works: list[DecodeWork]) -> RoundOutput:
+        """Enqueue the round; no host read. -> its outputs on the device: tokens [>= len(works), k+1], ..."""
         variant = sampling_variant(works)
         if self.graphed(works):
             return self.graphs.replay(works, variant)
@@ -214,11 +229,4 @@ class ModelRunner:
         packed = pack_round(self.round_setup, works, len(works), width)
         inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
         max_len = max(w.max_num_tokens for w in works) + self.k
-        tokens, _ = run_round(self.round_setup, inp, max_len, variant, round_drafts(self.round_setup, works))
-        return tokens
-
-
-def read_tokens(works: list[DecodeWork], tokens: torch.Tensor, result: ModelOutput) -> None:
-    """The round's one device-to-host read. tokens: [>= len(works), k+1], -1 after the last kept."""
-    for w, row in zip(works, tokens.tolist()):
-        result.sampled[w.request_id] = [t for t in row if t >= 0]
+        return run_round(self.round_setup, inp, max_len, variant, round_drafts(self.round_setup, works))

@@ -70,16 +70,19 @@ def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 class SamplingVariant:
     """Which sampling code a round runs (its CUDA graph is captured per variant): the shape of the
     work differs, never the values. `any_filter`: some row has top-k, top-p or min_p (the vocabulary
-    is sorted); `any_options`: some row has logit options (engine.worker.logit_options)."""
+    is sorted); `any_options`: some row has logit options (engine.worker.logit_options);
+    `logprobs`: the round also computes the logprobs of what it emits."""
 
     all_greedy: bool = True
     any_filter: bool = False
     any_options: bool = False
+    logprobs: bool = False           # some row reports logprobs (engine.worker.logprobs)
 
     @classmethod
     def of(cls, params: list) -> "SamplingVariant":
         greedy = all(p.greedy for p in params)
-        return cls(greedy, not greedy and any(p.filters for p in params), any(p.adjusts_logits for p in params))
+        return cls(greedy, not greedy and any(p.filters for p in params), any(p.adjusts_logits for p in params),
+                   any(p.logprobs is not None for p in params))
 
 
 @dataclass
