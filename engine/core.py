@@ -3,6 +3,7 @@ drives it from its own thread, `LLM.generate` from the caller's."""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
-from engine.errors import InvalidArgumentError
+from engine.errors import InvalidArgumentError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
 from engine.engine_info import EngineInfo, WarmupReport
@@ -49,7 +50,8 @@ def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one sequence of a request (`index` among its n; 0 when n = 1).
+    `finished`: this sequence finished; the request is done once all n have."""
 
     request_id: str
     new_token_ids: list[int]
@@ -63,6 +65,16 @@ class RequestOutput:
     # with the request's first output (SamplingParams.prompt_logprobs set): one per prompt token,
     # None for the first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of an n > 1 request: sequence 0 keeps the request's, the others a
+    fixed function of (seed, index), so every sequence has its own stream and a seeded request replays."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 def logs_to_stderr() -> None:
@@ -157,6 +169,8 @@ class EngineCore:
         log.info("scheduling", overlapped=self.async_scheduling, why_synchronous=self.sync_reason or None)
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
+        # n > 1: request id -> the ids of its sequences (0 first), until every one has finished
+        self._groups: dict[str, list[str]] = {}
 
     def warmup(self) -> WarmupReport:
         """What every entry point runs before it serves: one short request through the split path
@@ -226,18 +240,44 @@ class EngineCore:
             # prompt logprobs need every prompt position computed: a cached prefix would skip some
             prefix_cache=prefix_cache and params.prompt_logprobs is None,
             bad_words_token_ids=checked.bad_words_token_ids)
+        req.forks = [replace(req, request_id=f"{req.request_id}#{i}", seed=sequence_seed(req.seed, i), index=i,
+                             times=PhaseTimes(arrival=req.times.arrival), output_token_ids=[], block_ids=[],
+                             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
+                             prompt_logprobs=[], forks=[]) for i in range(1, params.n)]
         self.scheduler.add_request(req)
+        members = [req, *req.forks]
+        if params.n > 1:
+            self._groups[req.request_id] = [m.request_id for m in members]
         if params.stop:
-            self._stops[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+            for m in members:
+                self._stops[m.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens)
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
-        req = self.scheduler.finish(request_id, reason)
-        return self._finished_output(req, [])
+        """End a request (every sequence of it); -> sequence 0's final output (`abort_all`: every one)."""
+        return self.abort_all(request_id, reason)[0]
+
+    def abort_all(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[RequestOutput]:
+        """End every unfinished sequence of a request; -> their final outputs (sequence order)."""
+        members = [rid for rid in self._groups.get(request_id, [request_id]) if rid in self.scheduler.requests]
+        if not members:
+            raise RequestNotFoundError(f"no request {request_id!r}")
+        finished = [self.scheduler.finish(rid, reason) for rid in members if rid in self.scheduler.requests]
+        finished += self.scheduler.take_cascaded()
+        return [self._finished_output(req, []) for req in sorted(finished, key=lambda r: r.index)]
 
     def resume(self, request_id: str) -> Request:
-        return self.scheduler.resume(request_id)
+        """Attach a decode to a parked request: every parked sequence of it joins the decode batch."""
+        members = self._groups.get(request_id, [request_id])
+        parked = [rid for rid in members if self.scheduler.is_parked(rid)]
+        if not parked:
+            return self.scheduler.resume(request_id)             # RequestNotFoundError, as before
+        return [self.scheduler.resume(rid) for rid in parked][0]
+
+    def is_unclaimed(self, request_id: str) -> bool:
+        """A split request no decode has attached to (see Scheduler.is_unclaimed), by its sequence 0."""
+        return self.scheduler.is_unclaimed(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -248,6 +288,9 @@ class EngineCore:
     def expire(self) -> list[RequestOutput]:
         """Finish requests past the pending timeout or their lease (also called by an idle loop)."""
         return [self._finished_output(r, []) for r in self.scheduler.expire()]
+
+    def num_sequences(self, request_id: str) -> int:
+        return len(self._groups.get(request_id, (request_id,)))
 
     def step(self) -> list[RequestOutput]:
         """One round. With async scheduling a decode round is enqueued here and its tokens come out of
@@ -295,10 +338,10 @@ class EngineCore:
                 out = self._finished_output(req, ev.new_token_ids)
             else:
                 parked = req.status is RequestStatus.PARKED
-                out = RequestOutput(req.request_id, ev.new_token_ids, False, stats=(
-                    req.stats(self.config.prefill_chunk) if parked else None))
+                out = RequestOutput(req.group_id, ev.new_token_ids, False, stats=(
+                    req.stats(self.config.prefill_chunk) if parked else None), index=req.index)
             out.logprobs = ev.logprobs
-            if req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            if req.sampling.prompt_logprobs is not None and req.index == 0 and not req.prompt_logprobs_sent:
                 out.prompt_logprobs = [None, *req.prompt_logprobs]
                 req.prompt_logprobs_sent = True
             outputs.append(out)
@@ -331,8 +374,11 @@ class EngineCore:
         self._stops.pop(req.request_id, None)
         stats = req.stats(self.config.prefill_chunk)
         self.metrics.record_request(stats)
-        return RequestOutput(req.request_id, tokens, True, req.finish_reason, stats,
-                             self._stop_text.pop(req.request_id, None))
+        group = self._groups.get(req.group_id)
+        if group is not None and all(rid not in self.scheduler.requests for rid in group):
+            del self._groups[req.group_id]
+        return RequestOutput(req.group_id, tokens, True, req.finish_reason, stats,
+                             self._stop_text.pop(req.request_id, None), index=req.index)
 
     def _record(self, sched, prefilling: list[Request], events) -> None:
         prefill = sum(len(p.token_ids) for p in sched.prefills)

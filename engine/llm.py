@@ -80,29 +80,32 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
         reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
-        sequences = {req.request_id: _Collected() for req in reqs}
-        remaining = len(reqs)
+        sequences = {(req.request_id, i): _Collected() for req in reqs for i in range(req.sampling.n)}
+        remaining = len(sequences)
         while remaining:
             for out in self.engine.step():
-                seq = sequences.get(out.request_id)
+                seq = sequences.get((out.request_id, out.index))
                 if seq is None:
                     continue
                 seq.add(out)
                 remaining -= out.finished
-        return [self._result(req, sequences[req.request_id]) for req in reqs]
+        return [self._result(req, [sequences[(req.request_id, i)] for i in range(req.sampling.n)]) for req in reqs]
 
-    def _result(self, req, seq: "_Collected") -> CompletionOutput:
+    def _result(self, req, collected: list["_Collected"]) -> CompletionOutput:
         p = req.sampling
-        text = seq.text if seq.text is not None else self.tokenizer.decode(
-            seq.token_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
-        logprobs = [self._position(lp) for lp in seq.logprobs] if p.logprobs is not None else None
-        sequence = SequenceOutput(0, text, seq.token_ids, seq.finish_reason, logprobs,
-                                  sum(lp.logprob for lp in seq.logprobs) if p.logprobs is not None else None,
-                                  seq.stats)
-        prompt_lp = ([None if lp is None else self._position(lp) for lp in seq.prompt_logprobs]
-                     if seq.prompt_logprobs is not None else None)
-        return CompletionOutput(req.request_id, req.prompt_token_ids, seq.token_ids, text, seq.finish_reason,
-                                seq.stats, outputs=[sequence], prompt_logprobs=prompt_lp)
+        outputs = []
+        for i, seq in enumerate(collected):
+            text = seq.text if seq.text is not None else self.tokenizer.decode(
+                seq.token_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
+            logprobs = [self._position(lp) for lp in seq.logprobs] if p.logprobs is not None else None
+            outputs.append(SequenceOutput(i, text, seq.token_ids, seq.finish_reason, logprobs,
+                                          sum(lp.logprob for lp in seq.logprobs) if p.logprobs is not None else None,
+                                          seq.stats))
+        first = collected[0]
+        prompt_lp = ([None if lp is None else self._position(lp) for lp in first.prompt_logprobs]
+                     if first.prompt_logprobs is not None else None)
+        return CompletionOutput(req.request_id, req.prompt_token_ids, first.token_ids, outputs[0].text,
+                                first.finish_reason, first.stats, outputs=outputs, prompt_logprobs=prompt_lp)
 
     def _position(self, lp: TokenLogprob) -> PositionLogprobs:
         """vLLM's dict for one position: the chosen token first, then the top-N (ranks 1..N)."""

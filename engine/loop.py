@@ -35,13 +35,17 @@ IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked req
 
 
 class RequestStream:
-    """Outputs of one request, in order. Iterating blocks; the final output has `finished` set."""
+    """Outputs of one request, in order. Iterating blocks. With n sequences, outputs carry their
+    `index` and each sequence's last has `finished` set; the stream ends after n of those."""
 
-    def __init__(self, request_id: str, loop: "EngineLoop"):
+    def __init__(self, request_id: str, loop: "EngineLoop", n: int = 1):
         self.request_id = request_id
+        self.n = n
         self._loop = loop
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self._unfinished = n
         self.finished = False
+        self.delivered_finals = 0         # the loop's count (its thread), apart from the reader's
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         self._outputs.put(item)
@@ -54,8 +58,10 @@ class RequestStream:
             self.finished = True
             raise item
         if item.finished:
-            self.finished = True
-            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:
+            self._unfinished -= 1
+            self.finished = self._unfinished == 0
+            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:       # the request never started: all n end so
+                self.finished = True
                 raise QueueTimeoutError(
                     f"request waited longer than pending_timeout_ms={self._loop.core.config.pending_timeout_ms}")
         return item
@@ -108,7 +114,7 @@ class EngineLoop:
 
         def add() -> RequestStream:
             req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival)
-            stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
+            stream = self._streams[req.request_id] = RequestStream(req.request_id, self, params.n)
             return stream
         return self._call(add)
 
@@ -116,7 +122,8 @@ class EngineLoop:
         """End a request wherever it is; its stream gets a final output. Unknown ids are ignored."""
         def do() -> None:
             try:
-                self._deliver(self.core.abort(request_id, reason))
+                for out in self.core.abort_all(request_id, reason):
+                    self._deliver(out)
             except RequestNotFoundError:
                 pass
         self._commands.put((do, None))
@@ -142,9 +149,10 @@ class EngineLoop:
         """Drop a split request no decode attached to (parked, or still on its way to park) and its KV,
         before the next step; NOT_FOUND when there is none (unknown, attached, expired or finished)."""
         def do() -> None:
-            if not self.core.scheduler.is_unclaimed(request_id):
+            if not self.core.is_unclaimed(request_id):
                 raise RequestNotFoundError(f"no prefilled handle {request_id!r} (unknown, attached, expired or finished)")
-            self._deliver(self.core.abort(request_id, FinishReason.ABORT))
+            for out in self.core.abort_all(request_id, FinishReason.ABORT):
+                self._deliver(out)
         self._call(do)
 
     def warmup(self) -> WarmupReport:
@@ -236,7 +244,9 @@ class EngineLoop:
             return
         stream._put(out)
         if out.finished:
-            del self._streams[out.request_id]
+            stream.delivered_finals += 1
+            if stream.delivered_finals == stream.n:
+                del self._streams[out.request_id]
 
     def _fail_pending_commands(self, error: BaseException) -> None:
         while True:

@@ -34,6 +34,7 @@ class RequestRecord:
     prefill_call_s: float = 0.0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    first_message_sent: bool = False                     # the client has had a message
     stats: RequestStats | None = None                    # the engine's final stats
     result: gateway_pb2.GenerateResult | None = field(default=None, repr=False)
 

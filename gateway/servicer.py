@@ -120,9 +120,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record.model = model.info.model
         record.sampling = request.sampling
         prepared = prepare(request, model, wait_s=time_left(context))
+        params = prepared.params
         record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
         record.tokenize_s = time.monotonic() - record.received
-        text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)
+        texts = [StreamingText(model.tokenizer, prepared.prompt_ids, params.stop, params.include_stop_str_in_output,
+                               params.min_tokens, params.skip_special_tokens, params.spaces_between_special_tokens)
+                 for _ in range(params.n)]
         if not context.add_callback(canceller):
             raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
         engine, first = self._prefill(request, prepared.prompt_ids, context, record, canceller)
@@ -130,14 +133,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         handle = None if first.finished else first.handle        # a handle no decode has attached yet
         try:
             opts = request.stream_options
-            if first.finished:
-                yield self._final(record, text.push(list(first.token_ids), final=True), first.token_ids,
-                                  first.stats, opts)
+            sequences = list(first.sequences) or [common_pb2.SequenceOutput(
+                index=0, token_ids=first.token_ids, finished=first.finished, stats=first.stats,
+                logprobs=first.logprobs)]
+            prompt_logprobs = first.prompt_logprobs
+            unfinished = params.n
+            # The first tokens go out before the decode call starts: starting a gRPC call costs about a
+            # millisecond of Python, which would otherwise add to the time to first token.
+            for seq in sequences:
+                yield self._message(record, texts[seq.index], seq, first.stats.usage, opts, prompt_logprobs)
+                prompt_logprobs = ()
+                unfinished -= seq.finished
+            if not unfinished:
                 return
-            # The first token goes out before the decode call starts: starting a gRPC call costs about
-            # a millisecond of Python, which would otherwise add to the time to first token.
-            record.token_sent(len(first.token_ids), self.metrics)
-            yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, first.stats.usage, opts)
             if not context.is_active():
                 raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away after the prefill")
             # The decode stream's client span is made here: the instrumentation's stream wrapper would
@@ -152,21 +160,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 try:
                     for msg in call:           # read to the stream's end, so that it ends OK, not cancelled
                         handle = None          # a message: the engine attached the handle, the stream owns it
-                        delta = text.push(list(msg.token_ids), final=msg.finished)
-                        record.token_sent(len(msg.token_ids), self.metrics)
-                        if msg.finished:
-                            yield self._final(record, delta, msg.token_ids, msg.stats, opts)
-                        elif delta or opts.include_token_ids or opts.continuous_usage_stats:
-                            yield self._chunk(record, delta, msg.token_ids, first.stats.usage, opts)
+                        reply = self._message(record, texts[msg.index], msg, first.stats.usage, opts, ())
+                        if reply is not None:
+                            yield reply
+                        unfinished -= msg.finished
                 except grpc.RpcError as e:
                     span.set_attribute("rpc.grpc.status_code", e.code().value[0])
                     raise
-                if record.result is None:
+                if unfinished:
                     raise RpcAbort(grpc.StatusCode.UNAVAILABLE, f"engine {engine.address} ended the stream early")
         finally:
             self.router.release(engine)
             if handle is not None:
                 self._release_handle(engine, handle)
+
+    def _message(self, record: RequestRecord, text: StreamingText, seq, usage: common_pb2.Usage,
+                 opts: gateway_pb2.StreamOptions, prompt_logprobs) -> gateway_pb2.GenerateResponse | None:
+        """The client's message for one sequence's engine output (a prefill's first or a decode step's);
+        None when it would carry nothing (text held back, no token ids or usage asked for)."""
+        delta = text.push(list(seq.token_ids), final=seq.finished)
+        record.token_sent(len(seq.token_ids), self.metrics)
+        if seq.finished:
+            return self._final(record, delta, seq, opts, prompt_logprobs)
+        if not (delta or opts.include_token_ids or opts.continuous_usage_stats or seq.logprobs or prompt_logprobs
+                or not record.first_message_sent):
+            return None
+        record.first_message_sent = True
+        msg = self._chunk(record, delta, seq.token_ids, usage, opts)
+        msg.index = seq.index
+        msg.logprobs.extend(seq.logprobs)
+        msg.prompt_logprobs.extend(prompt_logprobs)
+        return msg
 
     def _prefill(self, request, prompt_ids: list[int], context, record: RequestRecord,
                  canceller: CallCanceller) -> tuple[Engine, prefill_pb2.PrefillResponse]:
@@ -224,17 +248,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             msg.usage.completion_tokens = record.completion_tokens
         return msg
 
-    def _final(self, record: RequestRecord, text: str, token_ids, stats: common_pb2.RequestStats,
-               opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:
-        if record.first_token_at is None:           # the prefill's token was the only one
-            record.token_sent(len(token_ids), self.metrics)
+    def _final(self, record: RequestRecord, text: str, seq, opts: gateway_pb2.StreamOptions,
+               prompt_logprobs=()) -> gateway_pb2.GenerateResponse:
+        """A sequence's last message: its text, usage and result (engine stats, gateway timings)."""
+        record.first_message_sent = True
+        stats = seq.stats
         record.stats = stats_from_proto(stats)
         record.result = gateway_pb2.GenerateResult(stats=stats, gateway_timings=record.gateway_timings(),
                                                    model=record.model, engine=record.engine)
         msg = gateway_pb2.GenerateResponse(request_id=record.request_id, text=text, usage=stats.usage,
-                                           result=record.result)
+                                           result=record.result, index=seq.index, logprobs=seq.logprobs,
+                                           prompt_logprobs=prompt_logprobs)
         if opts.include_token_ids:
-            msg.token_ids.extend(token_ids)
+            msg.token_ids.extend(seq.token_ids)
         return msg
 
     def GetEngineMetrics(self, request, context: grpc.ServicerContext):

@@ -13,7 +13,7 @@ from structlog.contextvars import bound_contextvars
 from engine.loop import RequestStream
 from engine.request_stats import FinishReason, RequestStats
 from ninfer.v1 import decode_pb2, decode_pb2_grpc
-from services.convert import stats_to_proto
+from services.convert import logprobs_to_proto, stats_to_proto
 from services.engine_context import EngineContext
 from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.prefill import AbortOnTermination
@@ -53,17 +53,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if out.new_token_ids:
                     observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
                 last = now
+                logprobs = logprobs_to_proto(out.logprobs)
                 if not out.finished:
-                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, index=out.index, logprobs=logprobs)
                     continue
-                guard.disarm()
+                if stream.finished:
+                    guard.disarm()
                 self._report(out.stats, span)
                 if out.finish_reason is FinishReason.ABORT:  # the call ended (cancel, deadline): no one listens
                     if ctx.state.shut_down:
                         raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
                     raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
-                yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
-                                                stats=stats_to_proto(out.stats))
+                yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True, index=out.index,
+                                                stats=stats_to_proto(out.stats), logprobs=logprobs)
         except GeneratorExit:                          # gRPC dropped the stream: the client is gone
             if not stream.finished:
                 guard()
@@ -79,11 +81,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
 
 
 def _final_output(stream: RequestStream):
-    """Read an aborted stream up to its final output (its stats); None if it does not come."""
+    """Read an aborted stream up to its (last sequence's) final output (its stats); None if it does not come."""
     try:
         while True:
             out = stream.next(timeout=FINAL_OUTPUT_WAIT_S)
-            if out.finished:
+            if stream.finished:
                 return out
     except queue.Empty:
         log.warning("final_output_missing", request_id=stream.request_id)

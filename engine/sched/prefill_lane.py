@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.cache.block_manager import KVCacheManager
 from engine.sched.request import Request, RequestStatus
@@ -43,6 +43,19 @@ class SampleHistory:
     output_token_ids: list[int]
     stop_token_ids: frozenset[int]
     bad_words_token_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ForkWork:
+    """Sequence `index` > 0 of an n > 1 request, forked by its sequence 0's sampling chunk: the same
+    last hidden state, sampled with its own seed; KV of the shared prompt blocks by reference, the
+    prompt's partial last block copied into its own."""
+
+    request_id: str
+    seed: int
+    block_ids: list[int]
+    copy_block: tuple[int, int] | None      # (sequence 0's partial last prompt block, this one's copy)
+    state_slot: int = -1                    # hybrids: its linear-attention slot (a copy of sequence 0's)
 
 
 @dataclass
@@ -69,6 +82,9 @@ class PrefillWork:
     history: SampleHistory | None = None
     # score the prompt tokens after this chunk's positions, with this many alternatives (prompt_logprobs)
     prompt_logprobs: int | None = None
+    # n > 1: the sequences this sampling chunk forks (engine.sched.scheduler.Scheduler._fork)
+    forks: list[ForkWork] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)    # sequences that found no KV: queued to prefill alone
 
 
 class PrefillLane:

@@ -34,7 +34,7 @@ from engine.logprobs import TokenLogprob
 from engine.sched.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
-from engine.sched.prefill_lane import PrefillLane, PrefillWork
+from engine.sched.prefill_lane import ForkWork, PrefillLane, PrefillWork
 from engine.sched.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.cache.state_slots import StateSlotPool
@@ -126,6 +126,7 @@ class Scheduler:
         self.attached: deque[Request] = deque()       # resumed (decode attached), waiting for a seat
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._cascaded: list[Request] = []
         self._lease_deadline: dict[str, float] = {}
         self.draft_policy = DraftPolicy(config.draft_tokens) if config.adaptive_draft else None
 
@@ -156,12 +157,26 @@ class Scheduler:
             raise InvalidArgumentError(
                 "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) + draft slots "
                 f"({self.config.draft_tokens}) exceeds the KV capacity of {self.kv.capacity_tokens} tokens")
-        if req.request_id in self.requests:
-            raise InvalidArgumentError("request_id", f"{req.request_id!r} is already in use")
+        seqs = req.sampling.n
+        if seqs > 1:
+            # the prompt once; each sequence its outputs, draft slots and a copy of the prompt's last block
+            need = n + seqs * (req.sampling.max_tokens + self.config.draft_tokens + self.kv.block_size)
+            if need > self.kv.capacity_tokens:
+                raise InvalidArgumentError(
+                    "n", f"{seqs} sequences x (max_tokens {req.sampling.max_tokens} + draft slots "
+                    f"{self.config.draft_tokens} + a block of {self.kv.block_size}) + the prompt ({n} tokens) = "
+                    f"{need} tokens exceed the KV capacity of {self.kv.capacity_tokens} tokens")
+        for member in (req, *req.forks):
+            if member.request_id in self.requests:
+                raise InvalidArgumentError("request_id", f"{member.request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_pending:
             raise QueueFullError(f"the pending queue is full ({self.config.max_pending} requests)")
         req.num_prefill_tokens = n
         self.requests[req.request_id] = req
+        for child in req.forks:                     # held until the prefill of sequence 0 forks them
+            child.status = RequestStatus.FORKING
+            child.num_prefill_tokens = n
+            self.requests[child.request_id] = child
         self.waiting.append(req)
 
     # -- one step -------------------------------------------------------------------------------
@@ -179,7 +194,12 @@ class Scheduler:
             if now > deadline:
                 done.append(self.parked[rid])
                 self._finish(self.parked[rid], FinishReason.LEASE_EXPIRED)
-        return done
+        return done + self.take_cascaded()
+
+    def take_cascaded(self) -> list[Request]:
+        """Sequences finished because their sequence 0 finished before forking them."""
+        cascaded, self._cascaded = self._cascaded, []
+        return cascaded
 
     def schedule(self) -> SchedulerOutput:
         k = self.config.draft_tokens
@@ -204,7 +224,42 @@ class Scheduler:
             for work in decode:
                 work.draft_tokens = min(work.draft_tokens, k_round)
         prefills = self.lane.plan(self.waiting, self._has_room)
+        for piece in prefills:
+            req = self.requests[piece.request_id]
+            if piece.sample and req.forks:
+                self._fork(piece, req)
         return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=self.take_finished_ids())
+
+    def _fork(self, piece: PrefillWork, parent: Request) -> None:
+        """Sequences 1..n-1 of `parent`, forked by its sampling chunk: each takes the full prompt blocks
+        by reference and fresh blocks from the prompt's partial last block on (a copy of it), and is
+        sampled from the same logits with its own seed. One that finds no KV (or state slot) now
+        queues at the head and prefills on its own later (the prefix cache keeps most of the prompt)."""
+        bs, k = self.kv.block_size, self.config.draft_tokens
+        prompt = parent.num_prefill_tokens
+        shared = prompt // bs
+        tail = parent.block_ids[shared] if prompt % bs else None
+        deferred: list[Request] = []
+        for child in parent.forks:
+            if child.finished:
+                continue
+            slot_ok = self.states is None or self.states.allocate(child)
+            if slot_ok and self.kv.fork(parent, child, shared, prompt + k):
+                child.status = RequestStatus.PREFILLING
+                piece.forks.append(ForkWork(
+                    request_id=child.request_id, seed=child.seed, block_ids=child.block_ids,
+                    copy_block=(tail, child.block_ids[shared]) if tail is not None else None,
+                    state_slot=child.state_slot))
+                continue
+            if slot_ok and self.states is not None:
+                self.states.free(child)
+            child.status = RequestStatus.WAITING
+            child.park_after_prefill = False          # it decodes once prefilled: a decode may be attached already
+            deferred.append(child)
+        for child in reversed(deferred):
+            self.waiting.appendleft(child)
+        parent.forks = []
+        piece.deferred = [c.request_id for c in deferred]
 
     def take_finished_ids(self) -> list[str]:
         """Requests that left since the last call (their runner state is dropped with the next round)."""
@@ -240,6 +295,7 @@ class Scheduler:
                         req.times.decode_start = now
                 events.append(self._append(req, result.sampled[req.request_id], now,
                                            result.logprobs.get(req.request_id)))
+                events.extend(self._forked(req, piece, result, now, spec))
             self._register(req, spec)
             if piece.snapshot_slot >= 0:
                 keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
@@ -262,6 +318,32 @@ class Scheduler:
             events.append(self._append(req, tokens, now, result.logprobs.get(work.request_id)))
             if not req.finished:
                 self._register(req, spec)
+        return events
+
+    def _forked(self, parent: Request, piece: PrefillWork, result: ModelOutput, now: float,
+                spec: bool) -> list[RequestEvent]:
+        """The sequences the parent's sampling chunk forked join it (decoding or parked), each with its
+        first token; those deferred report an empty first output (every sequence has one this step)."""
+        events = []
+        for f in piece.forks:
+            child = self.requests[f.request_id]
+            child.times.prefill_start, child.times.first_token = parent.times.prefill_start, now
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_mtp_computed = parent.num_mtp_computed
+            if parent.park_after_prefill and parent.num_preemptions == 0:
+                child.status = RequestStatus.PARKED
+                self.parked[child.request_id] = child
+                self._lease_deadline[child.request_id] = now + self.config.lease_s
+            else:
+                child.status = RequestStatus.RUNNING
+                child.times.decode_start = now
+                self.running.append(child)
+            events.append(self._append(child, result.sampled[child.request_id], now,
+                                       result.logprobs.get(child.request_id)))
+            if not child.finished:
+                self._register(child, spec)
+        events.extend(RequestEvent(self.requests[rid], [], False) for rid in piece.deferred
+                      if rid in self.requests)
         return events
 
     # -- caller actions -------------------------------------------------------------------------
@@ -317,10 +399,14 @@ class Scheduler:
         parked; one that will decode needs a seat. The lane's requests count where they are headed."""
         def parks(r: Request) -> bool:
             return r.park_after_prefill and r.num_preemptions == 0
-        ahead = sum(1 for r in self.lane.requests if parks(r) == parks(req))
+
+        def seats(r: Request) -> int:             # an n > 1 request's sequences all take one when it forks
+            return 1 + len(r.forks)
+        ahead = sum(seats(r) for r in self.lane.requests if parks(r) == parks(req))
         if parks(req):
-            return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
-        return len(self.running) + len(self.attached) + ahead < self.config.max_batch
+            return (len(self.parked) + len(self.attached) + ahead + seats(req)
+                    <= (self.config.max_parked or self.config.max_batch))
+        return len(self.running) + len(self.attached) + ahead + seats(req) <= self.config.max_batch
 
     def decode_work(self, req: Request) -> DecodeWork:
         """The request's next round, packed whole from what the host knows (every round of it read)."""
@@ -367,6 +453,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
         if req.finished:
             return
+        for child in req.forks:                   # never forked: they end with it
+            self._finish(child, reason, now)
+            self._cascaded.append(child)
+        req.forks = []
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.PARKED:

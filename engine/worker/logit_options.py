@@ -102,6 +102,17 @@ class LogitOptionPool:
         self.tail[slot] = _padded([-1] * (TAIL - len(tail)) + list(tail), TAIL, -1, dev)
         return slot
 
+    def copy(self, src_request_id: str, dst_request_id: str) -> int:
+        """A slot for `dst` holding what `src`'s holds (a forked sequence: the same history so far)."""
+        src = self.slots[src_request_id]
+        dst = self.slots.get(dst_request_id)
+        if dst is None:
+            dst = self.slots[dst_request_id] = self._free.pop()
+        for t in (self.counts, self.prompt, self.penalties, self.min_tokens, self.stop_ids, self.stop_on,
+                  self.bias_ids, self.bias, self.bad_prefix, self.bad_last, self.tail):
+            t[dst] = t[src]
+        return dst
+
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             slot = self.slots.pop(rid, None)

@@ -185,26 +185,51 @@ class ModelRunner:
         done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
         if not done:
             return
+        for w, _ in done:
+            self._fork(w)
+        # one row per sequence: a sampling piece, then the sequences it forks (the same hidden state and
+        # option slot -- their history is the prompt alone --, each with its own seed)
+        parent_slots = [self._fill_options(w) for w, _ in done]
+        rows = [(w.request_id, w, w.seed, i, parent_slots[i]) for i, (w, _) in enumerate(done)]
+        rows += [(f.request_id, w, f.seed, i, parent_slots[i]) for i, (w, _) in enumerate(done) for f in w.forks]
+        for rid, w, _, _, slot in rows:
+            if rid != w.request_id and slot != self.options.scratch:
+                self.options.copy(w.request_id, rid)
         last = hidden[[row for _, row in done]]                                          # [S, hidden]
-        slots = torch.tensor([self._fill_options(w) for w, _ in done], dtype=torch.int64, device=self.device)
-        s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
-                                        [w.output_index for w, _ in done], self.device,
+        index = torch.tensor([i for _, _, _, i, _ in rows], dtype=torch.int64, device=self.device)
+        slots = torch.tensor([slot for *_, slot in rows], dtype=torch.int64, device=self.device)
+        s = sampler.SamplingBatch.build([w.sampling for _, w, *_ in rows], [seed for _, _, seed, *_ in rows],
+                                        [w.output_index for _, w, *_ in rows], self.device,
                                         options=LogitOptionRows.at_slots(self.options, slots))
-        logits = self.model.compute_logits(last)                                       # [S, V]
-        sampled = sampler.sample(logits, s)                                              # [S]
+        logits = self.model.compute_logits(last).index_select(0, index)                 # [R, V]
+        sampled = sampler.sample(logits, s)                                              # [R]
         if s.options is not None:
-            self.options.advance(slots, sampled.unsqueeze(1))
+            own = torch.tensor([self.options.slot_of(rid) for rid, *_ in rows], dtype=torch.int64, device=self.device)
+            self.options.advance(own, sampled.unsqueeze(1))
         tokens = sampled.tolist()
-        wanted = [i for i, (w, _) in enumerate(done) if w.sampling.logprobs is not None]
+        wanted = [r for r, (_, w, *_) in enumerate(rows) if w.sampling.logprobs is not None]
         if wanted:
             lp = engine_logprobs.compute(logits.unsqueeze(1), sampled.unsqueeze(1))
-            host = rows_to_host(lp, wanted, [1] * len(wanted), [done[i][0].sampling.logprobs for i in wanted])
-            for i, rows in zip(wanted, host):
-                result.logprobs[done[i][0].request_id] = as_token_logprobs([tokens[i]], rows)
-        for i, (w, _) in enumerate(done):
+            host = rows_to_host(lp, wanted, [1] * len(wanted), [rows[r][1].sampling.logprobs for r in wanted])
+            for r, row_lp in zip(wanted, host):
+                result.logprobs[rows[r][0]] = as_token_logprobs([tokens[r]], row_lp)
+        for r, (rid, _, _, i, _) in enumerate(rows):
             if self.hidden is not None:
-                self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
-            result.sampled[w.request_id] = [tokens[i]]
+                self.hidden.states[self.hidden.row_for(rid), 0] = last[i]
+            result.sampled[rid] = [tokens[r]]
+
+    def _fork(self, w: PrefillWork) -> None:
+        """Device state of the sequences a sampling piece forks: the prompt's partial last block and the
+        linear-attention state copied (the full blocks are shared by reference)."""
+        for f in w.forks:
+            if f.copy_block is not None:
+                src, dst = f.copy_block
+                for kv in self.kv:
+                    for pages in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+                        if pages is not None:
+                            pages[dst].copy_(pages[src])
+            if self.states is not None and f.state_slot >= 0:
+                self.states.copy(w.state_slot, f.state_slot)
 
     def _fill_options(self, w: PrefillWork) -> int:
         """The slot of a sampling piece's logit options, written from its history (scratch: none)."""

@@ -255,6 +255,7 @@ def nonnegative_float(text: str) -> float:
 # -- sampling -------------------------------------------------------------------------------------
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """`ninfer generate`'s sampling flags, vLLM's names. Its defaults are its own: greedy, 64 tokens."""
     d = SamplingParams.__dataclass_fields__
     g = p.add_argument_group("sampling")
     g.add_argument("--prompt", required=True, help="prompt text")
@@ -263,11 +264,49 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=d["top_p"].default, help="nucleus sampling: keep the smallest set "
                    "of tokens whose probability reaches this")
     g.add_argument("--top-k", type=int, default=d["top_k"].default, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--min-p", type=float, default=d["min_p"].default,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--n", type=int, default=d["n"].default,
+                   help="sequences from the one prompt (one prefill, shared KV); each printed in turn")
+    g.add_argument("--presence-penalty", type=float, default=d["presence_penalty"].default,
+                   help="subtracted once from every token already generated, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=d["frequency_penalty"].default,
+                   help="subtracted per occurrence in the generated text, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"].default,
+                   help="prompt and output tokens: positive logits divided, negative multiplied (1 = off)")
+    g.add_argument("--min-tokens", type=int, default=d["min_tokens"].default,
+                   help="no EOS, stop token or stop string before this many tokens")
+    g.add_argument("--logit-bias", action="append", default=[], type=logit_bias_flag, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to the token's logit (repeatable)")
+    g.add_argument("--bad-word", dest="bad_words", action="append", default=[],
+                   help="a word never to generate (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's logprob and the top N alternatives (N <= 20)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not part of the output")
+    g.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the output")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
+                   default=d["skip_special_tokens"].default, help="leave special tokens out of the text")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def logit_bias_flag(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags as SamplingParams fields (the CLI's own defaults applied)."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, n=args.n, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                min_tokens=args.min_tokens, logit_bias=dict(args.logit_bias) or None, bad_words=args.bad_words or None,
+                logprobs=args.logprobs, stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output,
+                skip_special_tokens=args.skip_special_tokens, ignore_eos=args.ignore_eos)
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    return SamplingParams(**sampling_kwargs(args))
