@@ -118,6 +118,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             seqs = [_Sequence() for _ in range(params.n)]          # n > 1: one per index
             prompt_lp: list | None = None                            # prompt logprobs, until sent
             wants_lp = params.logprobs is not None
+            finals: dict[int, pb.GenerateResponse] = {}            # unary: each sequence's, until all are done
             last = time.monotonic()
             try:
                 for out in stream:
@@ -154,10 +155,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                             prompt_lp = None
                         yield convert.complete([], out.stats, matched, index=out.index)
                     else:
-                        yield convert.complete(seq.output, out.stats, matched, index=out.index,
-                                               logprobs=seq.logprobs if wants_lp else None, prompt_ids=prompt,
-                                               prompt_logprobs=prompt_lp)
+                        # unary: every sequence's answer once all have finished, in index order (smg 1.13
+                        # numbers a unary request's choices in the order the answers arrive)
+                        finals[out.index] = convert.complete(
+                            seq.output, out.stats, matched, index=out.index, logprobs=seq.logprobs if wants_lp else None,
+                            prompt_ids=prompt, prompt_logprobs=prompt_lp)
                         prompt_lp = None
+                        if stream.finished:
+                            yield from (finals[i] for i in sorted(finals))
             except GeneratorExit:                           # gRPC dropped the stream: the client is gone
                 if not stream.finished:
                     guard()
