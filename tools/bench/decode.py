@@ -37,7 +37,7 @@ def decode_point(bench, session, context: int, repeats: int, max_tokens: int, la
     """`repeats` requests of a fresh `context`-token prompt decoding `max_tokens` tokens."""
     reps = []
     for _ in range(repeats):
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **(params or {}))
+        sp = SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, **(params or {})})
         stats = session.generate(random_prompt(context, session.vocab), sp,
                                  timeout=max(120.0, 10 * (bench.estimate_prefill_s(context) + max_tokens * 0.1)))
         reps.append(compact(stats))

@@ -97,7 +97,7 @@ def sampled(hybrid):
     llm = make_llm(hybrid, draft_tokens=2, max_batch=64, max_pending=N_SAMPLED,
                    pending_timeout_ms=1 << 30)
     outs = llm.generate([PROMPT] * N_SAMPLED,
-                        [SamplingParams(seed=5000 + i, **SAMPLING, temperature=0.0) for i in range(N_SAMPLED)])
+                        [SamplingParams(seed=5000 + i, **SAMPLING) for i in range(N_SAMPLED)])
     return llm, [o.token_ids for o in outs], [o.stats.speculative for o in outs]
 
 
@@ -121,7 +121,7 @@ def test_the_statistic_rejects_a_leaking_commit(hybrid, sampled, monkeypatch):
                         lambda self, kept: real(self, torch.full_like(kept, 3)))
     llm = make_llm(hybrid, draft_tokens=2, max_batch=64, max_pending=N_SAMPLED,
                    pending_timeout_ms=1 << 30)
-    outs = llm.generate([PROMPT] * N_SAMPLED, [SamplingParams(seed=5000 + i, **SAMPLING, temperature=0.0) for i in range(N_SAMPLED)])
+    outs = llm.generate([PROMPT] * N_SAMPLED, [SamplingParams(seed=5000 + i, **SAMPLING) for i in range(N_SAMPLED)])
     assert third_token_pvalue(make_llm(hybrid), [o.token_ids for o in outs]) < 1e-3
 
 
