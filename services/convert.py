@@ -46,10 +46,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams, room: int | None = None) -
     the prompt), so that a long prompt is not refused for a field its caller never set. Raises
     InvalidArgumentError naming the field."""
     # sizes first, before copying a field that may hold millions
-    for name, limit in (("stop", MAX_STOP_STRINGS), ("stop_token_ids", MAX_STOP_TOKEN_IDS),
-                        ("logit_bias", MAX_LOGIT_BIAS), ("bad_words", MAX_BAD_WORDS)):
+    for name, limit, what in (("stop", MAX_STOP_STRINGS, "stop strings"), ("stop_token_ids", MAX_STOP_TOKEN_IDS,
+                              "stop token ids"), ("logit_bias", MAX_LOGIT_BIAS, "entries"), ("bad_words", MAX_BAD_WORDS, "words")):
         if len(getattr(p, name)) > limit:
-            raise InvalidArgumentError(name, f"at most {limit} entries, got {len(getattr(p, name))}")
+            raise InvalidArgumentError(name, f"at most {limit} {what}, got {len(getattr(p, name))}")
     kwargs: dict[str, Any] = {}
     for name in ("max_tokens", "temperature", "top_p", "seed", "draft_tokens", "repetition_penalty", "logprobs",
                  "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens"):
