@@ -195,14 +195,22 @@ def test_fields_past_their_limit_are_refused_naming_the_field(gateway, case, dat
 
 
 @FUZZ
-@given(n=st.integers(2, 64), max_tokens=st.integers(1, 63))
+@given(n=st.integers(2, 64), max_tokens=st.integers(1, MAX_MODEL_LEN - 3))
 def test_n_times_max_tokens_past_the_kv_is_refused_naming_n(gateway, n, max_tokens):
-    """prompt + n x (max_tokens + a block) past the KV capacity (2048): INVALID_ARGUMENT naming n; else it runs."""
+    """Each sequence fits the context; prompt + n x (max_tokens + a block) past the KV capacity (2048):
+    INVALID_ARGUMENT naming n; else it runs, and every sequence gets its tokens."""
     count("n_capacity")
     sampling = common_pb2.SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
-    status = status_of(lambda: list(gateway.generate(prompt_token_ids=[5, 6, 7], sampling=sampling, timeout=60)))
     past = 3 + n * (max_tokens + 16) > 2048
-    assert status is (grpc.StatusCode.INVALID_ARGUMENT if past else grpc.StatusCode.OK), (n, max_tokens, status)
+    try:
+        msgs = list(gateway.generate(prompt_token_ids=[5, 6, 7], sampling=sampling, timeout=60))
+    except grpc.RpcError as e:
+        assert past and e.code() is grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("n: "), \
+            (n, max_tokens, e.code(), e.details())
+        return
+    assert not past, (n, max_tokens)
+    results = [m.result for m in msgs if m.HasField("result")]
+    assert len(results) == n and all(r.stats.usage.completion_tokens == max_tokens for r in results)
 
 
 METHODS = [("gateway", "/ninfer.v1.Gateway/Generate", True), ("engine", "/ninfer.v1.PrefillService/Prefill", False),
