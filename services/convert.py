@@ -113,7 +113,7 @@ def logprobs_from_proto(items) -> list[TokenLogprob]:
 
 
 def sequence_output_to_proto(out) -> common_pb2.SequenceOutput:
-    """One engine output (`engine.core.RequestOutput`) as a SequenceOutput."""
+    """One output of a request stream (`engine.loop.RequestStream`) as a SequenceOutput."""
     msg = common_pb2.SequenceOutput(index=out.index, token_ids=out.new_token_ids, finished=out.finished,
                                     logprobs=logprobs_to_proto(out.logprobs))
     if out.stats is not None:
