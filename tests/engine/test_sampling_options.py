@@ -121,3 +121,18 @@ def test_options_that_need_the_model_are_refused_at_admission(llm_k0, params, fi
         llm_k0.engine.add_request("hi", SamplingParams(**params))
     assert e.value.field == field and fragment in str(e.value), str(e.value)
     assert_kv_idle(llm_k0.engine)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm_k0):
+    ids = llm_k0.tokenizer.encode(PROMPTS[0])
+    out = llm_k0.generate([ids], SamplingParams(max_tokens=4, temperature=0.0, truncate_prompt_tokens=5))[0]
+    assert out.prompt_token_ids == ids[-5:]
+    assert out.token_ids == llm_k0.generate([ids[-5:]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
+
+
+def test_special_tokens_kept_or_skipped_in_the_text(llm_k0):
+    tok = llm_k0.tokenizer
+    ids = [1] + tok.encode("user") + [2]                       # <|im_start|>user<|im_end|>
+    assert tok.decode(ids) == "user"
+    assert tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=False) == "<|im_start|>user<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True) == "<|im_start|> user <|im_end|>"

@@ -61,7 +61,7 @@ metric_list:
 @pytest.fixture(scope="module")
 def router(shared_model, tmp_path_factory):
     engine = ServerProcess.start("engine", "--model", shared_model, "--kv-capacity", "4096",
-                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout_s=300)
     client = EngineClient(engine.address)
     smg = None
     try:
