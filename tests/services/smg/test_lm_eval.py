@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import pytest
 
@@ -73,8 +74,12 @@ def router(shared_model, tmp_path_factory):
         if smg is not None:
             smg.stop()
         if engine.proc.poll() is None:
-            engine.terminate()
-            engine.wait(30)
+            engine.terminate()                      # SIGTERM: it drains (slow on a loaded machine)
+            try:
+                engine.wait(120)
+            except subprocess.TimeoutExpired:
+                engine.proc.kill()
+                engine.proc.wait()
         client.close()
 
 
