@@ -131,6 +131,7 @@ class EngineConfig:
     """Everything the engine needs besides the weights. Field names follow vLLM's flags."""
 
     model: str | None = None                # HF directory; None = the embedded default model
+    served_model_name: str | None = None    # the name clients see and ask for; None = the model directory's name
     device: str = "auto"                    # "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]"
     dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
     kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
@@ -185,6 +186,9 @@ class EngineConfig:
             _require_int("kv_capacity", self.kv_capacity, 1, 1 << 40)
         if self.max_model_len is not None:
             _require_int("max_model_len", self.max_model_len, 1, 1 << 40)
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise InvalidArgumentError("served_model_name", f"must be a non-empty name, got {self.served_model_name!r}")
         if not (0.0 < self.memory_utilization <= 1.0):
             raise InvalidArgumentError("memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
         if not (self.stats_interval_s > 0 and math.isfinite(self.stats_interval_s)):

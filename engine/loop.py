@@ -40,17 +40,21 @@ IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked req
 
 
 class RequestStream:
-    """Outputs of one request, in order. Iterating blocks; the final output has `finished` set."""
+    """Outputs of one request, in order. Iterating blocks. With n sequences, outputs carry their
+    `index` and each sequence's last has `finished` set; the stream ends after n of those."""
 
-    def __init__(self, request_id: str, loop: "EngineLoop"):
+    def __init__(self, request_id: str, loop: "EngineLoop", n: int = 1):
         self.request_id = request_id
+        self.n = n
         self._loop = loop
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self._unfinished = n
         self.finished = False
         self.attached = False                            # resumed (a decode attached to it)
         self.seed = 0                                    # the request's seed (the caller's or a drawn one)
         self._waiter: asyncio.Future | None = None       # an asyncio reader waiting for the next output
         self._waiter_lock = threading.Lock()
+        self.delivered_finals = 0         # the loop's count (its thread), apart from the reader's
 
     def _put(self, item: RequestOutput | BaseException) -> None:
         """On the engine thread: queue an output and wake an asyncio reader waiting for it."""
@@ -89,8 +93,10 @@ class RequestStream:
             self.finished = True
             raise item
         if item.finished:
-            self.finished = True
-            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:
+            self._unfinished -= 1
+            self.finished = self._unfinished == 0
+            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:       # the request never started: all n end so
+                self.finished = True
                 config = self._loop.core.config
                 if self.attached:             # prefilled and attached: it waited for a decode seat
                     raise QueueTimeoutError(f"no decode seat within seat_timeout_seconds="
@@ -165,7 +171,7 @@ class EngineLoop:
         def add() -> RequestStream:
             req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival,
                                         output_token_ids=output_token_ids)
-            stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
+            stream = self._streams[req.request_id] = RequestStream(req.request_id, self, params.n)
             stream.seed = req.seed
             return stream
         return add
@@ -174,7 +180,8 @@ class EngineLoop:
         """End a request wherever it is; its stream gets a final output. Unknown ids are ignored."""
         def do() -> None:
             try:
-                self._deliver(self.core.abort(request_id, reason))
+                for out in self.core.abort_all(request_id, reason):
+                    self._deliver(out)
             except RequestNotFoundError:
                 pass
         self._commands.put((do, None))
@@ -215,9 +222,10 @@ class EngineLoop:
 
     def _release(self, request_id: str) -> Callable[[], None]:
         def do() -> None:
-            if not self.core.scheduler.is_unclaimed(request_id):
+            if not self.core.is_unclaimed(request_id):
                 raise RequestNotFoundError(f"no prefilled handle {request_id!r} (unknown, attached, expired or finished)")
-            self._deliver(self.core.abort(request_id, FinishReason.ABORT))
+            for out in self.core.abort_all(request_id, FinishReason.ABORT):
+                self._deliver(out)
         return do
 
     def warmup(self) -> WarmupReport:
@@ -359,7 +367,9 @@ class EngineLoop:
             return
         stream._put(out)
         if out.finished:
-            del self._streams[out.request_id]
+            stream.delivered_finals += 1
+            if stream.delivered_finals == stream.n:
+                del self._streams[out.request_id]
 
     def _fail_pending_commands(self, error: BaseException) -> None:
         while True:

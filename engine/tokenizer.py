@@ -20,7 +20,9 @@ class Tokenizer:
     def __init__(self, inner: HFTokenizer, eos_token_ids: tuple[int, ...] = ()):
         self.inner = inner
         self.eos_token_ids = eos_token_ids
-        self.special_ids = {i for i, tok in inner.get_added_tokens_decoder().items() if tok.special}
+        added = inner.get_added_tokens_decoder()
+        self.special_ids = {i for i, tok in added.items() if tok.special}
+        self.added_ids = set(added)
         # the same tokenizer with special-token parsing off (a separate instance: the flag is the
         # tokenizer's, and requests of both kinds run at once)
         self._text_only = HFTokenizer.from_str(inner.to_str())
@@ -74,8 +76,28 @@ class Tokenizer:
             ids += [start, *generation]
         return ids
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
+        """Text of `ids`. With special tokens kept, `spaces_between_special_tokens` puts one space
+        between each added token and the text beside it (the meaning of the flag in vLLM and
+        transformers' Python tokenizers; the Rust tokenizer alone joins them without spaces)."""
+        if skip_special_tokens or not spaces_between_special_tokens or not self.added_ids.intersection(ids):
+            return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts: list[str] = []
+        run: list[int] = []
+        for t in ids:
+            if t in self.added_ids:
+                if run:
+                    text = self.inner.decode(run, skip_special_tokens=False)
+                    if text:
+                        parts.append(text)
+                    run = []
+                parts.append(self.inner.id_to_token(t))
+            else:
+                run.append(t)
+        if run:
+            parts.append(self.inner.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def to_json(self) -> str:
         """The tokenizer.json text: engines hand it to gateways, which tokenize with it."""
@@ -94,8 +116,10 @@ class IncrementalDetokenizer:
     until the following tokens complete it. Only a short window of tokens is re-decoded per step.
     """
 
-    def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer, context_ids: list[int] | None = None, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self._options = (skip_special_tokens, spaces_between_special_tokens)
         self.ids: list[int] = list(context_ids or [])[-6:]   # decoding context for leading spaces
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -104,8 +128,8 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty)."""
         self.ids.extend(new_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], *self._options)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], *self._options)
         if full.endswith(REPLACEMENT_CHAR) or len(full) <= len(prefix):
             return ""
         delta = full[len(prefix):]
@@ -115,8 +139,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a stream: whatever is held back, replacement characters included."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], *self._options)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], *self._options)
         delta = full[len(prefix):] if len(full) > len(prefix) else ""
         self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
@@ -125,9 +149,24 @@ class IncrementalDetokenizer:
 
 def find_stop(text: str, stops: list[str], new_from: int) -> int | None:
     """Index where the earliest stop string starts, looking only at matches that end in text[new_from:]."""
-    best = None
+    match = find_stop_match(text, stops, new_from)
+    return None if match is None else match[0]
+
+
+def find_stop_match(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
+    """(start, stop string) of the earliest stop string among the matches that end in text[new_from:]."""
+    best: tuple[int, str] | None = None
     for stop in stops:
         i = text.find(stop, max(0, new_from - len(stop) + 1))
-        if i >= 0 and (best is None or i < best):
-            best = i
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, stop)
     return best
+
+
+def stop_cut(text: str, stops: list[str], new_from: int, include_stop: bool) -> int | None:
+    """Where the text ends at the earliest stop string: before it, or after it with `include_stop`
+    (vLLM's include_stop_str_in_output); None when no stop string ends in text[new_from:]."""
+    match = find_stop_match(text, stops, new_from)
+    if match is None:
+        return None
+    return match[0] + len(match[1]) if include_stop else match[0]

@@ -35,6 +35,7 @@ class RequestRecord:
     migrations: int = 0                                  # times the stream moved to another engine
     first_token_at: float | None = None
     last_token_at: float | None = None
+    first_message_sent: bool = False                     # the client has had a message
     stats: RequestStats | None = None                    # the engine's final stats
     result: gateway_pb2.GenerateResult | None = field(default=None, repr=False)
 

@@ -78,9 +78,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record.model = model.info.model
         record.sampling = request.sampling
         prepared = await prepare_off_loop(request, model, wait_s=time_left(context))
+        params = prepared.params
         record.operation, record.prompt_tokens = prepared.operation, len(prepared.prompt_ids)
         record.tokenize_s = time.monotonic() - record.received
-        text = StreamingText(model.tokenizer, prepared.prompt_ids, prepared.params.stop)
+        texts = [StreamingText(model.tokenizer, prepared.prompt_ids, params.stop, params.include_stop_str_in_output,
+                               params.min_tokens, params.skip_special_tokens, params.spaces_between_special_tokens)
+                 for _ in range(params.n)]
         if context.done():
             raise RpcAbort(grpc.StatusCode.CANCELLED, "the client went away")
         context.add_done_callback(canceller)
@@ -89,36 +92,47 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         record.engine = engine.address
         progress.seed = first.seed
         opts = request.stream_options
-        if first.finished:
-            self.router.release(engine)
-            yield self._final(record, text.push(list(first.token_ids), final=True), first.token_ids, first.stats, opts)
-            return
-        # The first token goes out before the decode call starts: starting a gRPC call costs about
-        # a millisecond of Python, which would otherwise add to the time to first token.
-        record.token_sent(len(first.token_ids), self.metrics)
-        progress.sent += first.token_ids
         usage = first.stats.usage
+        sequences = list(first.sequences) or [common_pb2.SequenceOutput(
+            index=0, token_ids=first.token_ids, finished=first.finished, stats=first.stats, logprobs=first.logprobs)]
+        unfinished = [params.n - sum(seq.finished for seq in sequences)]
         handle = first.handle
-        canceller.own(lambda: self._release_handle(engine, handle))     # no decode has attached it yet
+        if not first.finished:                     # every sequence finished: no handle waits
+            canceller.own(lambda: self._release_handle(engine, handle))     # no decode has attached it yet
+        # The first tokens go out before the decode call starts: starting a gRPC call costs about a
+        # millisecond of Python, which would otherwise add to the time to first token.
         try:
-            yield self._chunk(record, text.push(list(first.token_ids)), first.token_ids, usage, opts)
+            prompt_logprobs = first.prompt_logprobs
+            for seq in sequences:
+                if seq.index == 0:
+                    progress.sent += seq.token_ids
+                reply = self._message(record, texts[seq.index], seq, usage, opts, prompt_logprobs)
+                prompt_logprobs = ()
+                if reply is not None:
+                    yield reply
         except BaseException:                      # the client left: _decode will not run to free these
             self.router.release(engine)
             canceller.release_owned()
             raise
+        if first.finished:
+            self.router.release(engine)
+            return
         while True:
             try:
-                async for response in self._decode(engine, handle, context, record, canceller, text, usage, opts,
-                                                   progress):
+                async for response in self._decode(engine, handle, context, record, canceller, texts, usage, opts,
+                                                   progress, unfinished):
                     yield response
                 return
             except EngineLost as lost:
+                if params.n > 1:                   # a stream of several sequences ends with the error
+                    raise lost.error from None
                 engine, handle = await self._migrate(request, lost, engine, context, record, canceller, progress)
 
     async def _decode(self, engine: Engine, handle: str, context, record: RequestRecord, canceller: CallCanceller,
-                      text: StreamingText, usage: common_pb2.Usage, opts: gateway_pb2.StreamOptions,
-                      progress: StreamProgress):
-        """Stream a prefilled handle's tokens to the client; EngineLost when its engine is lost."""
+                      texts: list[StreamingText], usage: common_pb2.Usage, opts: gateway_pb2.StreamOptions,
+                      progress: StreamProgress, unfinished: list[int]):
+        """Stream a prefilled handle's tokens (every sequence's) to the client; EngineLost when its engine is
+        lost. `unfinished`: the sequences not finished yet, counted down here."""
         canceller.own(lambda: self._release_handle(engine, handle))   # until the engine attaches it
         try:
             if context.done():
@@ -132,13 +146,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         async for msg in call:     # read to the stream's end, so that it ends OK, not cancelled
                             watch.beat()
                             canceller.own(None)    # a message: the engine attached the handle, the stream owns it
-                            progress.sent += msg.token_ids
-                            delta = text.push(list(msg.token_ids), final=msg.finished)
-                            record.token_sent(len(msg.token_ids), self.metrics)
-                            if msg.finished:
-                                yield self._final(record, delta, msg.token_ids, msg.stats, opts)
-                            elif delta or opts.include_token_ids or opts.continuous_usage_stats:
-                                yield self._chunk(record, delta, msg.token_ids, usage, opts)
+                            if msg.index == 0:
+                                progress.sent += msg.token_ids
+                            reply = self._message(record, texts[msg.index], msg, usage, opts, ())
+                            unfinished[0] -= msg.finished
+                            if reply is not None:
+                                yield reply
                     except asyncio.CancelledError:
                         if watch.lost:
                             raise EngineLost(watch.lost, RpcAbort(
@@ -149,12 +162,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         if reason is not None:
                             raise EngineLost(reason, e) from None
                         raise
-            if record.result is None:
+            if unfinished[0]:
                 raise EngineLost("ended_early", RpcAbort(grpc.StatusCode.UNAVAILABLE,
                                                          f"engine {engine.address} ended the stream early"))
         finally:
             self.router.release(engine)
             canceller.release_owned()
+
+    def _message(self, record: RequestRecord, text: StreamingText, seq, usage: common_pb2.Usage,
+                 opts: gateway_pb2.StreamOptions, prompt_logprobs) -> gateway_pb2.GenerateResponse | None:
+        """The client's message for one sequence's engine output (a prefill's first or a decode step's);
+        None when it would carry nothing (text held back, no token ids or usage asked for)."""
+        delta = text.push(list(seq.token_ids), final=seq.finished)
+        record.token_sent(len(seq.token_ids), self.metrics)
+        if seq.finished:
+            return self._final(record, delta, seq, opts, prompt_logprobs)
+        if not (delta or opts.include_token_ids or opts.continuous_usage_stats or seq.logprobs or prompt_logprobs
+                or not record.first_message_sent):
+            return None
+        record.first_message_sent = True
+        msg = self._chunk(record, delta, seq.token_ids, usage, opts)
+        msg.index = seq.index
+        msg.logprobs.extend(seq.logprobs)
+        msg.prompt_logprobs.extend(prompt_logprobs)
+        return msg
 
     async def _migrate(self, request, lost: EngineLost, engine: Engine, context, record: RequestRecord,
                        canceller: CallCanceller, progress: StreamProgress) -> tuple[Engine, str]:
@@ -256,18 +287,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             msg.usage.completion_tokens = record.completion_tokens
         return msg
 
-    def _final(self, record: RequestRecord, text: str, token_ids, stats: common_pb2.RequestStats,
-               opts: gateway_pb2.StreamOptions) -> gateway_pb2.GenerateResponse:
-        if record.first_token_at is None:           # the prefill's token was the only one
-            record.token_sent(len(token_ids), self.metrics)
+    def _final(self, record: RequestRecord, text: str, seq, opts: gateway_pb2.StreamOptions,
+               prompt_logprobs=()) -> gateway_pb2.GenerateResponse:
+        """A sequence's last message: its text, usage and result (engine stats, gateway timings)."""
+        record.first_message_sent = True
+        stats = seq.stats
         record.stats = stats_from_proto(stats)
         record.result = gateway_pb2.GenerateResult(stats=stats, gateway_timings=record.gateway_timings(),
                                                    model=record.model, engine=record.engine,
                                                    migrations=record.migrations)
         msg = gateway_pb2.GenerateResponse(request_id=record.request_id, text=text, usage=stats.usage,
-                                           result=record.result)
+                                           result=record.result, index=seq.index, logprobs=seq.logprobs,
+                                           prompt_logprobs=prompt_logprobs)
         if opts.include_token_ids:
-            msg.token_ids.extend(token_ids)
+            msg.token_ids.extend(seq.token_ids)
         return msg
 
     async def GetEngineMetrics(self, request, context: grpc.aio.ServicerContext):

@@ -13,7 +13,7 @@ from structlog.contextvars import bound_contextvars
 from engine.loop import RequestStream
 from engine.request_stats import FinishReason, RequestStats
 from ninfer.v1 import decode_pb2, decode_pb2_grpc
-from services.convert import stats_to_proto
+from services.convert import logprobs_to_proto, stats_to_proto
 from services.engine_context import EngineContext
 from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.prefill import AbortOnTermination
@@ -54,17 +54,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 if out.new_token_ids:
                     observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
                 last = now
+                logprobs = logprobs_to_proto(out.logprobs)
                 if not out.finished:
-                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids)
+                    yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, index=out.index, logprobs=logprobs)
                     continue
-                guard.disarm()
+                if stream.finished:                        # n > 1: the last sequence's final
+                    guard.disarm()
                 self._report(out.stats, span)
                 if out.finish_reason is FinishReason.ABORT:  # the call ended (cancel, deadline): no one listens
                     if ctx.state.shut_down:
                         raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
                     raise RpcAbort(grpc.StatusCode.CANCELLED, "the decode stream was cancelled")
-                yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True,
-                                                stats=stats_to_proto(out.stats))
+                yield decode_pb2.DecodeResponse(token_ids=out.new_token_ids, finished=True, index=out.index,
+                                                stats=stats_to_proto(out.stats), logprobs=logprobs)
         except (GeneratorExit, asyncio.CancelledError):   # the call ended: the client is gone
             if not stream.finished:
                 guard()
@@ -72,12 +74,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
             raise
 
     async def _report_when_aborted(self, stream: RequestStream, span: "Span") -> None:
-        """Read an aborted stream up to its final output and report its stats (if it comes)."""
+        """Read an aborted stream up to its (last sequence's) final output and report its stats (if it comes)."""
         try:
             async with asyncio.timeout(FINAL_OUTPUT_WAIT_S):
                 while True:
                     out = await stream.next_async()
-                    if out.finished:
+                    if stream.finished:
                         self._report(out.stats, span)
                         return
         except TimeoutError:

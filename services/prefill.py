@@ -18,7 +18,7 @@ from structlog.contextvars import bound_contextvars
 from engine.loop import EngineLoop
 from engine.request_stats import FinishReason
 from ninfer.v1 import prefill_pb2, prefill_pb2_grpc
-from services.convert import sampling_from_proto, stats_to_proto
+from services.convert import logprobs_to_proto, sampling_from_proto, sequence_output_to_proto, stats_to_proto
 from services.engine_context import EngineContext
 from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.server.telemetry import prefill_attributes, stats_attributes
@@ -81,13 +81,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             guard = AbortOnTermination.register(context, loop, stream.request_id)
             with ctx.state.on_cut(guard):
                 try:
-                    first = await stream.next_async()    # QueueTimeoutError: RESOURCE_EXHAUSTED
+                    # every sequence's first output comes in the step that ends the prefill (n > 1: forked)
+                    firsts = sorted([await stream.next_async() for _ in range(params.n)], key=lambda o: o.index)
                 except BaseException:                    # cancelled (client, deadline): abort it now
                     guard()
                     raise
             guard.hand_off()                          # armed until the response has gone out
+            first = firsts[0]
             stats = first.stats                       # the prefill's figures, or the finished request's
-            if first.finished:
+            if all(o.finished for o in firsts):
                 if first.finish_reason is FinishReason.ABORT:
                     if ctx.state.shut_down:
                         raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
@@ -101,8 +103,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 ctx.metrics.observe_prefill(stats)
             span.set_attribute("ninfer.request_id", stream.request_id)
             return prefill_pb2.PrefillResponse(
-                handle=stream.request_id, token_ids=first.new_token_ids, finished=first.finished,
-                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds, seed=stream.seed)
+                handle=stream.request_id, token_ids=first.new_token_ids, finished=all(o.finished for o in firsts),
+                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds, seed=stream.seed,
+                logprobs=logprobs_to_proto(first.logprobs),
+                prompt_logprobs=logprobs_to_proto((first.prompt_logprobs or [None])[1:]),
+                sequences=[sequence_output_to_proto(o) for o in firsts] if params.n > 1 else [])
 
     async def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True), bound_contextvars(request_id=request.handle):

@@ -32,10 +32,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sched.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
-from engine.sched.prefill_lane import PrefillLane, PrefillWork
+from engine.sched.prefill_lane import ForkWork, PrefillLane, PrefillWork
 from engine.sched.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.cache.state_slots import StateSlotPool
@@ -105,6 +106,10 @@ class SchedulerOutput:
 class ModelOutput:
     # request id -> tokens this step produced (prefill: the first one; decode: accepted drafts + 1)
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> the logprobs of those tokens (requests with `logprobs` set), one per token
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request id -> the logprobs of the prompt tokens this step's chunk scored (`prompt_logprobs`)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +117,7 @@ class RequestEvent:
     request: Request
     new_token_ids: list[int]
     finished: bool
+    logprobs: list[TokenLogprob] | None = None          # one per new token (requests that asked)
 
 
 class Scheduler:
@@ -127,6 +133,7 @@ class Scheduler:
         self.attached: deque[Request] = deque()       # resumed (decode attached), waiting for a seat
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
+        self._cascaded: list[Request] = []
         self._lease_deadline: dict[str, float] = {}
         self._parked_at: dict[str, float] = {}         # when each parked handle parked
         self._attached_at: dict[str, float] = {}       # when each attached request began to wait for a seat
@@ -159,14 +166,28 @@ class Scheduler:
             raise InvalidArgumentError(
                 "max_tokens", f"prompt ({n} tokens) + max_tokens ({req.sampling.max_tokens}) + draft slots "
                 f"({self.config.draft_tokens}) exceeds the KV capacity of {self.kv.capacity_tokens} tokens")
-        if req.request_id in self.requests:
-            raise InvalidArgumentError("request_id", f"{req.request_id!r} is already in use")
+        seqs = req.sampling.n
+        if seqs > 1:
+            # the prompt once; each sequence its outputs, draft slots and a copy of the prompt's last block
+            need = n + seqs * (req.sampling.max_tokens + self.config.draft_tokens + self.kv.block_size)
+            if need > self.kv.capacity_tokens:
+                raise InvalidArgumentError(
+                    "n", f"{seqs} sequences x (max_tokens {req.sampling.max_tokens} + draft slots "
+                    f"{self.config.draft_tokens} + a block of {self.kv.block_size}) + the prompt ({n} tokens) = "
+                    f"{need} tokens exceed the KV capacity of {self.kv.capacity_tokens} tokens")
+        for member in (req, *req.forks):
+            if member.request_id in self.requests:
+                raise InvalidArgumentError("request_id", f"{member.request_id!r} is already in use")
         if len(self.waiting) >= self.config.max_pending:
             raise QueueFullError(f"the pending queue is full ({self.config.max_pending} requests)")
         # a resumed request's last token is "sampled" already: its KV is computed by the first decode
         # round, as after any round (the state a migrated stream had on its first engine)
         req.num_prefill_tokens = req.num_tokens - 1 if req.resuming else n
         self.requests[req.request_id] = req
+        for child in req.forks:                     # held until the prefill of sequence 0 forks them
+            child.status = RequestStatus.FORKING
+            child.num_prefill_tokens = n
+            self.requests[child.request_id] = child
         self.waiting.append(req)
 
     # -- one step -------------------------------------------------------------------------------
@@ -190,7 +211,12 @@ class Scheduler:
             for req in [r for r in self.attached if now - self._attached_at[r.request_id] > seat_timeout]:
                 done.append(req)
                 self._finish(req, FinishReason.QUEUE_TIMEOUT)
-        return done
+        return done + self.take_cascaded()
+
+    def take_cascaded(self) -> list[Request]:
+        """Sequences finished because their sequence 0 finished before forking them."""
+        cascaded, self._cascaded = self._cascaded, []
+        return cascaded
 
     def _drop_stale_handles(self, now: float) -> list[Request]:
         """While the queue's head waits for room among the parked, drop the oldest handles that no
@@ -234,7 +260,42 @@ class Scheduler:
             for work in decode:
                 work.draft_tokens = min(work.draft_tokens, k_round)
         prefills = self.lane.plan(self.waiting, self._has_room)
+        for piece in prefills:
+            req = self.requests[piece.request_id]
+            if piece.sample and req.forks:
+                self._fork(piece, req)
         return SchedulerOutput(prefills=prefills, decode=decode, finished_request_ids=self.take_finished_ids())
+
+    def _fork(self, piece: PrefillWork, parent: Request) -> None:
+        """Sequences 1..n-1 of `parent`, forked by its sampling chunk: each takes the full prompt blocks
+        by reference and fresh blocks from the prompt's partial last block on (a copy of it), and is
+        sampled from the same logits with its own seed. One that finds no KV (or state slot) now
+        queues at the head and prefills on its own later (the prefix cache keeps most of the prompt)."""
+        bs, k = self.kv.block_size, self.config.draft_tokens
+        prompt = parent.num_prefill_tokens
+        shared = prompt // bs
+        tail = parent.block_ids[shared] if prompt % bs else None
+        deferred: list[Request] = []
+        for child in parent.forks:
+            if child.finished:
+                continue
+            slot_ok = self.states is None or self.states.allocate(child)
+            if slot_ok and self.kv.fork(parent, child, shared, prompt + k):
+                child.status = RequestStatus.PREFILLING
+                piece.forks.append(ForkWork(
+                    request_id=child.request_id, seed=child.seed, block_ids=child.block_ids,
+                    copy_block=(tail, child.block_ids[shared]) if tail is not None else None,
+                    state_slot=child.state_slot))
+                continue
+            if slot_ok and self.states is not None:
+                self.states.free(child)
+            child.status = RequestStatus.WAITING
+            child.park_after_prefill = False          # it decodes once prefilled: a decode may be attached already
+            deferred.append(child)
+        for child in reversed(deferred):
+            self.waiting.appendleft(child)
+        parent.forks = []
+        piece.deferred = [c.request_id for c in deferred]
 
     def take_finished_ids(self) -> list[str]:
         """Requests that left since the last call (their runner state is dropped with the next round)."""
@@ -248,6 +309,9 @@ class Scheduler:
         for piece in out.prefills:
             req = self.requests[piece.request_id]
             end = piece.start + len(piece.token_ids)
+            scored = result.prompt_logprobs.get(piece.request_id)
+            if scored is not None:
+                req.prompt_logprobs.extend(scored)
             if req.num_preemptions == 0:
                 req.computed_prefill_tokens += len(piece.token_ids)
             req.num_computed_tokens = end
@@ -270,7 +334,9 @@ class Scheduler:
                     req.resuming = False
                     events.append(RequestEvent(req, [], False))
                 else:
-                    events.append(self._append(req, result.sampled[req.request_id], now))
+                    events.append(self._append(req, result.sampled[req.request_id], now,
+                                               result.logprobs.get(req.request_id)))
+                    events.extend(self._forked(req, piece, result, now, spec))
             self._register(req, spec)
             if piece.snapshot_slot >= 0:
                 keys, i = self.kv.block_keys(req), end // self.kv.block_size - 1
@@ -290,9 +356,35 @@ class Scheduler:
                     self.draft_policy.observe(work.draft_tokens, accepted)
                 req.num_mtp_computed = req.num_tokens - 1
             req.num_computed_tokens = req.num_tokens - 1 + len(tokens)
-            events.append(self._append(req, tokens, now))
+            events.append(self._append(req, tokens, now, result.logprobs.get(work.request_id)))
             if not req.finished:
                 self._register(req, spec)
+        return events
+
+    def _forked(self, parent: Request, piece: PrefillWork, result: ModelOutput, now: float,
+                spec: bool) -> list[RequestEvent]:
+        """The sequences the parent's sampling chunk forked join it (decoding or parked), each with its
+        first token; those deferred report an empty first output (every sequence has one this step)."""
+        events = []
+        for f in piece.forks:
+            child = self.requests[f.request_id]
+            child.times.prefill_start, child.times.first_token = parent.times.prefill_start, now
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_mtp_computed = parent.num_mtp_computed
+            if parent.park_after_prefill and parent.num_preemptions == 0:
+                child.status = RequestStatus.PARKED
+                self.parked[child.request_id] = child
+                self._lease_deadline[child.request_id] = now + self.config.lease_s
+            else:
+                child.status = RequestStatus.RUNNING
+                child.times.decode_start = now
+                self.running.append(child)
+            events.append(self._append(child, result.sampled[child.request_id], now,
+                                       result.logprobs.get(child.request_id)))
+            if not child.finished:
+                self._register(child, spec)
+        events.extend(RequestEvent(self.requests[rid], [], False) for rid in piece.deferred
+                      if rid in self.requests)
         return events
 
     # -- caller actions -------------------------------------------------------------------------
@@ -353,10 +445,14 @@ class Scheduler:
         """Room for the queue's head once prefilled: a request that will park needs room among the
         parked; one that will decode needs a seat. The lane's requests count where they are headed."""
         parks = self._parks
-        ahead = sum(1 for r in self.lane.requests if parks(r) == parks(req))
+
+        def seats(r: Request) -> int:             # an n > 1 request's sequences all take one when it forks
+            return 1 + len(r.forks)
+        ahead = sum(seats(r) for r in self.lane.requests if parks(r) == parks(req))
         if parks(req):
-            return len(self.parked) + len(self.attached) + ahead < (self.config.max_parked or self.config.max_batch)
-        return len(self.running) + len(self.attached) + ahead < self.config.max_batch
+            return (len(self.parked) + len(self.attached) + ahead + seats(req)
+                    <= (self.config.max_parked or self.config.max_batch))
+        return len(self.running) + len(self.attached) + ahead + seats(req) <= self.config.max_batch
 
     def decode_work(self, req: Request) -> DecodeWork:
         """The request's next round, packed whole from what the host knows (every round of it read)."""
@@ -368,9 +464,13 @@ class Scheduler:
             draft_tokens=req.draft_tokens, output_index=req.num_output_tokens,
             sampling=req.sampling, seed=req.seed, state_slot=req.state_slot)
 
-    def _append(self, req: Request, tokens: list[int], now: float) -> RequestEvent:
+    def _append(self, req: Request, tokens: list[int], now: float,
+                logprobs: list[TokenLogprob] | None = None) -> RequestEvent:
         """Append tokens one by one, stopping at EOS / a stop token id / max_tokens."""
         taken: list[int] = []
+        if req.sampling.max_tokens == 0:             # scoring only: the prompt's logprobs, no token
+            self._finish(req, FinishReason.LENGTH, now)
+            return RequestEvent(req, [], True, [])
         for tok in tokens:
             req.output_token_ids.append(tok)
             taken.append(tok)
@@ -380,7 +480,7 @@ class Scheduler:
             if req.num_output_tokens >= req.sampling.max_tokens:
                 self._finish(req, FinishReason.LENGTH, now)
                 break
-        return RequestEvent(req, taken, req.finished)
+        return RequestEvent(req, taken, req.finished, logprobs[:len(taken)] if logprobs is not None else None)
 
     def _register(self, req: Request, spec: bool) -> None:
         final = min(req.num_computed_tokens, req.num_mtp_computed) if spec else req.num_computed_tokens
@@ -399,6 +499,10 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, now: float | None = None) -> None:
         if req.finished:
             return
+        for child in req.forks:                   # never forked: they end with it
+            self._finish(child, reason, now)
+            self._cascaded.append(child)
+        req.forks = []
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         elif req.status is RequestStatus.PARKED:

@@ -39,10 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="Hugging Face model directory, or preset:NAME (random weights of a reference shape); "
                         "default: the embedded tiny model (random weights: it serves plumbing, not text)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients see and ask for (default: the model directory's name)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
-    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto",
-                   help="KV cache dtype: auto (= --dtype) or int8 (per token and head scales)")
+    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", type=kv_cache_dtype_flag,
+                   help="KV cache dtype: auto (= --dtype), int8 (per token and head scales), or a float dtype")
     g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV page")
     g.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default,
                    help="tokens per prefill step of the one prefill lane")
@@ -70,8 +72,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d["tensor_parallel_size"].default, help="GPUs to shard the model over (in one process)")
     g.add_argument("--tp-comm", default=d["tp_comm"].default, choices=("auto", "p2p", "nccl"),
                    help="TP all-reduce: one-shot peer-to-peer over NVLink, NCCL, or auto (p2p where it works)")
-    g.add_argument("--no-enable-prefix-caching", "--no-prefix-reuse", dest="prefix_reuse", action="store_false",
-                   help="never share KV blocks between requests with the same prefix")
+    g.add_argument("--enable-prefix-caching", dest="prefix_reuse", action=argparse.BooleanOptionalAction,
+                   default=d["prefix_reuse"].default,
+                   help="share KV blocks between requests with the same prefix (--no-enable-prefix-caching: never)")
+    g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--state-snapshots", type=int, default=d["state_snapshots"].default,
                    help="hybrid models: linear-attention states kept at block boundaries for prefix reuse "
                         "(each costs one request's state)")
@@ -93,6 +97,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
+KV_CACHE_DTYPES = ("auto", "int8", "bfloat16", "float16", "float32")
+
+
+def kv_cache_dtype_flag(text: str) -> str:
+    if text in KV_CACHE_DTYPES:
+        return text
+    hint = (" (an FP8 KV cache is not implemented; int8 is the quantized KV cache)"
+            if text.lower().startswith("fp8") else "")
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(KV_CACHE_DTYPES)}{hint}")
 
 
 class AutoDraftTokens(int):
@@ -113,7 +126,7 @@ def draft_tokens_flag(text: str) -> int:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+        model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
         block_size=args.block_size, prefill_chunk=args.prefill_chunk, kv_capacity=args.kv_capacity,
         memory_utilization=args.memory_utilization, draft_tokens=int(args.draft_tokens),
         adaptive_draft=args.adaptive_draft or isinstance(args.draft_tokens, AutoDraftTokens),
@@ -123,6 +136,15 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling)
+
+
+def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:
+    """The first option string of the flag whose value lands in `field` (an EngineConfig or
+    SamplingParams field), to name it in an error; None when no flag sets it."""
+    for action in parser._actions:
+        if action.dest == field and action.option_strings and action.help is not argparse.SUPPRESS:
+            return max(action.option_strings, key=len) if action.option_strings[0].startswith("-") else None
+    return None
 
 
 def engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -267,6 +289,7 @@ def nonnegative_float(text: str) -> float:
 # -- sampling -------------------------------------------------------------------------------------
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """`ninfer generate`'s sampling flags, vLLM's names. Its defaults are its own: greedy, 64 tokens."""
     d = SamplingParams.__dataclass_fields__
     g = p.add_argument_group("sampling")
     g.add_argument("--prompt", required=True, help="prompt text")
@@ -275,11 +298,49 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=d["top_p"].default, help="nucleus sampling: keep the smallest set "
                    "of tokens whose probability reaches this")
     g.add_argument("--top-k", type=int, default=d["top_k"].default, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--min-p", type=float, default=d["min_p"].default,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--n", type=int, default=d["n"].default,
+                   help="sequences from the one prompt (one prefill, shared KV); each printed in turn")
+    g.add_argument("--presence-penalty", type=float, default=d["presence_penalty"].default,
+                   help="subtracted once from every token already generated, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=d["frequency_penalty"].default,
+                   help="subtracted per occurrence in the generated text, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"].default,
+                   help="prompt and output tokens: positive logits divided, negative multiplied (1 = off)")
+    g.add_argument("--min-tokens", type=int, default=d["min_tokens"].default,
+                   help="no EOS, stop token or stop string before this many tokens")
+    g.add_argument("--logit-bias", action="append", default=[], type=logit_bias_flag, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to the token's logit (repeatable)")
+    g.add_argument("--bad-word", dest="bad_words", action="append", default=[],
+                   help="a word never to generate (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's logprob and the top N alternatives (N <= 20)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not part of the output")
+    g.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the output")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
+                   default=d["skip_special_tokens"].default, help="leave special tokens out of the text")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def logit_bias_flag(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags as SamplingParams fields (the CLI's own defaults applied)."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, n=args.n, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                min_tokens=args.min_tokens, logit_bias=dict(args.logit_bias) or None, bad_words=args.bad_words or None,
+                logprobs=args.logprobs, stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output,
+                skip_special_tokens=args.skip_special_tokens, ignore_eos=args.ignore_eos)
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    return SamplingParams(**sampling_kwargs(args))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidArgumentError
 from ninfer.cli import flags
 from ninfer.cli.logs import configure_logging
 
@@ -97,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json_logs=getattr(args, "log_json", False), level=getattr(args, "log_level", "warning"))
     try:
         return args.func(args)
+    except InvalidArgumentError as e:
+        # name the flag the user typed, not the engine's field behind it
+        flag = flags.flag_of(args.parser, e.field)
+        message = str(e)[len(e.field) + 2:] if str(e).startswith(f"{e.field}: ") else str(e)
+        print(f"ninfer: {flag or e.field}: {message}", file=sys.stderr)
+        return 2
     except (EngineError, OSError) as e:
         print(f"ninfer: {e}", file=sys.stderr)
         return 2

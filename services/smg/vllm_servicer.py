@@ -108,39 +108,65 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise InvalidArgumentError("text", "send token ids (`tokenized`): the router tokenizes")
             prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", info.vocab_size)
             params = convert.sampling_from_proto(request.sampling_params, len(prompt), info)
-            stream = await self.port.submit(prompt, params, request.request_id)
+            try:
+                stream = await self.port.submit(prompt, params, request.request_id)
+            except InvalidArgumentError as e:               # admission: named as the protocol names it
+                raise convert.protocol_error(e) from None
             guard = AbortWhenCallEnds(self.port, stream.request_id)
             if context.done():                       # the call has ended already
                 guard()
             else:
                 context.add_done_callback(guard)
             span.set_attribute("ninfer.request_id", stream.request_id)
-            output: list[int] = []
+            seqs = [_Sequence() for _ in range(params.n)]          # n > 1: one per index
+            prompt_lp: list | None = None                            # prompt logprobs, until sent
+            wants_lp = params.logprobs is not None
+            finals: dict[int, pb.GenerateResponse] = {}            # unary: each sequence's, until all are done
             last = time.monotonic()
             try:
                 async for out in stream:
                     now = time.monotonic()
-                    if out.new_token_ids and output:
+                    seq = seqs[out.index]
+                    if out.new_token_ids and seq.output:
                         observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
                     last = now
-                    output.extend(out.new_token_ids)
+                    seq.output.extend(out.new_token_ids)
+                    seq.logprobs.extend(out.logprobs or ())
+                    if out.prompt_logprobs is not None:
+                        prompt_lp = out.prompt_logprobs
                     if not out.finished:
-                        if request.stream and out.new_token_ids:
-                            yield convert.chunk(out.new_token_ids, len(prompt), len(output))
+                        if request.stream and (out.new_token_ids or prompt_lp is not None):
+                            yield convert.chunk(out.new_token_ids, len(prompt), len(seq.output), index=out.index,
+                                                logprobs=out.logprobs if wants_lp else None, prompt_ids=prompt,
+                                                prompt_logprobs=prompt_lp)
+                            prompt_lp = None
                         continue
-                    guard.disarm()
                     self._report(out.stats, span)
                     if out.finish_reason is FinishReason.ABORT:        # Abort rpc, or the call ended: no one listens
+                        guard.disarm()
                         raise RpcAbort(grpc.StatusCode.CANCELLED, f"request {stream.request_id!r} was aborted")
-                    context.set_trailing_metadata(((STATS_TRAILER, stats_to_proto(out.stats).SerializeToString()),))
-                    matched = _matched_stop_token(out.stats, output, params, info.eos_token_ids)
+                    if stream.finished:
+                        guard.disarm()
+                        context.set_trailing_metadata(((STATS_TRAILER, stats_to_proto(out.stats).SerializeToString()),))
+                    matched = _matched_stop_token(out.stats, seq.output, params, info.eos_token_ids)
                     if request.stream:
-                        if out.new_token_ids:
-                            yield convert.chunk(out.new_token_ids, len(prompt), len(output),
-                                                out.stats.usage.cached_tokens)
-                        yield convert.complete([], out.stats, matched)
+                        if out.new_token_ids or prompt_lp is not None:
+                            yield convert.chunk(out.new_token_ids, len(prompt), len(seq.output),
+                                                out.stats.usage.cached_tokens, index=out.index,
+                                                logprobs=out.logprobs if wants_lp else None, prompt_ids=prompt,
+                                                prompt_logprobs=prompt_lp)
+                            prompt_lp = None
+                        yield convert.complete([], out.stats, matched, index=out.index)
                     else:
-                        yield convert.complete(output, out.stats, matched)
+                        # unary: every sequence's answer once all have finished, in index order (smg 1.13
+                        # numbers a unary request's choices in the order the answers arrive)
+                        finals[out.index] = convert.complete(
+                            seq.output, out.stats, matched, index=out.index, logprobs=seq.logprobs if wants_lp else None,
+                            prompt_ids=prompt, prompt_logprobs=prompt_lp)
+                        prompt_lp = None
+                        if stream.finished:
+                            for i in sorted(finals):
+                                yield finals[i]
             except (GeneratorExit, asyncio.CancelledError):   # the call ended: the client is gone
                 if not stream.finished:
                     guard()
@@ -215,6 +241,14 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         async for batch in self.kv_events.subscribe(request.start_sequence_number,
                                                     wanted=lambda: not context.done() and not state.draining):
             yield batch
+
+
+class _Sequence:
+    """One of a request's n sequences as the stream delivers it."""
+
+    def __init__(self) -> None:
+        self.output: list[int] = []
+        self.logprobs: list = []
 
 
 def _matched_stop_token(stats: RequestStats, output: list[int], params: SamplingParams,

@@ -27,7 +27,7 @@ MAX_TOKENS = 32
 @pytest.fixture(scope="module")
 def offline_k0():
     llm = make_llm(require_shared_hybrid())
-    outs = llm.generate(PROMPTS, EngineSamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    outs = llm.generate(PROMPTS, EngineSamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))
     return [o.token_ids for o in outs]
 
 
