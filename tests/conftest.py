@@ -166,6 +166,7 @@ def make_request(prompt: int | list[int] = 8, max_tokens: int = 4, request_id: s
     from engine.sampling_params import SamplingParams
     n = next(_ids)
     ids = list(prompt) if isinstance(prompt, list) else [(n * 7919 + i) % 30000 + 1 for i in range(prompt)]
+    sampling.setdefault("temperature", 0.0)
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     return Request(request_id=request_id or f"req-{n}", prompt_token_ids=ids, sampling=params, seed=n,
                    times=PhaseTimes(arrival=arrival), draft_tokens=draft_tokens,

@@ -16,7 +16,7 @@ from tools.bench.session import compact, random_prompt
 
 
 def ttft_burst(session, streams: int, prompt: int, repeats: int, timeout: float) -> dict:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     alone = [compact(session.generate(random_prompt(prompt, session.vocab), params, timeout=timeout))
              for _ in range(repeats)]
     bursts = []
