@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from ninfer.cli.flags import engine_config_from_args
 from services.server.tls import is_loopback
 from tests.support.helm_chart import (
     CHART, PD_FLAGS, VALUES, VARIANTS, container, container_port, engine_option_strings, env_of, host_of, ninfer_args,
@@ -22,6 +23,8 @@ KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
 # Kinds of CRDs that are no part of Kubernetes' schemas; test_kubernetes_fronts.py checks what they point at
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 ENGINE_CONTAINER = "engine"
+# Connections the kubelet's gRPC probes (startup, readiness, liveness) may hold open on one engine at once
+PROBE_CONNECTIONS = 3
 
 
 def engines(variant: str) -> list[dict]:
@@ -90,6 +93,29 @@ def test_engine_ports_and_probes_agree_with_the_cli(variant):
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
         assert service["spec"]["selector"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
         assert {p["name"]: p["port"] for p in service["spec"]["ports"]}["grpc"] == grpc_port
+
+
+def most_pods(rendered, workload: dict) -> int:
+    """The most pods a workload may run: its HPA's maximum, else its replicas."""
+    hpas = [h["spec"]["maxReplicas"] for h in rendered.of_kind("HorizontalPodAutoscaler")
+            if h["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]]
+    return hpas[0] if hpas else workload["spec"]["replicas"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_engine_flags_build_an_engine_config_and_leave_the_probes_a_connection(variant):
+    """Past argparse: the flags make an EngineConfig (its own checks), and --max-connections (a new connection
+    past it is closed at once, a kubelet probe's too) admits every front, every peer engine and the probes."""
+    rendered = render(variant)
+    fronts = sum(most_pods(rendered, d) for d in rendered.of_kind("Deployment")
+                 if d["metadata"]["name"] in (rendered.name("router"), rendered.name("gateway")))
+    assert fronts >= 1
+    engine_pods = sum(most_pods(rendered, sts) for sts in engines(variant))
+    for sts in engines(variant):
+        args = ninfer_args(container(sts, ENGINE_CONTAINER))
+        config = engine_config_from_args(args)
+        assert config.tensor_parallel_size == args.tensor_parallel_size and config.model == (args.model or None)
+        assert args.max_connections >= fronts + engine_pods - 1 + PROBE_CONNECTIONS, args.max_connections
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -196,6 +222,16 @@ def test_the_pd_roles_carry_their_kv_flags_and_they_parse_once_the_engine_has_th
     for mode, c in roles.items():
         assert split_pd_flags(c["args"])[1] == []
         assert ninfer_args(c).kv_role == expected[mode]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_notes_warn_of_pd_roles_while_the_engine_lacks_their_flags(variant):
+    """The chart's install notes say that prefill/decode engines cannot start, exactly while `ninfer engine`
+    has no --kv-role: the day it has them this fails, to take the warning (and pd.yaml's) away."""
+    notes = render_manifests(overrides_of(variant))["ninfer/templates/NOTES.txt"]
+    modes = {sts["spec"]["template"]["metadata"]["labels"]["ninfer-mode"] for sts in engines(variant)}
+    warned = "does not have yet" in notes and "usage error" in notes
+    assert warned == ("prefill" in modes and "--kv-role" not in engine_option_strings()), notes
 
 
 def test_pd_flags_the_parser_does_not_know_are_set_aside_and_nothing_else():
