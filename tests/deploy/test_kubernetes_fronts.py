@@ -213,6 +213,16 @@ def test_the_autoscaler_scales_each_role_on_gauges_the_engines_export(variant):
             assert name in _engine_gauges() and f"`{name}`" in docs
 
 
+def test_the_autoscaling_metrics_the_docs_name_are_gauges_the_engines_export():
+    """Every metric the "Autoscaling" table of docs/kubernetes.md offers is an engine gauge, under its name."""
+    docs = (REPO / "docs" / "kubernetes.md").read_text()
+    section = docs[docs.index("\n## Autoscaling\n"):]
+    section = section[:section.index("\n## ", 1)]
+    named = re.findall(r"^\| `(ninfer_[a-z_]+)`", section, re.M)
+    assert {"ninfer_engine_queue_length", "ninfer_engine_kv_cache_usage_ratio"} <= set(named)
+    assert set(named) <= _engine_gauges(), sorted(set(named) - _engine_gauges())
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_network_policy_admits_the_fronts_to_the_engines_grpc_port(variant):
     rendered = render(variant)
