@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import KV_ROLES, EngineConfig
 from engine.sampling_params import SamplingParams
 from services.server.address import join_host_port, split_host_port
 
@@ -94,6 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d["seat_timeout_seconds"].default, metavar="SECONDS",
                    help="a prefilled request waits this long at most for a decode seat (then RESOURCE_EXHAUSTED "
                         "with retry pushback); 0 = no bound")
+    g.add_argument("--kv-role", choices=KV_ROLES, default=d["kv_role"].default,
+                   help="prefill/decode on different engines behind `smg launch --pd-disaggregation`: a producer "
+                        "prefills and lends the prompt's KV blocks (kept --lease-seconds at most), a consumer pulls "
+                        "them over NIXL and decodes; both = whole requests (docs/disaggregation.md)")
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
@@ -135,7 +139,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling, kv_role=args.kv_role)
 
 
 def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:
