@@ -94,7 +94,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d["seat_timeout_seconds"].default, metavar="SECONDS",
                    help="a prefilled request waits this long at most for a decode seat (then RESOURCE_EXHAUSTED "
                         "with retry pushback); 0 = no bound")
-    g.add_argument("--kv-role", choices=KV_ROLES, default=d["kv_role"].default,
+
+
+def add_kv_role_arg(p: argparse.ArgumentParser) -> None:
+    """`ninfer engine` only: the engine's part in prefill/decode disaggregation (services/smg/pd.py)."""
+    p.add_argument("--kv-role", choices=KV_ROLES, default=EngineConfig.__dataclass_fields__["kv_role"].default,
                    help="prefill/decode on different engines behind `smg launch --pd-disaggregation`: a producer "
                         "prefills and lends the prompt's KV blocks (kept --lease-seconds at most), a consumer pulls "
                         "them over NIXL and decodes; both = whole requests (docs/disaggregation.md)")
@@ -139,7 +143,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
-        async_scheduling=args.async_scheduling, kv_role=args.kv_role)
+        async_scheduling=args.async_scheduling, kv_role=getattr(args, "kv_role", "both"))
 
 
 def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:
