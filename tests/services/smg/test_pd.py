@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from engine.config import EngineConfig
 from services.engine_client import EngineClient
 from services.engine_host import EngineHost
 from services.server.grpc_server import ServerOptions
+from tools.serving.server_process import ServerProcess
 from tools.serving.smg_stack import SmgRouter, smg_command
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (the `test` extra installs nixl-cu12)")
@@ -215,3 +217,25 @@ def test_through_smg_pd_greedy_text_equals_a_single_engine_k3_against_k0(hosts, 
     finally:
         pd.stop()
         single.stop()
+
+
+def test_a_producer_killed_before_the_pull_is_unavailable_on_the_consumer_which_holds_nothing(shared_model, stubs,
+                                                                                               clients):
+    producer = ServerProcess.start("engine", "--model", shared_model, "--dtype", "float32", "--kv-capacity", "2048",
+                                   "--num-speculative-tokens", "3", "--kv-role", "producer",
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        with EngineClient(producer.address) as client:
+            client.wait_until_serving(timeout_s=60)
+        with grpc.insecure_channel(producer.address) as channel:
+            prefill = generate(vllm_engine_pb2_grpc.VllmEngineStub(channel), kv=REMOTE_DECODE, max_tokens=1,
+                               request_id="pd-killed")
+    finally:
+        producer.kill()
+        producer.wait(30)
+    assert json.loads(prefill.kv_transfer_params_json)["remote_block_ids"]
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, request_id="pd-killed")
+    assert e.value.code() is grpc.StatusCode.UNAVAILABLE, e.value.details()
+    assert "pulling the prompt's KV from producer" in e.value.details()
+    assert_nothing_held(clients["consumer"])
