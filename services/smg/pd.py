@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 import uuid
 
 import grpc
@@ -131,6 +132,7 @@ class PDRole:
             log.warning("kv_pull_skipped_no_room", request_id=request_id, blocks=len(handoff.block_ids))
             return None
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, handoff.remote_descs(),
                                        landing.block_ids, notification, PULL_TIMEOUT_S)
         try:
@@ -147,7 +149,10 @@ class PDRole:
         except BaseException:
             self.port.drop_landing(landing)
             raise
-        log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=len(handoff.block_ids))
+        seconds = time.perf_counter() - started
+        size = len(handoff.block_ids) * agent.layout.block_bytes
+        log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=len(handoff.block_ids),
+                 bytes=size, seconds=round(seconds, 6), gb_per_s=round(size / max(seconds, 1e-9) / 1e9, 3))
         return landing
 
 
