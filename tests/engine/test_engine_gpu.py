@@ -239,8 +239,8 @@ def test_long_prompts_through_the_tma_prefill_routes_agree_with_the_paged_kernel
     keys pass the (shrunk) gather bound, through prefill_segments, against the same prompts on the paged kernel
     (NINFER_PREFILL_TMA=0). The trained model's head_dim 64 is let onto the TMA routes for the test; bounds shrunk
     so 1 MiB holds 2,048 keys and segments hold 768."""
-    from engine.kernels.attention.paged import paged as A
-    from engine.kernels.attention.paged import prefill_tma as P
+    from engine.kernels.attention import paged as A
+    from engine.kernels.attention import prefill_tma as P
     monkeypatch.setattr(A, "PREFILL_TMA_HEAD_DIMS", (64, 128, 256))
     monkeypatch.setattr(A, "PREFILL_GATHER_MAX_BYTES", 1 << 20)
     monkeypatch.setattr(A, "PREFILL_SEGMENT_MIN_QUERIES", 256)

@@ -185,7 +185,7 @@ def test_decode_variants_graph_replays(kv_dtype, fused_merge, tma):
     seq_lens: each replay right and equal to an eager run bit for bit (the fused merge's counters re-armed by
     every launch; the TMA descriptors are kernel parameters, captured by value)."""
     from engine.worker.forward_context import build_forward_context
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from engine.layers.attention import paged_attention_reference
     cap = 6000
     q, kv, ctx = testing.attention_case([1] * 3, [cap] * 3, 32, 8, 128, 16, kv_dtype, BF16, DEV, 71)
