@@ -95,7 +95,7 @@ def test_gemv_matches_the_reference(qt, fmt, shape):
 @pytest.mark.parametrize("tile", [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (16, 512, 8)],
                          ids=lambda t: "x".join(map(str, t)))
 def test_fp8_one_row_tiles(qt, tile):
-    """The one-row FP8 tiles NINFER_GEMV_FP8_TILE can name, on a whole and a ragged layer."""
+    """One-row FP8 tiles around the default (gemv.FP8_ROW_TILE), on a whole and a ragged layer."""
     from engine.kernels.linear.gemv import GemvConfig
     cfg = GemvConfig(*tile)
     for n, k in ((1024, 4096), (200, 4160)) if CUDA else ((32, 512), (20, 320)):
@@ -104,14 +104,13 @@ def test_fp8_one_row_tiles(qt, tile):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["split3", "prefetch", "split2_prefetch", "no_asm"])
+@pytest.mark.parametrize("variant", ["split3", "split2", "no_asm"])
 def test_gemv_launch_variants_and_small_scale_blocks(qt, variant):
     """FP8 scale blocks of 64 x 32 (a TP rank's slice inside a 128 block), K split over programs with the
-    last one summing (run twice: its counters must be re-armed), the next tile loaded ahead, and NVFP4's
-    nibbles decoded by Triton ops instead of PTX."""
+    last one summing (run twice: its counters must be re-armed), and NVFP4's nibbles decoded by Triton ops
+    instead of PTX."""
     from engine.kernels.linear.gemv import GemvConfig
-    cfg = {"split3": GemvConfig(8, 128, 4, split=3), "prefetch": GemvConfig(8, 128, 4, prefetch=True),
-           "split2_prefetch": GemvConfig(4, 128, 4, split=2, prefetch=True),
+    cfg = {"split3": GemvConfig(8, 128, 4, split=3), "split2": GemvConfig(4, 128, 4, split=2),
            "no_asm": GemvConfig(8, 128, 4, asm=False)}[variant]
     n, k = (512, 2048) if CUDA else (32, 512)
     for fmt in ("fp8", "nvfp4", "bf16"):
