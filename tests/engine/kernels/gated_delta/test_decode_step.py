@@ -17,9 +17,10 @@ import os
 import pytest
 import torch
 
+from engine import envs
+
 CUDA = torch.cuda.is_available()
-INTERPRET = (os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1" and importlib.util.find_spec("triton") is not None
-             and not CUDA)
+INTERPRET = envs.TRITON_INTERPRET_TESTS.read() and importlib.util.find_spec("triton") is not None and not CUDA
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
 
