@@ -5,50 +5,66 @@ in tests/engine/kernels/linear/test_quant_kernels.py."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 G = pytest.importorskip("engine.kernels.linear.gemv", reason="the GEMV is a Triton kernel")
 
-RULES = ("import json; from engine.kernels.linear import gemv as G; print(json.dumps("
-         "[[c.block_n, c.block_k, c.num_warps, c.pairs, c.preload] for c in (G.default_config(f, m, 12288, 4096) "
-         "for f, m in (('bf16', 1), ('bf16', 2), ('fp8', 1), ('fp8', 2), ('nvfp4', 1), ('nvfp4', 2)))]))")
+# The switches are read at import: one child interpreter reloads the module under each setting and prints, per
+# setting, the default launch configs of bf16 / FP8 / NVFP4 at one and two rows, or the error that stopped the import
+SETTINGS = [{}, {"NINFER_GEMV_PAIRS": "0"}, {"NINFER_GEMV_PRELOAD": "0"}, {"NINFER_GEMV_PAIRS": "bf16"}]
+RULES = """
+import importlib, json, os, sys
+from engine.kernels.linear import gemv as G
+out = []
+for setting in json.loads(sys.argv[1]):
+    for k in [k for k in os.environ if k.startswith("NINFER_GEMV_")]:
+        del os.environ[k]
+    os.environ.update(setting)
+    try:
+        importlib.reload(G)
+    except ValueError as e:
+        out.append(str(e))
+        continue
+    out.append([[c.block_n, c.block_k, c.num_warps, c.pairs, c.preload] for c in (G.default_config(f, m, 12288, 4096)
+                for f, m in (("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2), ("nvfp4", 1), ("nvfp4", 2)))])
+print(json.dumps(out))
+"""
 
 
-def _rules_under(env: dict[str, str]):
-    # the switches are read at import, so each setting gets its own interpreter; prints one JSON line
-    import json
-    import subprocess
-    import sys
-    base = {k: v for k, v in os.environ.items() if not k.startswith("NINFER_GEMV_")}
-    out = subprocess.run([sys.executable, "-c", RULES], env={**base, **env}, capture_output=True, text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else out.stderr
+@functools.lru_cache(maxsize=1)
+def _rules() -> list:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NINFER_GEMV_")}
+    out = subprocess.run([sys.executable, "-c", RULES, json.dumps(SETTINGS)], env=env, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_default_tiles_by_format_and_rows():
     # bf16: one row 2x1024 word pairs with the preload, two rows 4x1024 pairs; FP8 4x2048 at one row, 8x512 at two;
     # NVFP4 16x1024 on wide layers at one row, 8x1024 at two; the quantized formats take their plain codes
-    assert _rules_under({}) == [[2, 1024, 4, True, True], [4, 1024, 4, True, False], [4, 2048, 4, False, False],
-                                [8, 512, 4, False, False], [16, 1024, 4, False, False], [8, 1024, 4, False, False]]
+    assert _rules()[0] == [[2, 1024, 4, True, True], [4, 1024, 4, True, False], [4, 2048, 4, False, False],
+                           [8, 512, 4, False, False], [16, 1024, 4, False, False], [8, 1024, 4, False, False]]
     assert G.GEMV_ROWS == {"fp8": 2, "nvfp4": 2, "bf16": 2}
 
 
 def test_kill_switches_restore_the_plain_code_and_loop():
     # NINFER_GEMV_PAIRS=0: the plain bf16 code (two rows on 8x256 tiles) and so no preload; NINFER_GEMV_PRELOAD=0:
     # the word pairs without the preload. The quantized formats do not move.
-    default = _rules_under({})
-    no_pairs = _rules_under({"NINFER_GEMV_PAIRS": "0"})
+    default, no_pairs, no_preload = _rules()[:3]
     assert no_pairs[:2] == [[2, 1024, 4, False, False], [8, 256, 4, False, False]] and no_pairs[2:] == default[2:]
-    no_preload = _rules_under({"NINFER_GEMV_PRELOAD": "0"})
     assert no_preload[:2] == [[2, 1024, 4, True, False], [4, 1024, 4, True, False]] and no_preload[2:] == default[2:]
 
 
 def test_a_malformed_switch_stops_the_import():
     # the old format list of NINFER_GEMV_PAIRS ("bf16") is refused by name, not read as "on"
-    err = _rules_under({"NINFER_GEMV_PAIRS": "bf16"})
-    assert isinstance(err, str) and "NINFER_GEMV_PAIRS='bf16': takes 1 or 0" in err, err
+    assert _rules()[3] == "NINFER_GEMV_PAIRS='bf16': takes 1 or 0"
 
 
 def test_fp8_one_row_tiles_by_layer_shape():

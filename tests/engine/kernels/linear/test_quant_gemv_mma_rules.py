@@ -42,13 +42,17 @@ def test_routing_keeps_one_fp8_row_on_the_triton_gemv():
 
 
 def test_chunk_order_is_contiguous_for_both_formats_unless_switched_off():
-    # read at import: NINFER_QUANT_MMA_CONTIG=0 restores chunks interleaved across the warps, for both formats
+    # read at import (one child interpreter reloads the module under each setting): NINFER_QUANT_MMA_CONTIG=0 restores
+    # chunks interleaved across the warps, for both formats
+    import json
     import os
     import subprocess
     import sys
-    code = "from engine.kernels.linear import quant_gemv_mma as m; print(sorted(m.CONTIG_FORMATS))"
+    code = ("import importlib, json, os, sys\nfrom engine.kernels.linear import quant_gemv_mma as m\nout = []\n"
+            "for v in json.loads(sys.argv[1]):\n    os.environ.pop('NINFER_QUANT_MMA_CONTIG', None)\n"
+            "    os.environ.update({'NINFER_QUANT_MMA_CONTIG': v} if v else {})\n"
+            "    out.append(sorted(importlib.reload(m).CONTIG_FORMATS))\nprint(json.dumps(out))")
     env = {k: v for k, v in os.environ.items() if k != "NINFER_QUANT_MMA_CONTIG"}
-    for setting, want in ((None, "['fp8', 'nvfp4']"), ("0", "[]"), ("1", "['fp8', 'nvfp4']")):
-        run_env = env if setting is None else {**env, "NINFER_QUANT_MMA_CONTIG": setting}
-        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want, (setting, out.stdout)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(["", "0", "1"])], env=env, capture_output=True,
+                         text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [["fp8", "nvfp4"], [], ["fp8", "nvfp4"]]
