@@ -16,6 +16,8 @@ import struct
 import pytest
 import torch
 
+from tests.support.kernel_backend import CUDA
+
 # find_spec, not import: importing triton here, at collection, would fix its language module in
 # compiled mode before tests/engine/kernels/test_interpret.py can switch the process to the interpreter
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton importable")
@@ -151,7 +153,7 @@ def test_plan_takes_128_key_tiles_for_int8_at_long_contexts(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for the Triton kernels")
 @pytest.mark.parametrize("query_len", [1, 4])
 def test_int8_upcast_matches_the_float32_route(query_len):
     from engine.kernels.attention import paged as A

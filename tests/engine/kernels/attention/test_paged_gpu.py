@@ -13,8 +13,6 @@ import torch
 
 from tests.support import kernel_checks as testing
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")]
 
 BF16, FP16, I8 = torch.bfloat16, torch.float16, torch.int8
 TOL = 1e-2

@@ -19,12 +19,13 @@ import pytest
 import torch
 
 from engine import envs
+from tests.support.kernel_backend import CUDA as HAVE_CUDA
 
 INTERPRET = envs.TRITON_INTERPRET_TESTS.read()
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if INTERPRET and HAVE_TRITON:
     os.environ["TRITON_INTERPRET"] = "1"
-CUDA = torch.cuda.is_available() and not INTERPRET
+CUDA = HAVE_CUDA and not INTERPRET
 TOL = 1e-2                                   # relative L2 error, as the other kernel tests
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
