@@ -9,7 +9,7 @@ product file reads a `NINFER_*` variable outside this module. No torch here: the
 Kinds:
 - kill switch: turns off a change that won its measurement (the default is the winner);
 - setting: a deployment choice with a documented default (credentials, limits);
-- development: read by tests and development tools only.
+- development: read by tests and development tools only (`NINFER_TEST_WORKERS` by `.ci/run`, a shell script).
 What was tried and lost is not a switch: docs/tried-and-lost.md lists it, one line each. Values a measurement
 chose among alternatives that lost are named constants beside the code they steer, with their reason.
 """
@@ -181,6 +181,9 @@ P2P_PUSH_MAX_BYTES = _register(
 TRITON_INTERPRET_TESTS = _register(
     "NINFER_TRITON_INTERPRET_TESTS", False, parse_bool, "development",
     "1 runs the Triton kernel tests under Triton's interpreter on the CPU (slow; needs triton installed).")
+TEST_WORKERS = _register(
+    "NINFER_TEST_WORKERS", 2, parse_count, "development",
+    "The pytest-xdist workers .ci/run spreads the suite over (a file stays on one worker); 0 runs it in one process.")
 COMMIT = _register(
     "NINFER_COMMIT", "", parse_str, "development",
     "The commit a bench or tuner run records, for a copy of the tree whose .git is stale or missing.")

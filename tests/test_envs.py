@@ -84,6 +84,29 @@ def test_every_name_the_product_mentions_is_registered():
     assert not stale, stale
 
 
+SCRIPTS = (".ci/run", "tools/**/*.sh")
+# pages that name switches as they are; CHANGELOG.md and tried-and-lost.md also name the deleted ones, by design
+PAGES = ("README.md", "docs/*.md", "compose/**/*", "bench/results/*.md")
+NOT_PAGES = ("CHANGELOG.md", "docs/tried-and-lost.md")
+
+
+def _globbed(patterns: tuple[str, ...]) -> list[Path]:
+    return sorted({p for pat in patterns for p in ROOT.glob(pat) if p.is_file()})
+
+
+def test_every_name_the_docs_and_scripts_mention_is_registered():
+    # a switch deleted from the registry must not live on in a page, a compose file or a script that sets it
+    stale = [f"{p.relative_to(ROOT)} {n}" for p in _globbed(PAGES + SCRIPTS)
+             if str(p.relative_to(ROOT)) not in NOT_PAGES for n in sorted(set(NAME.findall(p.read_text())))
+             if n not in envs.SWITCHES]
+    assert not stale, stale
+
+
+def _shell_reads() -> set[str]:
+    """The NINFER_* variables shell scripts expand ($NAME, ${NAME...})."""
+    return {m for p in _globbed(SCRIPTS) for m in re.findall(r"\$\{?(NINFER_[A-Z0-9_]*[A-Z0-9])", p.read_text())}
+
+
 def _references(dirs: tuple[str, ...]) -> set[str]:
     """The registry attributes (envs.NAME) that modules under dirs use."""
     used = set()
@@ -98,8 +121,9 @@ def test_every_switch_is_read():
     by_attr = {attr: s for attr, s in vars(envs).items() if isinstance(s, envs.Switch)}
     assert sorted(s.name for s in by_attr.values()) == sorted(envs.SWITCHES)     # one module attribute each
     product, anywhere = _references(PRODUCT), _references(PRODUCT + ("tools", "tests"))
+    shell = _shell_reads()
     unread = [s.name for attr, s in by_attr.items()
-              if attr not in (anywhere if s.kind == "development" else product)]
+              if not (attr in product or s.kind == "development" and (attr in anywhere or s.name in shell))]
     assert not unread, unread
 
 
