@@ -71,7 +71,6 @@ CASES = [
 ]
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt,cfg,rows,n,k,takes", CASES,
                          ids=[f"{f}-{r}x{n}x{k}-{'-'.join(map(str, c.values()))}" for f, c, r, n, k, _ in CASES])
 def test_preload_is_bit_equal_to_the_plain_loop(gemv, launches, fmt, cfg, rows, n, k, takes):
@@ -86,7 +85,6 @@ def test_preload_is_bit_equal_to_the_plain_loop(gemv, launches, fmt, cfg, rows, 
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2])
 def test_preload_with_the_swiglu_epilogue(gemv, launches, rows):
     n, k = 64, 1024
@@ -99,7 +97,6 @@ def test_preload_with_the_swiglu_epilogue(gemv, launches, rows):
     assert pre.shape == (rows, n // 2) and torch.equal(pre, plain)
 
 
-@pytest.mark.gpu
 def test_preload_is_left_off_where_it_was_not_measured(gemv, launches):
     """fp16 activations (the plain bf16 code) and FP8's byte code keep the plain loop even when the config asks for
     the preload."""

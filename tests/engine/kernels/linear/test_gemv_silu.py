@@ -25,7 +25,6 @@ def kernels():
 SHAPES = [(24576, 4096), (6144, 1024), (12290, 512)] if CUDA else [(64, 512), (36, 256), (10, 256)]
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("n,k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_gate_up_silu_equals_the_unfused_kernels(kernels, n, k, rows):
@@ -45,7 +44,6 @@ def test_gate_up_silu_equals_the_unfused_kernels(kernels, n, k, rows):
     assert (got.double() - ref).abs().max() <= ref.abs().max() * 2 ** -6
 
 
-@pytest.mark.gpu
 def test_gate_up_silu_takes_at_most_two_rows(kernels):
     gemv, _ = kernels
     w = torch.zeros(16, 256, dtype=torch.bfloat16, device=DEV)
@@ -55,7 +53,6 @@ def test_gate_up_silu_takes_at_most_two_rows(kernels):
         gemv.gate_up_silu(torch.zeros(1, 256, dtype=torch.bfloat16, device=DEV), w.to(torch.float8_e4m3fn))
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the layer routes need a CUDA tensor (takes() reads x.is_cuda)")
 def test_quantized_gate_up_layers_keep_their_own_silu(kernels):
     # an FP8 or NVFP4 gate/up layer's decode rows keep the projection then silu_and_mul: the FP8 fold lost served
@@ -67,7 +64,6 @@ def test_quantized_gate_up_layers_keep_their_own_silu(kernels):
         assert not gemv.takes_gate_up_silu(x, MergedColumnParallelLinear(k, [f, f], quant=quant).to(DEV))
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the layer routes need a CUDA tensor (takes() reads x.is_cuda)")
 def test_two_bf16_rows_take_the_fused_silu(kernels, monkeypatch):
     # SILU_ROWS 2: an unquantized gate/up layer's two decode rows take the fused SwiGLU and equal the unfused
