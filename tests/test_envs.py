@@ -86,7 +86,7 @@ def test_every_name_the_product_mentions_is_registered():
 
 SCRIPTS = (".ci/run", "tools/**/*.sh")
 # pages that name switches as they are; CHANGELOG.md and tried-and-lost.md also name the deleted ones, by design
-PAGES = ("README.md", "docs/*.md", "compose/**/*", "bench/results/*.md")
+PAGES = ("README.md", "docs/*.md", "compose/**/*", "deploy/**/*", "bench/results/*.md")
 NOT_PAGES = ("CHANGELOG.md", "docs/tried-and-lost.md")
 
 
