@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.worker.forward_context import get_forward_context
-from engine.layers import norm_fold
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -43,16 +42,12 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, hidden] -> [T, hidden]
-        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        # positions: [T]; qkv: [T, (heads + 2 kv_heads) * head_dim] -> attention output [T, heads * head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda:
+        if x.is_cuda:
             # one kernel: q/k norms, RoPE and the K/V write into the pages
             from engine.kernels.elementwise.norm_rope import qk_norm_rope
             q, _ = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -62,7 +57,7 @@ class Qwen3Attention(nn.Module):
         else:
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
             o = self.attn(q, k, v)
-        return o.flatten(1)
+        return self.o_proj(o.flatten(1))
 
 
 class Qwen3MLP(nn.Module):
@@ -102,21 +97,6 @@ class Qwen3DecoderLayer(nn.Module):
         x, residual = reduce_add_norm(self.tp, self.post_attention_layernorm, x, residual)
         return self.mlp(x), residual
 
-    def folds(self, rows: int) -> bool:
-        """Whether `rows` decode rows can take `forward_folded` (engine/layers/norm_fold.py)."""
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return (norm_fold.norm_folds(self.input_layernorm) and norm_fold.norm_folds(self.post_attention_layernorm)
-                and all(norm_fold.linear_folds(p, rows) for p in linears))
-
-    def forward_folded(self, positions: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # residual: [T, hidden], the stream with every earlier layer added -> the stream with this one added;
-        # both norms and both adds run inside the four GEMVs (one rank)
-        attn = self.self_attn
-        o = attn.attend(positions, norm_fold.linear(residual, attn.qkv_proj, norm=self.input_layernorm))
-        residual = norm_fold.linear(o, attn.o_proj, residual=residual)
-        act = norm_fold.gate_up_act(residual, self.mlp.gate_up_proj, self.post_attention_layernorm)
-        return norm_fold.linear(act, self.mlp.down_proj, residual=residual)
-
 
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
@@ -130,8 +110,6 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> final-normed hidden [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
-        if norm_fold.stack_folds(x, self.tp.size, self.layers):
-            return norm_fold.run_stack(self.layers, positions, x, self.norm)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return reduce_add_norm(self.tp, self.norm, x, residual)[0]
@@ -161,8 +139,6 @@ class MTPModule(nn.Module):
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        if norm_fold.stack_folds(x, self.tp.size, self.layers):
-            return norm_fold.run_stack(self.layers, positions, x, self.norm)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
