@@ -122,51 +122,51 @@ PDL = _register(
 FUSED_ROUND_PREP = _register(
     "NINFER_FUSED_ROUND_PREP", True, parse_bool, "kill switch",
     "A decode round's bookkeeping on CUDA in one launch each; 0 restores the torch ops "
-    "(bench/results/2026-12-01-h200-s16/).")
+    "(bench/results/2026-12-01-h200-gemv-tiles/).")
 SKINNY_DENSE = _register(
     "NINFER_SKINNY_DENSE", True, parse_bool, "kill switch",
     "bf16 layers with 3-16 decode rows on the tensor-core skinny GEMM; 0 gives them back to cuBLAS "
-    "(bench/results/2026-12-01-h200-s13/).")
+    "(bench/results/2026-12-01-h200-decode-variants-prefill-tma/).")
 GEMV_PAIRS = _register(
     "NINFER_GEMV_PAIRS", True, parse_bool, "kill switch",
     "The bf16 decode GEMV reads weights and activations as 32-bit words of two values; 0 restores the plain bf16 "
-    "code (bench/results/2026-12-01-h200-s17/).")
+    "code (bench/results/2026-12-01-h200-gemv-pairs/).")
 GEMV_PRELOAD = _register(
     "NINFER_GEMV_PRELOAD", True, parse_bool, "kill switch",
     "The one-row bf16 decode GEMV reads its first weight tile before it waits for the kernel ahead; 0 restores the "
-    "plain loop (bench/results/2026-12-02-h200-s24/).")
+    "plain loop (bench/results/2026-12-02-h200-preload-quant-8b/).")
 QUANT_MMA_GEMV = _register(
     "NINFER_QUANT_MMA_GEMV", True, parse_bool, "kill switch",
     "Quantized decode rows (NVFP4 1-8, FP8 2-8) on the tensor-core CUDA C GEMV (needs CuPy); 0 leaves them to the "
-    "Triton kernels (bench/results/2026-12-01-h200-s14/).")
+    "Triton kernels (bench/results/2026-12-01-h200-quant-gemv-mma/).")
 QUANT_MMA_CONTIG = _register(
     "NINFER_QUANT_MMA_CONTIG", True, parse_bool, "kill switch",
     "The tensor-core quantized GEMV reads a warp's batch of chunks from adjacent row bytes; 0 restores chunks "
-    "interleaved across the warps (bench/results/2026-12-02-h200-s19/).")
+    "interleaved across the warps (bench/results/2026-12-02-h200-mma-chunks-fp8-tiles/).")
 ATTN_FUSED_MERGE = _register(
     "NINFER_ATTN_FUSED_MERGE", True, parse_bool, "kill switch",
     "Split decode attention merges its splits in the last split to finish; 0 restores the separate merge kernel "
-    "(bench/results/2026-12-02-h200-s20/).")
+    "(bench/results/2026-12-02-h200-fused-merge-kv-32b/).")
 ATTN_INT8_LONG = _register(
     "NINFER_ATTN_INT8_LONG", True, parse_bool, "kill switch",
     "Decode over int8 KV pages at long contexts reads 128-key tiles with the next K loaded ahead, at most 2 programs "
-    "an SM; 0 restores the 64-key plan (bench/results/2026-12-02-h200-s21/).")
+    "an SM; 0 restores the 64-key plan (bench/results/2026-12-02-h200-kv-int8-long/).")
 ATTN_BF16_LONG = _register(
     "NINFER_ATTN_BF16_LONG", True, parse_bool, "kill switch",
     "Decode over 16-bit KV pages split 32 ways or more loads the next K ahead with registers capped at 128; 0 "
-    "restores the cp.async pipeline (bench/results/2026-12-02-h200-s22/).")
+    "restores the cp.async pipeline (bench/results/2026-12-02-h200-long-prefill-seed/).")
 PREFILL_TMA = _register(
     "NINFER_PREFILL_TMA", True, parse_bool, "kill switch",
     "Prefill attention on sm90 gathers the keys and runs the TMA FlashAttention kernel; 0 keeps every prefill on "
-    "the paged kernel (bench/results/2026-12-01-h200-s13/).")
+    "the paged kernel (bench/results/2026-12-01-h200-decode-variants-prefill-tma/).")
 PREFILL_TMA_INT8 = _register(
     "NINFER_PREFILL_TMA_INT8", True, parse_bool, "kill switch",
     "int8 KV pages take the TMA prefill routes through the one-pass dequantizing gather; 0 keeps them on the paged "
-    "kernel (bench/results/2026-12-02-h200-s22/).")
+    "kernel (bench/results/2026-12-02-h200-long-prefill-seed/).")
 PREFILL_TMA_HD256 = _register(
     "NINFER_PREFILL_TMA_HD256", True, parse_bool, "kill switch",
     "head_dim 256 (Qwen3.5's gated attention) takes the TMA prefill routes; 0 keeps it on the paged kernel "
-    "(bench/results/2026-12-02-h200-s22/, 2026-12-02-h200-s23/).")
+    "(bench/results/2026-12-02-h200-long-prefill-seed/, 2026-12-02-h200-hybrid-hd256/).")
 TP_FUSED_NORM = _register(
     "NINFER_TP_FUSED_NORM", True, parse_bool, "kill switch",
     "With TP > 1 the peer-to-peer all-reduce adds the residual and applies the next RMSNorm in the same launch; 0 "

@@ -45,7 +45,7 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 ROWS = 12
 FLOAT_ROWS = 3
 # the round's bookkeeping on CUDA in one launch each (engine.kernels.elementwise.round_prep): the served qwen3-8b bf16
-# step 4.427 -> 4.393 ms (bench/results/2026-12-01-h200-s16/b-ab-small-kernels-bf16-tiles); NINFER_FUSED_ROUND_PREP=0
+# step 4.427 -> 4.393 ms (bench/results/2026-12-01-h200-gemv-tiles/b-ab-small-kernels-bf16-tiles); NINFER_FUSED_ROUND_PREP=0
 # restores the torch ops
 FUSED_ROUND_PREP = envs.FUSED_ROUND_PREP.read()
 

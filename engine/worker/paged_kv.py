@@ -15,9 +15,9 @@ from engine import envs
 # sits beside its float32 softmax state, so the memory plan (engine/worker/memory_plan.py) counts 1.5 times it
 PREFILL_GATHER_MAX_BYTES = 256 << 20
 # head_dims whose prefill takes the gather and the TMA kernel (engine.kernels.attention.paged). H200, one layer, chunk
-# 4096 (bench/results/2026-12-02-h200-s22/): 128 at 1.4-2.5x the paged kernel (qwen3-8b/32b, 32k-196k keys, bf16
+# 4096 (bench/results/2026-12-02-h200-long-prefill-seed/): 128 at 1.4-2.5x the paged kernel (qwen3-8b/32b, 32k-196k keys, bf16
 # and int8 pages); 256, Qwen3.5-27B's gated attention (24 heads over 4 KV heads), at 3.1-4.1x (32k and 128k keys),
-# and the served hybrid's 196k-token prefill 2.0-2.1x (bench/results/2026-12-02-h200-s23/c-49d7006-hybrid-hd256-ab).
+# and the served hybrid's 196k-token prefill 2.0-2.1x (bench/results/2026-12-02-h200-hybrid-hd256/c-49d7006-hybrid-hd256-ab).
 # NINFER_PREFILL_TMA_HD256=0 keeps 256 on the paged kernel.
 PREFILL_TMA_HEAD_DIMS = (128, 256) if envs.PREFILL_TMA_HD256.read() else (128,)
 

@@ -204,7 +204,7 @@ def _gpu_quick(shape: str) -> Plan:
     plan.mode = "quick"
     plan.kv_capacity = 32 * K + 1024
     # kv: the int8 engine's build and warm-up alone took 20-28 s on the H200 (graphs to 32k), so 25 s left its point
-    # unmeasured (bench/results/2026-12-02-h200-s20/e); 45 s holds it and one 32k point
+    # unmeasured (bench/results/2026-12-02-h200-fused-merge-kv-32b/e); 45 s holds it and one 32k point
     plan.budgets = {"roofline": 12, "peer": 35, "prefill": 35, "concurrency": 30, "decode": 60, "kv": 45,
                     "tp": 200, "acceptance": 25, "e2e": 480, "quant": 200,
                     "hybrid": 300}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Interleaved A/B of several commits' served decode, in one call on the GPU machine. Across calls the same
-# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (bench/results/2026-12-01-h200-s15/, d and e). So
+# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (bench/results/2026-12-01-h200-fp8-gemv/, d and e). So
 # a change worth a few percent is judged here, never across calls.
 #
 # Here (no GPU), one tree per commit, bench/results left out to keep the carry small:

@@ -60,7 +60,7 @@ MAX_DECODE_SPLITS = 256
 DECODE_MIN_SPLIT_KEYS = 64    # one 64-key tile: short contexts split down to a tile per program
 # Decode and verify plans merge their splits inside the attention kernel (AttnConfig.fused_merge): served qwen3-8b
 # at ctx 512, k=0 4.216 -> 4.172 ms, NVFP4 step 2.758 -> 2.725, two interleaved reps each
-# (bench/results/2026-12-02-h200-s20/b-5388838-ab-fused-merge), where _merge_kernel had taken 0.117 ms a step.
+# (bench/results/2026-12-02-h200-fused-merge-kv-32b/b-5388838-ab-fused-merge), where _merge_kernel had taken 0.117 ms a step.
 # NINFER_ATTN_FUSED_MERGE=0 gives the second kernel back.
 FUSED_MERGE = envs.ATTN_FUSED_MERGE.read()
 MERGE_TILE_FLOATS = 8192      # a fused merge's [rows, splits, head_dim] fp32 trip: 64 registers a thread at 4 warps
@@ -415,21 +415,21 @@ DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "
 # int8 pages over long contexts (splits of several tiles): 128-key tiles, the next tile's K loaded before this
 # tile's math (prefetch 1), and at most 2 programs per SM (249 registers for sm_90: a third would start a second
 # wave). Measured for 16-row tiles only (decode; verify up to 4 tokens at group 4): larger tiles keep DECODE_INT8.
-# H200, us per call (bench/results/2026-12-02-h200-s21/b-f5f35af-decode-tma): b1 32k 45.0 -> 39.1, b1 8k 18.1 ->
+# H200, us per call (bench/results/2026-12-02-h200-kv-int8-long/b-f5f35af-decode-tma): b1 32k 45.0 -> 39.1, b1 8k 18.1 ->
 # 15.1, b8 8k 72.1 -> 70.1, b8 32k 263.9 -> 257.3; served int8 KV at 32k 5.668 -> 5.504 ms a step
-# (bench/results/2026-12-02-h200-s21/c-d8e4bed-kv-int8-long). NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
+# (bench/results/2026-12-02-h200-kv-int8-long/c-d8e4bed-kv-int8-long). NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
 INT8_LONG = envs.ATTN_INT8_LONG.read()
 # Its shape: the other shapes of the tuner lost at b1 32k (no prefetch at 4 warps 42.6 us, at 8 warps 48.0, prefetch
-# at 8 warps 57.6, against 39.5; bench/results/2026-12-02-h200-s22/b-e7e238c-tune-seed), and so did the 64-key plan
-# with prefetch (50.2-58.8 us; bench/results/2026-12-02-h200-s24/a-295b648-gpu-tests-int8-tune).
+# at 8 warps 57.6, against 39.5; bench/results/2026-12-02-h200-long-prefill-seed/b-e7e238c-tune-seed), and so did the 64-key plan
+# with prefetch (50.2-58.8 us; bench/results/2026-12-02-h200-preload-quant-8b/a-295b648-gpu-tests-int8-tune).
 INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = 1, 4, 2
 
 
 # 16-bit pages, split decode at small batch past one-tile splits: the next tile's K loaded before this tile's
 # math, registers capped at 128 so four programs share an SM (the plan's 512 programs of a batch-1 step in one
-# wave). H200, qwen3-8b, us per call (bench/results/2026-12-02-h200-s22/b-e7e238c-tune-seed): b1 32k 53.3 -> 44.1,
+# wave). H200, qwen3-8b, us per call (bench/results/2026-12-02-h200-long-prefill-seed/b-e7e238c-tune-seed): b1 32k 53.3 -> 44.1,
 # b1 8k 22.0 -> 18.4 (64 splits); at b8 8k (8 splits, already 0.90 of the byte floor) it lost, 70.2 -> 71.5. Served
-# bf16 KV at 32k 5.891 -> 5.571 ms a step (bench/results/2026-12-02-h200-s22/f-5089f29-kv-ab-bf16-long). The rule
+# bf16 KV at 32k 5.891 -> 5.571 ms a step (bench/results/2026-12-02-h200-long-prefill-seed/f-5089f29-kv-ab-bf16-long). The rule
 # reads the split count, not keys per split: a graph's plan sees its context class (the engine's maximum past 16k),
 # not the length it replays at. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline.
 BF16_LONG = envs.ATTN_BF16_LONG.read()
@@ -606,7 +606,7 @@ def merge_splits(pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, out: to
 
 # Prefill takes the TMA kernel of prefill_tma.py on gathered K/V: 1.2-1.7x this file's kernel on the H200
 # (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; prefill-attn.log in
-# bench/results/2026-12-01-h200-s13/d-6893c60-prefill-tma). The gather is
+# bench/results/2026-12-01-h200-decode-variants-prefill-tma/d-6893c60-prefill-tma). The gather is
 # a transient copy of every key of the chunk's sequences (int8 pages dequantized into q's dtype by
 # engine/kernels/attention/kv_dequant.py), so it is bounded, and it must be paid for by the chunk's attention: a short chunk
 # after a long context (a new turn over a cached prefix; fewer than PREFILL_SEGMENT_MIN_QUERIES tokens when it is
@@ -616,12 +616,12 @@ PREFILL_GATHER_MIN_QUERIES_PER_KEY = 1 / 32     # the measured win at chunk 1024
 # segment by segment (prefill_segments; one segment when its keys fit one gather) from this many new tokens: the
 # gather costs a fixed amount per key and the attention it speeds up grows with the queries, so the break-even is a
 # query count, whatever the context. 1,024 is the measured win at chunk 1024 after 28k keys
-# (bench/results/2026-12-01-h200-s13/d-6893c60-prefill-tma). Chunks of several sequences keep the per-key rule.
+# (bench/results/2026-12-01-h200-decode-variants-prefill-tma/d-6893c60-prefill-tma). Chunks of several sequences keep the per-key rule.
 PREFILL_SEGMENT_MIN_QUERIES = 1024
 # Segments are whole multiples of this (the kernel's key tiles, the page size) and at least SEGMENT_MIN_KEYS.
 SEGMENT_ALIGN, SEGMENT_MIN_KEYS = 256, 4096
 # int8 pages join both routes through the one-pass dequantizing gather (kv_dequant.py): int8 prefill attention at 32k
-# 10.71 -> 4.55 ms a qwen3-8b layer (bench/results/2026-12-02-h200-s22/a-42f2ef9-long-prefill).
+# 10.71 -> 4.55 ms a qwen3-8b layer (bench/results/2026-12-02-h200-long-prefill-seed/a-42f2ef9-long-prefill).
 # NINFER_PREFILL_TMA_INT8=0 keeps them on this file's kernel.
 PREFILL_TMA_INT8 = envs.PREFILL_TMA_INT8.read()
 

@@ -73,33 +73,33 @@ class GemvConfig:
 #   M = 2: FP8 8x512 0.45-0.50 (skinny 0.32-0.50), NVFP4 8x1024 0.19-0.22 (skinny 0.13-0.17).
 #   M = 4 and 8: the tensor-core skinny kernel (and cuBLAS for bf16) win, so the GEMV stops at 2 rows.
 # bf16 takes the GEMV at two rows too, as word pairs: served qwen3-8b k=1 verify round 4.78 -> 4.68 ms, two
-# interleaved reps each (bench/results/2026-12-01-h200-s17/b-ab-3d5ae26-pairs-rows2); at 4 rows the skinny GEMM
-# keeps it (0.935 of copy against the pairs' 0.735, bench/results/2026-12-01-h200-s17/a-39355ec-tests-pairs-sweep).
+# interleaved reps each (bench/results/2026-12-01-h200-gemv-pairs/b-ab-3d5ae26-pairs-rows2); at 4 rows the skinny GEMM
+# keeps it (0.935 of copy against the pairs' 0.735, bench/results/2026-12-01-h200-gemv-pairs/a-39355ec-tests-pairs-sweep).
 GEMV_ROWS = {"fp8": 2, "nvfp4": 2, "bf16": 2}
 
 # bf16 reads word pairs (GemvConfig.pairs): the served qwen3-8b k=0 round 4.26 -> 4.22 ms
-# (bench/results/2026-12-01-h200-s17/b-ab-3d5ae26-pairs-rows2). Read once at import; NINFER_GEMV_PAIRS=0 restores
+# (bench/results/2026-12-01-h200-gemv-pairs/b-ab-3d5ae26-pairs-rows2). Read once at import; NINFER_GEMV_PAIRS=0 restores
 # the plain code, and the two-row GEMV then takes 8x256 tiles.
 PAIRS = envs.GEMV_PAIRS.read()
 
 # The one-row bf16 word-pair GEMV preloads (GemvConfig.preload): a decode step's small GEMVs (qwen3-8b q/k/v, o)
 # are one wave of programs that walk K in two to four dependent tile loads, and with PDL the first of them can go
 # out while the kernel ahead finishes. Served qwen3-8b bf16 step 4.172 -> 4.133 ms in each of four interleaved reps
-# (bench/results/2026-12-02-h200-s24/c-9ad8c47-ab-preload, d-9ad8c47-ab-preload-bf16). One row only: at two rows
-# it lost (k=1 verify 4.568 -> 5.026 ms, bench/results/2026-12-02-h200-s25/d-ab0d812-ab-two-row-gemv).
+# (bench/results/2026-12-02-h200-preload-quant-8b/c-9ad8c47-ab-preload, d-9ad8c47-ab-preload-bf16). One row only: at two rows
+# it lost (k=1 verify 4.568 -> 5.026 ms, bench/results/2026-12-02-h200-bench-profiles/d-ab0d812-ab-two-row-gemv).
 # NINFER_GEMV_PRELOAD=0 restores the plain loop.
 PRELOAD = envs.GEMV_PRELOAD.read()
 
 # One row of FP8 takes 4x2048 tiles (8 KB a step, 4 warps) on every layer: the served qwen3-8b FP8 step went
 # 2.847 -> 2.779 ms against the 8x1024 tiles it replaced, four interleaved reps over two calls, where 4x1024 read
 # 2.806, 4x4096 2.835, 8x1024 with 8 warps 2.821, 4x2048 with 8 warps 2.968 and 2x2048 2.874
-# (bench/results/2026-12-02-h200-s19/e-da127a8-ab-fp8-row-tile, f-da127a8-ab-fp8-row-tile-2). qwen3-32b and TP=2
+# (bench/results/2026-12-02-h200-mma-chunks-fp8-tiles/e-da127a8-ab-fp8-row-tile, f-da127a8-ab-fp8-row-tile-2). qwen3-32b and TP=2
 # shards take it too, not measured served.
 FP8_ROW_TILE = (4, 2048, 4)
 
 # Two bf16 rows as word pairs (a k=1 verify, two streams; the SwiGLU takes at least 4 weight rows): 4x1024.
 # 4x512 (53 registers against 64) lost served: k=1 verify round 4.568 -> 4.782 ms, two streams 1.871 -> 1.783x one
-# (bench/results/2026-12-02-h200-s25/d-ab0d812-ab-two-row-gemv).
+# (bench/results/2026-12-02-h200-bench-profiles/d-ab0d812-ab-two-row-gemv).
 BF16_TWO_ROW_TILE = (4, 1024, 4)
 
 
@@ -118,13 +118,13 @@ def default_config(fmt: str, M: int, N: int, K: int) -> GemvConfig:
         # one row: 2x1024 tiles (30 registers, 16 programs an SM) put 8b's o (2,048 programs) in one wave with
         # 4 steps each where 4x512 walked 8 dependent tile loads; per model 0.988 / 1.020 / 0.901 / 0.973 of copy
         # against 4x512's 0.949 / 0.920 / 0.886 / 0.861 (8b / 32b / 8b TP2 / 32b TP2,
-        # bench/results/2026-12-01-h200-s16/a-9d1c5b0-tests-bf16-sweep); served qwen3-8b bf16 step 4.427 -> 4.349
-        # ms, interleaved in one call (bench/results/2026-12-01-h200-s16/b-ab-small-kernels-bf16-tiles)
+        # bench/results/2026-12-01-h200-gemv-tiles/a-9d1c5b0-tests-bf16-sweep); served qwen3-8b bf16 step 4.427 -> 4.349
+        # ms, interleaved in one call (bench/results/2026-12-01-h200-gemv-tiles/b-ab-small-kernels-bf16-tiles)
         cfg = GemvConfig(2, 1024) if M == 1 else GemvConfig(8, 256)
         if PAIRS:
             # verify rows as pairs: at 2 rows 4x1024 reached 0.973 of copy per qwen3-8b model against the skinny
             # tensor-core GEMM's 0.935 and 2x1024 pairs' 0.923
-            # (bench/results/2026-12-01-h200-s17/a-39355ec-tests-pairs-sweep)
+            # (bench/results/2026-12-01-h200-gemv-pairs/a-39355ec-tests-pairs-sweep)
             cfg = replace(GemvConfig(*BF16_TWO_ROW_TILE) if M > 1 else cfg, pairs=True, preload=PRELOAD and M == 1)
     block_k = cfg.block_k
     while K % block_k and block_k > 256:        # a tile that divides K keeps the loop unmasked
@@ -206,9 +206,9 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 # The GEMV's one and two bf16 rows (a k=1 verify, two streams) fold the SwiGLU. One row, on 4x1024 tiles: the
-# qwen3-8b bf16 step 4.282 -> 4.265 ms (bench/results/2026-12-01-h200-s16/c-ab-e9d4c55-silu-pdl-fp8-sweep); two
+# qwen3-8b bf16 step 4.282 -> 4.265 ms (bench/results/2026-12-01-h200-gemv-tiles/c-ab-e9d4c55-silu-pdl-fp8-sweep); two
 # rows: k=1 round 4.654 -> 4.612 and 4.667 -> 4.619 ms, two streams 1.885 -> 1.906x one, k=0 unchanged
-# (bench/results/2026-12-02-h200-s21/a-2b9f21b-validate, e-d8e4bed-ab-silu-rows).
+# (bench/results/2026-12-02-h200-kv-int8-long/a-2b9f21b-validate, e-d8e4bed-ab-silu-rows).
 SILU_ROWS = 2
 
 
