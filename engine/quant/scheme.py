@@ -30,6 +30,9 @@ HEADER_DTYPES = {NVFP4: {"weight": "U8", "weight_scale": "F8_E4M3", "weight_scal
 
 
 KEPT = ("model.embed_tokens.weight", "lm_head.weight")
+# A mixture of experts' router and its shared expert's gate decide which weights run and how much of them
+# counts: kept in the model dtype when quantizing everything else, as ModelOpt's and Qwen's releases keep them.
+KEPT_MODULES = (".mlp.gate", ".shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,10 @@ class QuantScheme:
 
     def over_linears(self, shapes: dict[str, tuple[int, ...]]) -> "QuantScheme":
         """The scheme quantizing every linear layer of a bf16 checkpoint's `shapes` that it does not
-        exclude (embeddings and lm_head are never quantized)."""
+        exclude (embeddings, lm_head, MoE routers and shared-expert gates are never quantized)."""
         modules = frozenset(n[:-len(".weight")] for n, s in shapes.items()
                             if n.endswith(".weight") and len(s) == 2 and n not in KEPT
+                            and not n[:-len(".weight")].endswith(KEPT_MODULES)
                             and not self.excludes(n[:-len(".weight")]))
         return replace(self, modules=modules)
 
