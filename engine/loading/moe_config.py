@@ -92,3 +92,13 @@ def moe_mlp_params(cfg, active: bool = False) -> int:
     if cfg.shared_expert_intermediate_size:
         n += 3 * h * cfg.shared_expert_intermediate_size + h
     return n
+
+
+def moe_activation_bytes(cfg, tokens: int, tp: int, elt: int) -> int:
+    """Live tensors of one MoE block at `tokens` rows on one rank, besides the layer's own: the router's
+    logits and choices, the sort's buffers, the gate/up GEMM's SwiGLU output and the down GEMM's rows (one per
+    (token, choice)), and the shared expert's gate/up output."""
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    i, s = cfg.moe_intermediate_size // tp, cfg.shared_expert_intermediate_size // tp
+    routing = tokens * (e * 4 + k * 8) + (tokens * k + e * 64) * 4 * 2
+    return routing + tokens * (k * (i + cfg.hidden_size) + 3 * s + cfg.hidden_size) * elt

@@ -141,3 +141,19 @@ def test_qwen3_next_grouped_projections_split_into_qwen3_5_order():
                            + group(0, 2 * dk, r * dv) + group(1, 2 * dk, r * dv))
     assert rows["z"] == group(0, 2 * dk + r * dv, r * dv) + group(1, 2 * dk + r * dv, r * dv)
     assert rows["b"] == [0, 1, 4, 5] and rows["a"] == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "qwen3.5-35b-a3b"])
+def test_memory_plan_counts_every_expert_on_each_rank(name):
+    """The plan's weights are every expert's bytes (the shard on the meta device), halved per rank at TP=2
+    (each expert split on its intermediate dimension); the MTP layer's experts count where drafting."""
+    from engine.config import EngineConfig
+    from engine.loading.presets import preset
+    from engine.worker.memory_plan import GiB, plan_memory
+    cfg = preset(name)
+    k = 1 if cfg.mtp_num_hidden_layers else 0
+    plans = {tp: plan_memory(EngineConfig(model=f"preset:{name}", device="cuda", dtype="bfloat16", kv_capacity=4096,
+                                          tensor_parallel_size=tp), cfg, k, 4096, available=140 * GiB) for tp in (1, 2)}
+    params = cfg.num_params(include_mtp=k > 0)
+    assert params * 2 <= plans[1].weights_bytes < params * 2 * 1.01          # + the RoPE table
+    assert plans[2].weights_bytes == pytest.approx(plans[1].weights_bytes / 2, rel=0.01)
