@@ -144,10 +144,11 @@ class GemmConfig:
 
 
 def default_config(rows_per_block: int, fmt: str | None, n: int, k: int) -> GemmConfig:
-    """Tiles by the block's rows (decode: BLOCK_M 16..64 with a narrow N for many programs; prefill: 64)."""
+    """First tiles, not measured yet (the GPU run tunes them). The same BLOCK_N and BLOCK_K at every row count:
+    a row's sums then run in one order whether 1, 4 or 64 rows of a round chose the expert (MTP verify rows equal
+    decode rows)."""
     bk = min(128 if fmt == "nvfp4" else 64, max(32 if fmt == "nvfp4" else 16, triton.next_power_of_2(k)))
-    bn = 64 if rows_per_block <= 32 else 128
-    return GemmConfig(min(bn, max(16, triton.next_power_of_2(n))), bk)
+    return GemmConfig(min(64, max(16, triton.next_power_of_2(n))), bk)
 
 
 def moe_gemm(a: torch.Tensor, experts, proj: str, slots, out: torch.Tensor, a_div: int,
