@@ -1,8 +1,8 @@
 """The serving paths of the dense models, on MoE models (tiny random checkpoints, tests/support/moe.py):
 
 - prefix reuse: a shared prefix is computed once -- KV blocks on Qwen3-MoE, KV blocks up to a linear-attention
-  state snapshot on Qwen3.5-MoE -- and the requests that reuse it continue exactly as a fresh engine without
-  reuse does, with and without MTP drafts;
+  state snapshot on the hybrids (Qwen3-Next, Qwen3.5-MoE) -- and the requests that reuse it continue exactly as
+  a fresh engine without reuse does, with and without MTP drafts;
 - async scheduling (round N+1 planned while N runs) gives the synchronous engine's tokens;
 - every KV block and state slot comes back.
 """
@@ -23,7 +23,7 @@ PREFIX = random_prompts(384, [75], seed=12)[0]
 SUFFIXES = random_prompts(384, [3, 9, 20], seed=13)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"serve-{request.param}")
     build_random_moe(path, request.param, seed=10, echo_mtp=1.2)

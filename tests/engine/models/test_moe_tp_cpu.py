@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"tp-{request.param}")
     build_random_moe(path, request.param, seed=4, echo_mtp=1.2)

@@ -1,9 +1,10 @@
 """Quantized experts: tiny MoE checkpoints quantized by `ninfer quantize` (FP8 128x128 blocks and NVFP4 --
 every expert's gate/up/down, the shared expert, attention, the DeltaNet projections and the MTP layer;
-routers and shared-expert gates kept, as the producers keep them) load into the stacked quantized expert
-parameters, and their logits equal those of the same checkpoint dequantized by the reference
-(engine.quant.formats) and loaded in float32, at TP=1 and at TP=2 (each rank holding half of every
-expert's rows or columns, scale blocks included); greedy MTP with k = 3 equals k = 0."""
+routers and shared-expert gates kept, as the producers keep them, and Qwen3-Next's grouped DeltaNet input
+projections kept, which the loader permutes) load into the stacked quantized expert parameters, and their
+logits equal those of the same checkpoint dequantized by the reference (engine.quant.formats) and loaded in
+float32, at TP=1 and at TP=2 (each rank holding half of every expert's rows or columns, scale blocks
+included); greedy MTP with k = 3 equals k = 0."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from tests.support.moe import build_random_moe
 PROMPTS = random_prompts(384, [9, 37], seed=8)
 
 
-@pytest.fixture(scope="module", params=[("qwen3_moe", "fp8"), ("qwen3_5_moe", "fp8"), ("qwen3_5_moe", "nvfp4")],
+@pytest.fixture(scope="module", params=[("qwen3_moe", "fp8"), ("qwen3_next", "fp8"), ("qwen3_next", "nvfp4"),
+                                         ("qwen3_5_moe", "fp8"), ("qwen3_5_moe", "nvfp4")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def quantized(request, tmp_path_factory):
     arch, fmt = request.param
@@ -36,8 +38,11 @@ def quantized(request, tmp_path_factory):
 
 def test_experts_load_quantized_and_match_the_dequantized_reference(quantized):
     arch, fmt, scheme, q, ref = quantized
-    assert "model.layers.0.mlp.experts.3.down_proj" in scheme.modules
-    assert not any(m.endswith((".mlp.gate", ".shared_expert_gate")) for m in scheme.modules)
+    first_sparse = 1 if arch == "qwen3_next" else 0                         # its layer 0 is dense (tests/support/moe.py)
+    assert f"model.layers.{first_sparse}.mlp.experts.3.down_proj" in scheme.modules
+    assert not any(m.endswith((".mlp.gate", ".shared_expert_gate", ".in_proj_qkvz", ".in_proj_ba")) for m in scheme.modules)
+    if arch == "qwen3_next":     # its grouped DeltaNet projections stay unquantized (the loader permutes their rows)
+        assert "model.layers.0.linear_attn.out_proj" in scheme.modules
     llm, plain = make_llm(q), make_llm(ref)
     block = next(l.mlp for l in llm.engine.executor.driver.model.model.layers if isinstance(l.mlp, SparseMoeBlock))  # noqa: E741
     assert block.experts.quant == fmt and block.gate.quant is None
