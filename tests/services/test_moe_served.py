@@ -43,7 +43,7 @@ def test_moe_engine_behind_smg_with_mtp(tmp_path):
     path = tmp_path / MODEL
     printable_model(path)
     llm = make_llm(str(path))
-    want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
+    want = [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0))]
     assert all(len(t) >= MAX_TOKENS // 2 for t in want), want
     engine = ServerProcess.start("engine", "--model", str(path), "--draft-tokens", "3", "--kv-capacity", "4096",
                                  "--dtype", "float32", env=CHILD_ENV)

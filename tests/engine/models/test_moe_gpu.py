@@ -15,7 +15,7 @@ from tests.support.moe import build_random_moe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PROMPTS = random_prompts(384, [3, 17, 40, 90], seed=21)
-GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])

@@ -85,7 +85,7 @@ def test_prefill_mtp_states_match_transformers_layers(moe):
     hook = model.mtp.register_forward_hook(lambda m, args, out: calls.append((args[2].clone(), out.detach().clone())))
     ids = random_prompts(hf.config.vocab_size, [40], seed=6)[0]
     try:
-        llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True))
+        llm.generate([ids], SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
     finally:
         hook.remove()
     positions = torch.cat([c[0] for c in calls])
@@ -101,7 +101,7 @@ def test_prefill_mtp_states_match_transformers_layers(moe):
 def test_greedy_with_drafts_equals_k0(moe, k):
     arch, path, hf, _ = moe
     prompts = random_prompts(hf.config.vocab_size, [5, 19, 40, 64], seed=7)
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     want = [o.token_ids for o in make_llm(path, prefill_chunk=16).generate(prompts, params)]
     llm = make_llm(path, prefill_chunk=16, draft_tokens=k)
     outs = llm.generate(prompts, params)

@@ -18,7 +18,7 @@ from tests.support.moe import build_random_moe
 
 pytest.importorskip("transformers")
 
-PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
 PREFIX = random_prompts(384, [75], seed=12)[0]
 SUFFIXES = random_prompts(384, [3, 9, 20], seed=13)
 

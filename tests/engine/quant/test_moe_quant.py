@@ -66,7 +66,7 @@ def test_quantized_mtp_is_lossless(quantized):
     arch, _, _, q, _ = quantized
     if arch == "qwen3_moe":
         pytest.skip("Qwen3-MoE checkpoints have no MTP layer")
-    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
     k0 = [o.token_ids for o in make_llm(q).generate(PROMPTS, greedy)]
     llm = make_llm(q, draft_tokens=3)
     assert llm.engine.executor.driver.model.mtp.layers[0].mlp.experts.quant is not None
