@@ -157,3 +157,22 @@ def test_memory_plan_counts_every_expert_on_each_rank(name):
     params = cfg.num_params(include_mtp=k > 0)
     assert params * 2 <= plans[1].weights_bytes < params * 2 * 1.01          # + the RoPE table
     assert plans[2].weights_bytes == pytest.approx(plans[1].weights_bytes / 2, rel=0.01)
+
+
+@pytest.mark.parametrize("fmt, bytes_per_param", [("fp8", 1 + 4 / (128 * 128)), ("nvfp4", 0.5 + 1 / 16)])
+def test_memory_plan_counts_quantized_experts_in_their_dtypes(fmt, bytes_per_param):
+    """`preset:qwen3-30b-a3b-fp8` / `-nvfp4`: every expert and attention projection in its format (FP8: a byte and a
+    float32 scale per 128 x 128 block; NVFP4: half a byte and an E4M3 scale per 16), the embeddings, lm_head,
+    routers and norms in bf16 -- the plan's weights are that sum (within 1 %: NVFP4's per-row float32 scales,
+    88 MB, and the RoPE table)."""
+    from engine.config import EngineConfig
+    from engine.loading.presets import preset
+    from engine.worker.memory_plan import GiB, plan_memory
+    base, quantized = preset("qwen3-30b-a3b"), preset(f"qwen3-30b-a3b-{fmt}")
+    h, heads, kv, d = base.hidden_size, base.num_attention_heads, base.num_key_value_heads, base.head_dim
+    per_layer = 3 * base.num_experts * h * base.moe_intermediate_size + 2 * h * heads * d + 2 * h * kv * d
+    linear = base.num_hidden_layers * per_layer
+    want = linear * bytes_per_param + (base.num_params() - linear) * 2
+    plan = plan_memory(EngineConfig(model=f"preset:qwen3-30b-a3b-{fmt}", device="cuda", dtype="bfloat16",
+                                    kv_capacity=4096), quantized, 0, 4096, available=140 * GiB)
+    assert plan.weights_bytes == pytest.approx(want, rel=0.01)
