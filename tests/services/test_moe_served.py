@@ -1,7 +1,8 @@
 """A mixture-of-experts hybrid served: `ninfer engine` (a tiny random Qwen3.5-MoE checkpoint written by
 transformers, tests/support/moe.py, with its MTP layer and k = 3 drafts) as a real child process behind the
 real Shepherd Model Gateway (`smg launch`, smg's gRPC engine protocol, the tokenizer fetched from the engine).
-Greedy OpenAI completions come back as the offline engine without speculation writes them."""
+Greedy OpenAI completions come back as the offline engine without speculation writes them, and a prompt sent again
+takes its prefix from the cache (the engine's `engine_request_done` log counts the cached tokens)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ pytest.importorskip("transformers")
 
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MODEL = "tiny-qwen3_5-moe"
-PROMPTS = ["def fibonacci(n):", "The experts of a mixture"]
+LONG = "A mixture of experts routes every token to a few of its experts. " * 4
+PROMPTS = ["def fibonacci(n):", "The experts of a mixture", LONG]
 MAX_TOKENS = 24
 
 
@@ -51,7 +53,8 @@ def test_moe_engine_behind_smg_with_mtp(tmp_path):
     try:
         router = SmgRouter.start([engine.address], None, tmp_path / "smg.log")
         router.wait_until_ready(workers=1, model=MODEL, timeout_s=90)
-        for prompt, text in zip(PROMPTS, want):
+        # the long prompt twice: the second time its prefix comes from the cache (KV blocks up to a state snapshot)
+        for prompt, text in zip(PROMPTS + [LONG], want + [want[-1]]):
             got = router.completion({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                                      "ignore_eos": True}, timeout=120)
             assert got["usage"]["completion_tokens"] == MAX_TOKENS
@@ -63,3 +66,7 @@ def test_moe_engine_behind_smg_with_mtp(tmp_path):
         engine.wait(60)
     plans = [e for e in engine.events if e.get("event") == "memory_plan"]
     assert plans and "state slots" in plans[0]["plan"] and plans[0]["draft_tokens"] == 3
+    done = [e for e in engine.events if e.get("event") == "engine_request_done"]
+    cached = [e["ninfer.cached_tokens"] for e in done]
+    assert len(cached) >= len(PROMPTS) + 1, cached                  # (smg may send its own requests first)
+    assert cached[-2] == 0 and cached[-1] >= 32, cached             # the first and the second run of LONG
