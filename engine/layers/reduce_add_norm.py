@@ -43,13 +43,14 @@ K_SPLITS = 1
 SPLIT_ROWS = 8                                   # the row counts measured (1 and 8)
 
 
-def defer_reduce(tp: TPGroup, *projections: RowParallelLinear) -> bool:
-    """Make these row-parallel layers return partial sums when tp has several ranks; True if so."""
+def defer_reduce(tp: TPGroup, *projections: nn.Module) -> bool:
+    """Make these row-parallel layers (or sparse MoE blocks: anything with a `reduce` flag) return partial
+    sums when tp has several ranks; True if so."""
     deferred = tp.size > 1
     fused = deferred and FUSED and hasattr(tp.comm, "all_reduce_add_rms_norm")
     for p in projections:
         p.reduce = not deferred
-        if fused and K_SPLITS > 1 and p.in_features % K_SPLITS == 0:
+        if fused and K_SPLITS > 1 and isinstance(p, RowParallelLinear) and p.in_features % K_SPLITS == 0:
             p.k_splits, p.split_rows = K_SPLITS, SPLIT_ROWS
     return deferred
 
