@@ -324,3 +324,43 @@ def test_quant_section_runs_the_seeds_one_gpu_deployment_on_the_dense_shape(cpu_
     lc = seed["long_context"]
     assert lc["context"] == plan["hybrid"]["long_context"]
     assert lc["completion_tokens"] == plan["hybrid"]["long_decode_tokens"] and lc["finish_reason"] == "length"
+
+
+def test_moe_bytes_count_the_experts_actually_read():
+    """Qwen3-30B-A3B: 30.5 B parameters, 3.3 B of them used by a token (its card's "A3B"); a batch-1 decode
+    step reads the 8 chosen experts of each of the 48 layers, not 128; a batch reads the union of its choices."""
+    cfg = shapes.model_config("qwen3-30b-a3b")
+    assert shapes.params(cfg) == pytest.approx(30.5e9, rel=2e-3)
+    assert shapes.active_params(cfg) == pytest.approx(3.35e9, rel=2e-3)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    assert shapes.weight_bytes_per_step(cfg) == (shapes.active_params(cfg) - v * h) * 2
+    assert shapes.experts_read(cfg, 1) == pytest.approx(8)
+    assert 8 < shapes.experts_read(cfg, 8) < 64 and shapes.experts_read(cfg, 4096) == pytest.approx(128)
+    assert shapes.weight_bytes_per_step(cfg, batch=4096) == pytest.approx((shapes.params(cfg) - v * h) * 2, rel=1e-6)
+    # prefill MFU counts the active parameters' FLOPs
+    assert shapes.prefill_flops_per_token(cfg, 1) == pytest.approx(2 * shapes.active_params(cfg) + 4 * 48 * 32 * 128)
+    hybrid = shapes.model_config("qwen3.5-35b-a3b")
+    assert shapes.params(hybrid) == pytest.approx(34.66e9, rel=2e-3) and shapes.active_params(hybrid) < 3.5e9
+
+
+def test_moe_section_and_its_headline_keys(cpu_run):
+    _, _, r = cpu_run
+    sec = r["sections"]["moe"]
+    assert sec["status"] == "ok", sec.get("error")
+    points = derive._measured(sec["points"])
+    assert [p["tensor_parallel_size"] for p in points] == [1, 2]
+    bw, _ = derive.roofline_of(r, sec["run_id"])
+    cfg = shapes.model_config(sec["shape"])
+    for p in points:
+        want = shapes.decode_floor_ms(cfg, p["context"] + p["max_tokens"] / 2, bw, p["engine"]["dtype"],
+                                      p["engine"]["kv_dtype"], p["tensor_parallel_size"])
+        assert close(p["floor_ms"], want) and close(p["roofline_fraction"], want / p["ms_per_round_best"])
+    # the CPU dry run's shape is not the headline's: null with the reason
+    assert r["headline"]["moe_30b_a3b_decode_b1_roofline_fraction"] is None
+    assert "tiny-moe" in r["headline_detail"]["moe_30b_a3b_decode_b1_roofline_fraction"]["reason"]
+    # at the headline's shape the keys are the TP=1 point's fraction and TP=1 over TP=2 ms
+    at_shape = {"plan": r["plan"], "run": r["run"], "runs": r["runs"], "sections": {
+        "moe": {**sec, "shape": "qwen3-30b-a3b", "points": [dict(p) for p in points]}}}
+    head, _ = derive.headline(at_shape)
+    assert close(head["moe_30b_a3b_decode_b1_roofline_fraction"], points[0]["roofline_fraction"])
+    assert close(head["moe_30b_a3b_tp2_over_tp1_decode_b1"], points[0]["ms_per_round_best"] / points[1]["ms_per_round_best"])

@@ -26,8 +26,9 @@ import time
 import traceback
 from pathlib import Path
 
-ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid"]
-NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid"}
+ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid",
+         "moe"]
+NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid", "moe"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report_only(args)
 
     import torch
-    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, peer, prefill, quant, report,
+    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, moe, peer, prefill, quant, report,
                              roofline, runinfo, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
@@ -187,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid,
+               "moe": moe}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

@@ -44,6 +44,9 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
                                                    "prefill + 512 decoded tokens (issue 14)"),
     "fp8_decode_b1_roofline_fraction": (None, None, "FP8 decode batch 1: its bytes per step over the copy bandwidth"),
     "nvfp4_decode_b1_roofline_fraction": (None, None, "NVFP4 decode batch 1: its bytes per step over the copy bandwidth"),
+    "moe_30b_a3b_decode_b1_roofline_fraction": (">=", 0.60, "Qwen3-30B-A3B shape, TP1, decode batch 1 against the "
+                                                            "roofline of the experts actually read (issue 42)"),
+    "moe_30b_a3b_tp2_over_tp1_decode_b1": (">=", 1.3, "Qwen3-30B-A3B shape, TP2 over TP1, decode batch 1 (issue 42)"),
 }
 QUANT_KEYS = ("nvfp4_over_bf16_decode_b1", "fp8_over_bf16_decode_b1", "fp8_over_bf16_prefill_4k",
               "fp8_decode_b1_roofline_fraction", "nvfp4_decode_b1_roofline_fraction")
@@ -102,7 +105,7 @@ def annotate(results: dict) -> None:
         base = [q for q in prefill if q["chunk"] == p["chunk"] and q["P"] == ref.get("prefill_P")]
         p["relative_to_ref_P"] = p["prefill_tok_s_peak"] / base[0]["prefill_tok_s_peak"] if base else None
 
-    for name in ("decode", "kv", "tp", "hybrid"):
+    for name in ("decode", "kv", "tp", "hybrid", "moe"):
         for p in _measured(secs.get(name, {}).get("points", [])):
             if p.get("draft_tokens", 0) == 0 and p.get("ms_per_round_best"):
                 floor = decode_floor(results, p, p.get("shape"), secs[name].get("run_id"))
@@ -258,6 +261,8 @@ def headline(results: dict) -> tuple[dict, dict]:
         why["hybrid_one_gpu_192k_ok"] = (missing("hybrid") or one.get("hybrid_one_gpu_192k_ok_reason")
                                          or one.get("reason") or "not measured")
 
+    _moe_headline(secs, values, inputs, why, missing)
+
     conc = {p["streams"]: p for p in _measured(secs.get("concurrency", {}).get("points", []))}
     for name, n in (("agg_decode_2_streams", ref.get("streams_small", 2)), ("agg_decode_8_streams", ref.get("streams_large", 8))):
         if n in conc and conc[n].get("aggregate_over_single") is not None:
@@ -319,3 +324,26 @@ def headline(results: dict) -> tuple[dict, dict]:
         detail[name] = {"value": v, "target": target, "comparison": op, "target_text": text, "met": met,
                         "ratio_to_target": ratio, "inputs": inputs.get(name), "reason": why.get(name)}
     return head, detail
+
+
+def _moe_headline(secs: dict, values: dict, inputs: dict, why: dict, missing) -> None:
+    """The MoE section's two keys: TP=1's roofline fraction (experts actually read) and TP=2 over TP=1."""
+    sec = secs.get("moe", {})
+    by_tp = {p.get("tensor_parallel_size", 1): p for p in _measured(sec.get("points", []))}
+    name = "moe_30b_a3b_decode_b1_roofline_fraction"
+    one, two = by_tp.get(1), by_tp.get(2)
+    if sec.get("shape") not in (None, "qwen3-30b-a3b"):
+        why[name] = f"the moe section ran the {sec['shape']} shape"
+    elif one and one.get("roofline_fraction") is not None:
+        values[name] = one["roofline_fraction"]
+        inputs[name] = {"context": one["context"], "floor_ms": one["floor_ms"], "ms_per_token": one["ms_per_round_best"]}
+    else:
+        why[name] = missing("moe") or "no TP=1 decode point with a roofline"
+    name = "moe_30b_a3b_tp2_over_tp1_decode_b1"
+    if sec.get("shape") not in (None, "qwen3-30b-a3b"):
+        why[name] = f"the moe section ran the {sec['shape']} shape"
+    elif one and two and one.get("ms_per_round_best") and two.get("ms_per_round_best"):
+        values[name] = one["ms_per_round_best"] / two["ms_per_round_best"]
+        inputs[name] = {"tp1_ms": one["ms_per_round_best"], "tp2_ms": two["ms_per_round_best"], "context": one["context"]}
+    else:
+        why[name] = missing("moe") or sec.get("note") or "needs decode points at TP=1 and TP=2"

@@ -133,6 +133,16 @@ class HybridPlan:
 
 
 @dataclass
+class MoEPlan:
+    """tools/bench/moe.py: the Qwen3-30B-A3B shape, decode batch 1 at TP=1 and TP=2."""
+    shape: str = "qwen3-30b-a3b"
+    tensor_parallel_sizes: tuple[int, ...] = (1, 2)
+    context: int = 512
+    decode_tokens: int = 128
+    repeats: int = 2
+
+
+@dataclass
 class Plan:
     mode: str
     shape: str
@@ -156,6 +166,7 @@ class Plan:
         streams_small=2, streams_large=8))
     quant: QuantPlan = field(default_factory=QuantPlan)
     hybrid: HybridPlan = field(default_factory=HybridPlan)
+    moe: MoEPlan = field(default_factory=MoEPlan)
 
 
 def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, time_scale: float = 1.0) -> Plan:
@@ -177,7 +188,7 @@ def _gpu_full(shape: str) -> Plan:
         mode="full", shape=shape, chunk=4096, kv_capacity=131 * K + 512,
         budgets={"roofline": 20, "peer": 60, "prefill": 150, "concurrency": 60, "decode": 170, "kv": 60,
                  "tp": 300, "acceptance": 45, "e2e": 600, "quant": 240,
-                 "hybrid": 360},
+                 "hybrid": 360, "moe": 240},
         global_s=1320,
         roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
                               gemv_rows=151936, gemv_cols=4096),
@@ -204,10 +215,10 @@ def _gpu_quick(shape: str) -> Plan:
     plan.mode = "quick"
     plan.kv_capacity = 32 * K + 1024
     # kv: the int8 engine's build and warm-up alone took 20-28 s on the H200 (graphs to 32k), so 25 s left its point
-    # unmeasured (bench/results/2026-12-02-h200-s20/e); 45 s holds it and one 32k point
+    # unmeasured (bench/results/2026-12-02-h200-fused-merge-kv-32b/e); 45 s holds it and one 32k point
     plan.budgets = {"roofline": 12, "peer": 35, "prefill": 35, "concurrency": 30, "decode": 60, "kv": 45,
                     "tp": 200, "acceptance": 25, "e2e": 480, "quant": 200,
-                    "hybrid": 300}
+                    "hybrid": 300, "moe": 200}
     plan.global_s = 890
     plan.e2e = E2EPlan(prompt=512, decode_tokens=128, streams=[1, 8, 32], ttft_repeats=8, tps=[1, 2], ks=[0, 3],
                        draft_vocab=32768, kv_capacity=24 * K)
@@ -230,7 +241,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
         mode="cpu-quick" if quick else "cpu", shape=shape, chunk=128, kv_capacity=1024,
         # generous: the CPU run checks code paths (the test), it must not skip points on a slow machine
         budgets={name: 120.0 for name in ("roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp",
-                                          "acceptance", "e2e", "quant", "hybrid")},
+                                          "acceptance", "e2e", "quant", "hybrid", "moe")},
         global_s=900,
         roofline=RooflinePlan(copy_bytes=64 << 20, matmul_n=512, matmul_dtype="float32", gemv_rows=4096,
                               gemv_cols=1024, repeats=5),
@@ -255,6 +266,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
                            batch_repeats=2, kv_capacity=1024, seed_shape="tiny")
     plan.hybrid = HybridPlan(shape="tiny-hybrid", decode_contexts=[64, 256], decode_tokens=8, prefill_prompts=[128, 512],
                              long_context=1024, long_decode_tokens=16, chunk=128)
+    plan.moe = MoEPlan(shape="tiny-moe", context=64, decode_tokens=8, repeats=1)
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 1, 512: 2})
         plan.decode.ks = [0, 3]

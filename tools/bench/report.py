@@ -100,7 +100,7 @@ def markdown(r: dict) -> str:
     L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "what is asked (docs/performance.md)"], rows)
 
     L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
-    L += _quant(r) + _hybrid(r)
+    L += _quant(r) + _hybrid(r) + _moe(r)
 
     L += ["## Sections", ""]
     rows = [[name, s.get("status", "?"), fmt(s.get("elapsed_s")), s.get("run_id", ""),
@@ -375,6 +375,20 @@ def _hybrid(r: dict) -> list[str]:
                  f"{fmt(p.get('roofline_fraction'))} of roofline, {one['bytes_per_step'] / 1e9:.2f} GB per step)")
     L += _long_context_line("one GPU long context", one.get("long_context"), one.get("hybrid_one_gpu_192k_ok"))
     return L + [""]
+
+
+def _moe(r: dict) -> list[str]:
+    sec = r["sections"].get("moe")
+    if not sec or sec.get("status") == "skipped":
+        return ["## Mixture of experts", "", f"- skipped: {sec.get('reason')}", ""] if sec else []
+    d = sec.get("describe") or {}
+    L = [f"## Mixture of experts — {sec.get('shape')}, decode batch 1, k = 0", "",
+         f"- {d.get('experts')} experts, {d.get('experts_per_token')} per token; {fmt(d.get('active_params'))} of "
+         f"{fmt(d.get('params'))} parameters read per token", ""]
+    rows = [[str(p.get("tensor_parallel_size")), str(p["context"]), fmt(p["decode_tok_s_peak"]),
+             f"{p['ms_per_round_best']:.2f}", fmt(p.get("floor_ms")), fmt(p.get("roofline_fraction"))]
+            for p in _measured(sec.get("points"))]
+    return L + _tab(["TP", "context", "decode tok/s", "ms/token", "floor ms", "roofline fraction"], rows) + [""]
 
 
 def _e2e(r: dict) -> list[str]:
