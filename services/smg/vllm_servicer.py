@@ -118,6 +118,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             lending = bool(tags and tags.do_remote_decode and self.pd.role == "producer" and params.n == 1)
             if lending:
                 params = self.pd.prefill_params(params, len(prompt))
+                # smg 1.13 gives up on a prefill leg that shows nothing within 3 s of its dispatch (504
+                # prefill_worker_silent, "dispatch" then "first_response"): the stream opens now and its first
+                # message, an empty chunk, goes out before a long prompt's prefill (smg drains and drops it)
+                await context.send_initial_metadata(())
             landing = None
             if tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer":
                 landing = await self.pd.pull(f"{request.request_id}:{uuid.uuid4().hex[:8]}", prompt, tags.handoff)
@@ -195,6 +199,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def _lend(self, stream, guard: "AbortWhenCallEnds", prompt_len: int, span):
         """A producer's prefill leg: its first token and the hand-off; the request stays parked for the
         consumer (the call's end no longer aborts it: the consumer's notification or the lease frees it)."""
+        yield convert.chunk([], prompt_len, 0)
         out = await stream.next_async()
         if out.finished:
             self._report(out.stats, span)
