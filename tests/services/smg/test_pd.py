@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from services.engine_client import EngineClient
 from services.engine_host import EngineHost
 from services.server.grpc_server import ServerOptions
+from tests.support.hybrid import require_shared_hybrid
 from tools.serving.server_process import ServerProcess
 from tools.serving.smg_stack import SmgRouter, smg_command
 
@@ -239,3 +240,25 @@ def test_a_producer_killed_before_the_pull_is_unavailable_on_the_consumer_which_
     assert e.value.code() is grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert "pulling the prompt's KV from producer" in e.value.details()
     assert_nothing_held(clients["consumer"])
+
+
+def test_a_hybrid_pair_recomputes_the_prompt_exactly_its_state_is_not_moved():
+    """Qwen3.5 hybrids: the linear-attention state does not move yet, so the consumer's prefix hit stops
+    at a state snapshot (none for pulled blocks) and it recomputes the prompt: the same tokens, no saving."""
+    model = require_shared_hybrid()
+    producer, consumer = start_host(model, "producer", 0), start_host(model, "consumer", 0)
+    try:
+        with grpc.insecure_channel(producer.address) as p, grpc.insecure_channel(consumer.address) as c, \
+                EngineClient(producer.address) as pc, EngineClient(consumer.address) as cc:
+            p_stub, c_stub = vllm_engine_pb2_grpc.VllmEngineStub(p), vllm_engine_pb2_grpc.VllmEngineStub(c)
+            alone = generate(p_stub, request_id="hy-alone")     # untagged: the producer serves it whole
+            prefill = generate(p_stub, kv=REMOTE_DECODE, max_tokens=1, request_id="hy")
+            decode = generate(c_stub, kv=prefill.kv_transfer_params_json, request_id="hy")
+            assert list(decode.output_ids) == list(alone.output_ids)
+            assert decode.cached_tokens == 0
+            assert wait_for(lambda: pc.metrics().queue.parked == 0)
+            for client in (pc, cc):
+                assert_nothing_held(client)
+    finally:
+        producer.stop()
+        consumer.stop()
