@@ -15,6 +15,16 @@ MAX_STOP_TOKEN_IDS = 1024
 TEMPERATURE_FLOOR = 1e-5
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    json_schema: str | None = None      # a JSON Schema document (text)
+    json_object: bool = False           # any JSON object
+    regex: str | None = None
+    grammar: str | None = None          # EBNF (GBNF dialect)
+    choice: tuple[str, ...] | None = None
+    structural_tag: str | None = None   # smg/xgrammar structural tag JSON (text)
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
@@ -26,6 +36,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     draft_tokens: int | None = None     # at most the engine's k; None = the engine's
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
