@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,6 +32,7 @@ from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
 from engine.request_stats import FinishReason, RequestStats
+from engine.structured.grammars import Grammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
 log = structlog.get_logger(__name__)
@@ -134,6 +136,8 @@ class EngineCore:
         log.info("scheduling", overlapped=self.async_scheduling, why_synchronous=self.sync_reason or None)
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
+        # structured output: the grammar compiler (built at the first constrained request)
+        self.grammars = Grammars(self.tokenizer.to_json, model_config.vocab_size, model_config.eos_token_ids)
 
     def warmup(self) -> WarmupReport:
         """What every entry point runs before it serves: one short request through the split path
@@ -176,9 +180,19 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
 
+    def compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (None when unconstrained), compiled off the engine thread and
+        waited for on the caller's (a front door calls this before it hands the request to the engine
+        thread). Raises GrammarError (INVALID_ARGUMENT) naming the field, UnsupportedError without xgrammar."""
+        if params.structured_output is None:
+            return None
+        return self.grammars.compile(params.structured_output).result()
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     park_after_prefill: bool = False, arrival: float | None = None,
-                    prefix_cache: bool = True) -> Request:
+                    prefix_cache: bool = True, grammar=None) -> Request:
+        """`grammar`: the compiled grammar of params.structured_output (compile_grammar), compiled here
+        -- on the calling thread -- when not given."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgumentError("prompt", "must not be empty")
@@ -190,13 +204,18 @@ class EngineCore:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.model_config.eos_token_ids)
+        if params.structured_output is not None:
+            grammar = grammar if grammar is not None else self.compile_grammar(params)
+            matcher = self.grammars.matcher(grammar, sorted(stop_ids))
+        else:
+            matcher = None
         req = Request(
             request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache)
+            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache, grammar=matcher)
         self.scheduler.add_request(req)
         if params.stop:
             self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
@@ -238,13 +257,34 @@ class EngineCore:
             return outputs
         prefilling = list(self.scheduler.lane.requests)
         # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
-        result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids
-                  else ModelOutput())
+        if not sched.empty or sched.finished_request_ids:
+            with self._grammar_masks(sched):
+                result = self.executor.execute(sched)
+        else:
+            result = ModelOutput()
         return outputs + self._outputs(sched, prefilling, self.scheduler.update(sched, result))
 
     def _launch(self, sched: SchedulerOutput) -> InflightRound:
-        host, arrived = self._readback.start(self.executor.launch(sched))
+        with self._grammar_masks(sched):
+            host, arrived = self._readback.start(self.executor.launch(sched))
         return InflightRound(sched, [self.scheduler.requests[w.request_id] for w in sched.decode], host, arrived)
+
+    @contextmanager
+    def _grammar_masks(self, sched: SchedulerOutput):
+        """Structured output: the step's mask rows filled from the matchers before it is enqueued; the
+        matchers rolled back to their accepted tokens after (its drafts advanced them)."""
+        reqs = self.scheduler.requests
+        decode = [reqs[w.request_id].grammar for w in sched.decode]
+        prefill = [reqs[p.request_id].grammar for p in sched.prefills if p.sample]
+        if not any(g is not None for g in decode) and not any(g is not None for g in prefill):
+            yield
+            return
+        masks = self.executor.masks
+        masks.begin(decode, prefill)
+        try:
+            yield
+        finally:
+            masks.end()
 
     def _land(self, inflight: InflightRound) -> list[RequestOutput]:
         """Round N's bookkeeping, once its tokens arrived (rows of requests gone since are dropped)."""
@@ -254,6 +294,8 @@ class EngineCore:
 
     def _outputs(self, sched: SchedulerOutput, prefilling: list[Request], events) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        for ev in events:
+            self._advance_grammar(ev.request, ev.new_token_ids)
         for ev in events:                # tokens past a stop string are neither delivered nor counted
             ev.new_token_ids = self._apply_stop_strings(ev.request, ev.new_token_ids)
         self._record(sched, prefilling, events)
@@ -266,6 +308,16 @@ class EngineCore:
                 outputs.append(RequestOutput(req.request_id, ev.new_token_ids, False, stats=(
                     req.stats(self.config.prefill_chunk) if parked else None)))
         return outputs
+
+    @staticmethod
+    def _advance_grammar(req: Request, tokens: list[int]) -> None:
+        """Structured output: the matcher accepts the tokens the request just appended (each was sampled
+        under its mask, so a refusal is a bug: logged, and the request is left to its limits)."""
+        if req.grammar is None or not tokens:
+            return
+        taken = req.grammar.accept_tokens(tokens)
+        if taken != len(tokens):
+            log.error("grammar_refused_token", request_id=req.request_id, token=tokens[taken])
 
     def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:
         detok = self._stops.get(req.request_id)
@@ -340,4 +392,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Release the model, KV and graphs on every rank (the core is unusable afterwards)."""
+        self.grammars.shutdown()
         self.executor.shutdown()

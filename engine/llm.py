@@ -46,7 +46,11 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        # structured output: every distinct grammar compiles at once on the compiler's pool
+        pending = [self.engine.grammars.compile(sp.structured_output) if sp.structured_output is not None else None
+                   for sp in per_prompt]
+        grammars = [f.result() if f is not None else None for f in pending]
+        reqs = [self.engine.add_request(p, sp, grammar=g) for p, sp, g in zip(prompts, per_prompt, grammars)]
         results: dict[str, RequestOutput] = {}
         while len(results) < len(reqs):
             for out in self.engine.step():

@@ -103,11 +103,14 @@ class EngineLoop:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                park_after_prefill: bool = False) -> RequestStream:
-        """Admit a request; raises the engine's validation and queue errors synchronously."""
+        """Admit a request; raises the engine's validation and queue errors synchronously. A request for
+        structured output waits for its grammar's compile here, on the caller's thread: the engine thread
+        keeps stepping the other streams meanwhile."""
         arrival = self.clock()
+        grammar = self.core.compile_grammar(params)
 
         def add() -> RequestStream:
-            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival)
+            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival, grammar=grammar)
             stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
             return stream
         return self._call(add)

@@ -30,6 +30,8 @@ from engine.distributed.tp_group import SINGLE_RANK, LocalCommunicator, TPGroup
 from engine.worker.decode_round import sampling_variant
 from engine.worker.model_runner import ModelRunner, PromptLogits, read_tokens
 from engine.sched.scheduler import ModelOutput, SchedulerOutput
+from engine.structured.bitmask import words_for
+from engine.structured.round_masks import RoundMasks
 
 log = structlog.get_logger(__name__)
 
@@ -83,9 +85,12 @@ class Executor:
         self.devices = rank_devices(config)
         groups = make_groups(config, self.devices, p2p_limit(config, model_config, draft_tokens))
         self._comm = groups[0].comm                      # closed at shutdown (CUDA: buffers, NCCL)
+        # structured output: a step's grammar masks, filled once on the host, copied to every rank
+        self.masks = RoundMasks(config.max_batch, draft_tokens, words_for(model_config.vocab_size),
+                                pin_memory=self.devices[0].type == "cuda")
         # built one after the other on this thread: construction touches process-wide defaults
         self.runners = [ModelRunner(config, model_config, weights, num_blocks, draft_tokens, max_model_len,
-                                    tp=g, device=d) for g, d in zip(groups, self.devices)]
+                                    tp=g, device=d, masks=self.masks) for g, d in zip(groups, self.devices)]
         self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
 
     @property
@@ -134,12 +139,15 @@ class Executor:
         for runner in self.runners[1:]:
             if runner.round_setup.pool_rows != rows:      # every rank assigns rows in the same order
                 raise RuntimeError("hidden-pool rows differ between ranks")
-        cap, key = driver.graphs.select(works, *sampling_variant(works))
+        constrained = driver.constrained
+        cap, key = driver.graphs.select(works, *sampling_variant(works), constrained=constrained)
         cap.pack(works)              # once every rank's copy out of this turn's staging arrays is done
         caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):
             with _on(runner.device):
                 mine.upload(cap.host)
+                if constrained:
+                    runner.upload_masks(cap.batch)
                 if mine is not cap and runner.device.type == "cuda":
                     cap.note_copy(torch.cuda.current_stream().record_event())
         # the launches back to back: a rank launched early waits in its first collective for the rest

@@ -66,6 +66,9 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     stop_token_ids: frozenset[int] = frozenset()
     prefix_cache: bool = True                # may take cached prefix blocks (off when scoring every position)
+    # structured output: the request's grammar matcher (engine.structured.matcher.GrammarState), advanced
+    # by the engine as tokens are appended; None when unconstrained
+    grammar: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

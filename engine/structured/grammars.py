@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+from engine.errors import UnsupportedError
 from engine.sampling_params import StructuredOutput
 from engine.structured.spec import GrammarLimits, GrammarSpec
 
@@ -45,8 +46,14 @@ class Grammars:
 
     def compile(self, so: StructuredOutput) -> Future:
         """Future[CompiledGrammar]; a spec of the wrong shape raises GrammarError here, a grammar that
-        does not compile (or not in time) fails the future with one."""
-        return self.compiler.compile(GrammarSpec.from_structured_output(so))
+        does not compile (or not in time) fails the future with one; UnsupportedError without xgrammar."""
+        spec = GrammarSpec.from_structured_output(so)
+        try:
+            compiler = self.compiler
+        except ImportError as e:
+            raise UnsupportedError(f"structured_output: needs the xgrammar package ({e}); see "
+                                   "docs/structured-output.md for the install") from None
+        return compiler.compile(spec)
 
     def matcher(self, grammar, stop_token_ids: Sequence[int]):
         """A fresh engine.structured.matcher.GrammarState; the grammar ends where a stop token may come

@@ -13,18 +13,23 @@ rows of all ones, so the device code masks every row of a constrained round with
                                            # accepted tokens (the engine then accepts the real ones)
 
 Each rank copies the host rows into its own device buffer (`engine.worker.decode_round` reads it), so
-at TP = 2 one mask covers the gathered logits every rank samples from.
+at TP = 2 one mask covers the gathered logits every rank samples from. On CUDA those copies leave the
+pinned host array asynchronously: `begin` first waits for the last ones (with async scheduling they
+belong to the round the host has just read, so the wait is over before it starts).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.structured.bitmask import ALL_ALLOWED
-from engine.structured.matcher import GrammarState
+
+if TYPE_CHECKING:                  # xgrammar is imported only where a grammar is compiled
+    from engine.structured.matcher import GrammarState
 
 
 class RoundMasks:
@@ -37,22 +42,32 @@ class RoundMasks:
         self._states: list[GrammarState | None] = []
         self._refused: list[bool] = []       # a row whose draft the grammar refused: later rows copy
         self._filled = 0                     # rows 0 .. _filled - 1 of this round are final
+        self._dirty = 0                      # host rows that may differ from all ones
+        self._uploads: list[torch.cuda.Event] = []
+        self.active = False                  # the step's decode round has a constrained request
+        self.prefill_active = False          # a sampled prefill piece of the step has one
 
-    @property
-    def active(self) -> bool:
-        """The round being filled has a constrained request."""
-        return any(s is not None for s in self._states)
+    def note_upload(self, event: torch.cuda.Event) -> None:
+        """A rank's asynchronous copy out of `host`: the next `begin` waits for it."""
+        self._uploads.append(event)
 
     def begin(self, decode: Sequence[GrammarState | None], prefill: Sequence[GrammarState | None] = ()) -> None:
         """Row 0 of each decode request's mask, and the mask of each sampled prefill piece."""
         with self._lock:
+            for event in self._uploads:
+                event.synchronize()
+            self._uploads = []
             self._states = list(decode)
             self._refused = [False] * len(decode)
             self._filled = 1
-            for r, state in enumerate(self._states):
-                self.host[r].fill_(ALL_ALLOWED)
-                if state is not None:
-                    state.fill(self.host[r, 0])
+            self.active = any(s is not None for s in self._states)
+            self.prefill_active = any(s is not None for s in prefill)
+            self.host[:self._dirty].fill_(ALL_ALLOWED)
+            self._dirty = len(self._states) if self.active else 0
+            if self.active:
+                for r, state in enumerate(self._states):
+                    if state is not None:
+                        state.fill(self.host[r, 0])
             for r, state in enumerate(prefill):
                 if state is None:
                     self.prefill_host[r].fill_(ALL_ALLOWED)
@@ -82,3 +97,4 @@ class RoundMasks:
                 if state is not None:
                     state.pop_drafts()
             self._states = []
+            self.active = self.prefill_active = False

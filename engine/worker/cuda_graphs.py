@@ -7,6 +7,12 @@ code differs in shape of work, not in values: all-greedy rounds skip probabiliti
 only rounds with a top-k/top-p row sort the vocabulary. Context classes exist because the
 attention kernel sizes its split along the keys from an upper bound of the context: a round whose
 longest sequence is short replays a graph planned for short sequences.
+
+Structured output: without drafts (k = 0) a round whose batch has a request under a grammar replays a
+"constrained" graph of the same variant, which masks the sampled logits by the persistent
+`RoundSetup.token_masks` buffer (filled on the host and copied in before the replay). With drafts, the
+masks of verify positions past the first depend on the drafts of the round itself: such a round runs
+eagerly (engine.worker.model_runner.graphed; docs/structured-output.md).
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ class _Captured:
         self._turn = 0
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
-        # (context class, variant, draft steps) -> (graph, its output tokens)
-        self.graphs: dict[tuple[int, tuple[bool, bool], int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (context class, variant, draft steps, constrained) -> (graph, its output tokens)
+        self.graphs: dict[tuple[int, tuple[bool, bool], int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -103,6 +109,8 @@ class GraphedRounds:
         self._by_batch: dict[int, _Captured] = {}
         # an adaptive draft length replays a graph per round length: k + 1 times the captures
         self.draft_counts = list(range(setup.k + 1)) if setup.adaptive else [setup.k]
+        # structured output: k = 0 rounds of a constrained batch replay a masking twin of each graph
+        self.constrained = [False, True] if setup.k == 0 and setup.token_masks is not None else [False]
 
     def fits(self, n: int) -> bool:
         return n <= self.buckets[-1]
@@ -123,8 +131,9 @@ class GraphedRounds:
             cap = self._by_batch[batch] = _Captured(batch, setup)
             cap.pack([])                                         # all rows padding
             cap.upload()
-            for cls, variant, drafts in ((c, v, d) for c in self.classes for v in VARIANTS for d in self.draft_counts):
-                args = (setup, cap.inputs, cls, *variant, drafts)
+            for cls, variant, drafts, masked in ((c, v, d, m) for c in self.classes for v in VARIANTS
+                                                 for d in self.draft_counts for m in self.constrained):
+                args = (setup, cap.inputs, cls, *variant, drafts, masked)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
@@ -134,7 +143,7 @@ class GraphedRounds:
                 # the ranks of a TP group capture at the same time, each on its own thread: NCCL
                 # may talk to its peers while a collective is captured
                 tokens, _ = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
-                cap.graphs[(cls, variant, drafts)] = (graph, tokens)
+                cap.graphs[(cls, variant, drafts, masked)] = (graph, tokens)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
@@ -145,12 +154,17 @@ class GraphedRounds:
         """The captured bucket of exactly this batch size (every rank captures the same buckets)."""
         return self._by_batch[batch]
 
-    def select(self, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
+    def bucket_for(self, batch: int) -> int:
+        """The batch size of the bucket a round of `batch` requests replays."""
+        return next(b for b in self.buckets if b >= batch)
+
+    def select(self, works, all_greedy: bool, any_filter: bool, constrained: bool = False) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
-        cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
+        cap = self._by_batch[self.bucket_for(len(works))]
         longest = max(w.max_num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
-        return cap, (cls, (True, False) if all_greedy else (False, any_filter), round_drafts(self.setup, works))
+        return cap, (cls, (True, False) if all_greedy else (False, any_filter), round_drafts(self.setup, works),
+                     constrained)
 
     @staticmethod
     def launch(cap: _Captured, key: tuple) -> torch.Tensor:
@@ -159,8 +173,8 @@ class GraphedRounds:
         graph.replay()
         return tokens
 
-    def replay(self, works, all_greedy: bool, any_filter: bool) -> torch.Tensor:
-        cap, key = self.select(works, all_greedy, any_filter)
+    def replay(self, works, all_greedy: bool, any_filter: bool, constrained: bool = False) -> torch.Tensor:
+        cap, key = self.select(works, all_greedy, any_filter, constrained)
         cap.pack(works)
         cap.upload()
         return self.launch(cap, key)

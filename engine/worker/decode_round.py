@@ -27,6 +27,7 @@ pass unchanged.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -69,6 +70,10 @@ class RoundSetup:
     # [max_batch, k+1] int64: the last round's tokens (-1 padded), read by the next round's carried
     # rows (carry_forward); None: no round carries (rows are packed from the host only)
     last_tokens: torch.Tensor | None = None
+    # [max_batch, k+1, ceil(V/32)] int32: grammar masks of a constrained round (structured output), row j
+    # for the logits after the request's j-th draft; all ones for unconstrained rows. Filled on the host
+    # (engine.structured.round_masks) and copied in before the round; a captured round reads it in place.
+    token_masks: torch.Tensor | None = None
 
     @property
     def pool_rows(self) -> dict[str, int]:
@@ -152,9 +157,22 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
     return positions, ctx
 
 
+DraftHook = Callable[[int, torch.Tensor], None]   # (j, drafts [B] of step j): token_masks[:, j + 1] filled
+
+
+def masked(logits: torch.Tensor, setup: RoundSetup, rows: slice | int, draft: bool = False) -> torch.Tensor:
+    """Structured output: logits [B, w, V] (or [B, V] for one row) under token_masks[:B, rows]."""
+    from engine.structured.bitmask import apply_token_mask
+    bsz = logits.shape[0]
+    mask = setup.token_masks[:bsz, rows]
+    return apply_token_mask(logits.reshape(-1, logits.shape[-1]), mask.reshape(-1, mask.shape[-1]),
+                            keep_empty_rows=draft).view(logits.shape)
+
+
 @torch.inference_mode()
 def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
-              any_filter: bool, drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              any_filter: bool, drafts: int | None = None, constrained: bool = False,
+              on_draft: DraftHook | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1) and num_accepted [B].
 
     `drafts` (default k) is the round's number of draft steps (an adaptive draft length runs fewer).
@@ -162,17 +180,24 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
     so a round of 0 drafts keeps the MTP layer's KV current and verifies x_{n-1} alone.
 
     The hidden pool's rows ([rows, k+1, hidden]) are updated in place with this round's target hidden
-    states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
+    states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it).
+
+    `constrained` (structured output): every sampled logits row is masked by `setup.token_masks`: the
+    target's at verify position j and the draft of step j + 1 by row j. Row 0 is filled before the round;
+    with drafts, `on_draft(j, d)` fills row j + 1 from draft j on the host (the matcher advanced by the
+    drafts so far), so a round of a constrained batch with k > 0 runs eagerly."""
     if setup.last_tokens is not None:
         inp = carry_forward(inp, setup.last_tokens)
-        tokens, num_accepted = _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)
+        tokens, num_accepted = _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts, constrained,
+                                          on_draft)
         keep_last_tokens(setup.last_tokens, tokens)
         return tokens, num_accepted
-    return _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)
+    return _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts, constrained, on_draft)
 
 
 def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
-               any_filter: bool, drafts: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+               any_filter: bool, drafts: int | None, constrained: bool = False,
+               on_draft: DraftHook | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     hidden_pool = setup.hidden.states if setup.hidden is not None else None
     drafts = k if drafts is None else drafts
@@ -182,6 +207,8 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy
         positions, ctx = uniform_context(inp.num_tokens - 1, 1, tables, block_size, max_seq_len, inp.state_slots)
         with forward_context(ctx):
             logits = model.compute_logits(model(inp.last_ids, positions))
+        if constrained:
+            logits = masked(logits, setup, 0)
         tokens = sampler.sample(logits, s).unsqueeze(1)
         return tokens, torch.zeros_like(inp.num_tokens)
 
@@ -195,7 +222,12 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy
 
     draft_list, draft_probs = [], []
     for j in range(drafts):
-        d, q = sampler.draft(model.compute_logits(g, draft_vocab), s.shifted(j), vocab)
+        draft_logits = model.compute_logits(g, draft_vocab)
+        if constrained:
+            draft_logits = masked(draft_logits, setup, j, draft=True)
+        d, q = sampler.draft(draft_logits, s.shifted(j), vocab)
+        if on_draft is not None:
+            on_draft(j, d)
         draft_list.append(d)
         draft_probs.append(q)
         if j + 1 < drafts:
@@ -211,6 +243,8 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy
     with forward_context(ctx):
         hidden = model(verify_ids.flatten(), positions)                                  # [B(drafts+1), hidden]
     logits = model.compute_logits(hidden).view(bsz, width, -1)
+    if constrained:
+        logits = masked(logits, setup, slice(0, width))
     if drafts == 0:
         tokens, num_accepted = sampler.sample(logits[:, 0], s).unsqueeze(1), torch.zeros_like(inp.num_tokens)
     else:

@@ -29,6 +29,8 @@ from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 from engine.sched.scheduler import DecodeWork, ModelOutput, PrefillWork, SchedulerOutput
 from engine.loading.hybrid_config import state_slot_counts
 from engine.worker.state_pool import StateCache
+from engine.structured.bitmask import apply_token_mask
+from engine.structured.round_masks import RoundMasks
 
 log = structlog.get_logger(__name__)
 
@@ -64,7 +66,7 @@ class PromptLogits:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, num_blocks: int,
                  draft_tokens: int, max_model_len: int, tp: TPGroup = SINGLE_RANK,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, masks: RoundMasks | None = None):
         self.config = config
         self.tp = tp
         self.device = device or torch.device(config.device)
@@ -106,7 +108,11 @@ class ModelRunner:
             max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
             scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0,
             last_tokens=(torch.zeros(self.max_batch, draft_tokens + 1, dtype=torch.int64, device=self.device)
-                         if not why_synchronous(config) else None))
+                         if not why_synchronous(config) else None),
+            token_masks=(torch.full(masks.host.shape, -1, dtype=torch.int32, device=self.device)
+                         if masks is not None else None))
+        # structured output: the step's grammar masks, filled once on the host for every rank
+        self.masks = masks
         self.graphs = None                               # engine.worker.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -133,7 +139,26 @@ class ModelRunner:
             self.hidden.release(request_ids)
 
     def graphed(self, works: list[DecodeWork]) -> bool:
-        return self.graphs is not None and self.graphs.fits(len(works))
+        # a constrained round with drafts fills its masks between the draft steps: eager
+        return (self.graphs is not None and self.graphs.fits(len(works))
+                and not (self.k > 0 and self.constrained))
+
+    @property
+    def constrained(self) -> bool:
+        """The step's decode round has a request under a grammar (structured output)."""
+        return self.masks is not None and self.masks.active
+
+    def upload_masks(self, rows: int) -> None:
+        """Copy the first `rows` rows of the step's host masks into this rank's device buffer."""
+        self.round_setup.token_masks[:rows].copy_(self.masks.host[:rows], non_blocking=True)
+        if self.device.type == "cuda":
+            self.masks.note_upload(torch.cuda.current_stream().record_event())
+
+    def _draft_hook(self, rows: int):
+        """Fills mask row j + 1 of every constrained request from its draft j (host, then this rank)."""
+        def after_draft(j: int, drafts: torch.Tensor) -> None:
+            self.round_setup.token_masks[:rows, j + 1].copy_(self.masks.draft_row(j, drafts))
+        return after_draft
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -175,7 +200,10 @@ class ModelRunner:
         last = hidden[[row for _, row in done]]                                          # [S, hidden]
         s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
                                         [w.output_index for w, _ in done], self.device)
-        tokens = sampler.sample(self.model.compute_logits(last), s).tolist()
+        logits = self.model.compute_logits(last)                                        # [S, vocab]
+        if self.masks is not None and self.masks.prefill_active:
+            logits = apply_token_mask(logits, self.masks.prefill_host[:len(done)].to(self.device))
+        tokens = sampler.sample(logits, s).tolist()
         for i, (w, _) in enumerate(done):
             if self.hidden is not None:
                 self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
@@ -190,14 +218,20 @@ class ModelRunner:
     def launch_decode(self, works: list[DecodeWork]) -> torch.Tensor:
         """Enqueue the round; no host read. -> its tokens [>= len(works), k+1] on the device."""
         all_greedy, any_filter = sampling_variant(works)
+        constrained = self.constrained
         if self.graphed(works):
-            return self.graphs.replay(works, all_greedy, any_filter)
+            if constrained:
+                self.upload_masks(self.graphs.bucket_for(len(works)))
+            return self.graphs.replay(works, all_greedy, any_filter, constrained)
         width = max(len(w.block_ids) for w in works)
         packed = pack_round(self.round_setup, works, len(works), width)
         inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
         max_len = max(w.max_num_tokens for w in works) + self.k
+        if constrained:
+            self.upload_masks(len(works))
         tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
-                              round_drafts(self.round_setup, works))
+                              round_drafts(self.round_setup, works), constrained,
+                              self._draft_hook(len(works)) if constrained and self.k > 0 else None)
         return tokens
 
 
