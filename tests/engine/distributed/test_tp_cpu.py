@@ -155,8 +155,11 @@ class _StandInRounds:
     def bucket(self, batch):
         return self.bucket_of[batch]
 
-    def select(self, works, all_greedy, any_filter):
-        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
+    def select(self, works, all_greedy, any_filter, constrained=False):
+        # run_round's (all_greedy, any_filter, drafts, constrained): a constrained round masks by the
+        # persistent token_masks buffer the executor uploaded, as a captured one does
+        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter, None,
+                                                                                  constrained)
 
     def launch(self, bucket, key):
         from engine.worker.decode_round import RoundInputs, run_round

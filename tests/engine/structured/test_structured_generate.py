@@ -135,3 +135,57 @@ def test_bad_constraints_are_refused_naming_the_field_and_leak_nothing(llm_k0, s
     assert e.value.field == field
     assert_kv_idle(llm_k0.engine)
     assert llm_k0.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+
+
+class _GraphLike:
+    """What ModelRunner.launch_decode needs of engine.worker.cuda_graphs.GraphedRounds, without CUDA: a
+    replay packs the bucket's rows (padding past the batch) and runs the round from them as a capture
+    would -- no draft hook, the masks read in place from the persistent buffer uploaded before it."""
+
+    def __init__(self, runner, buckets):
+        self.runner, self.buckets, self.replays, self.constrained = runner, buckets, 0, 0
+
+    def fits(self, n):
+        return n <= self.buckets[-1]
+
+    def bucket_for(self, n):
+        return next(b for b in self.buckets if b >= n)
+
+    def replay(self, works, all_greedy, any_filter, constrained=False):
+        import torch
+        from engine.worker.decode_round import RoundInputs, pack_round, run_round
+        r = self.runner
+        batch = self.bucket_for(len(works))
+        packed = pack_round(r.round_setup, works, batch, r.max_blocks)
+        inp = RoundInputs.from_packed(*(torch.from_numpy(a) for a in packed), k=r.k)
+        self.replays += 1
+        self.constrained += constrained
+        return run_round(r.round_setup, inp, r.max_seq_len, all_greedy, any_filter, None, constrained)[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_graph_path_reads_the_persistent_mask_buffer(shared_model, greedy_k0, async_scheduling):
+    """k = 0: rounds go through the graphed branch (buckets 1, 2, 4, 8; rows past the batch padded) and
+    mask from RoundSetup.token_masks as uploaded for the bucket: same tokens as the eager engine."""
+    llm = make_llm(shared_model, max_batch=8, async_scheduling=async_scheduling)
+    runner = llm.engine.executor.driver
+    runner.graphs = graphs = _GraphLike(runner, [1, 2, 4, 8])
+    mixed = PROMPTS + [WORKLOADS["code"][0]]
+    outs = llm.generate(mixed, params_for() + [SamplingParams(max_tokens=160, ignore_eos=True)])
+    assert [o.token_ids for o in outs[:-1]] == [o.token_ids for o in greedy_k0]
+    assert graphs.constrained > 10 and graphs.replays > graphs.constrained     # the last rounds: unconstrained only
+    assert_kv_idle(llm.engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_tp2_lockstep_rounds_mask_on_every_rank(shared_model, greedy_k0, async_scheduling):
+    """The executor packs once and uploads the step's host masks to every rank's buffer (TP = 2, k = 0,
+    the lockstep path of captured rounds run by stand-ins): same tokens as TP = 1."""
+    from tests.engine.distributed.test_tp_cpu import _StandInRounds
+    llm = make_llm(shared_model, tensor_parallel_size=2, max_batch=8, async_scheduling=async_scheduling)
+    ex = llm.engine.executor
+    for runner in ex.runners:
+        runner.graphs = _StandInRounds(ex, runner, [2, 4, 8])
+    assert [o.token_ids for o in llm.generate(PROMPTS, params_for())] == [o.token_ids for o in greedy_k0]
+    assert ex.runners[0].graphs.launches > 0
+    assert_kv_idle(llm.engine)
