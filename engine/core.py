@@ -16,9 +16,10 @@ import torch
 from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
-from engine.errors import InvalidArgumentError
+from engine.errors import InvalidArgumentError, UnsupportedError
 from engine.cache.block_manager import KVCacheManager
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
+from engine.loading.pooling import Pooling, embedder_weights, read_pooling
 from engine.engine_info import EngineInfo, WarmupReport
 from engine.metrics import EngineMetrics
 from engine.models.registry import model_class
@@ -58,12 +59,14 @@ class RequestOutput:
     # figures of its prefill phase, taken on the engine thread in the step that parked it).
     stats: RequestStats | None = None
     text: str | None = None                      # final text when a stop string ended it
+    embedding: list[float] | None = None         # an embedding request's vector (engine.core.EngineCore.add_embedding)
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, clock=time.monotonic):
         self.config = config
         self.clock = clock
+        self.pooling: Pooling | None = None      # an embedding checkpoint's pooling (engine.loading.pooling)
         if config.model is None:
             self.model_name = DEFAULT_MODEL_NAME
             model_config, weights, self.tokenizer = DEFAULT_CONFIG, build_default_weights(), build_default_tokenizer()
@@ -88,6 +91,11 @@ class EngineCore:
             if model_config.quant is not None:
                 from engine.quant.scheme import resolve_checkpoint
                 model_config = replace(model_config, quant=resolve_checkpoint(model_config.quant, weights))
+            self.pooling = read_pooling(md.path)
+            if self.pooling is not None:
+                weights = embedder_weights(weights)
+                if "lm_head.weight" not in weights.shapes():       # an embedder's head is never read
+                    model_config = replace(model_config, tie_word_embeddings=True)
         self.model_config = model_config
         found = _shapes(weights, model_config)
         has_mtp = any(n.startswith(MTP_PREFIX) for n in found)
@@ -136,6 +144,7 @@ class EngineCore:
         log.info("scheduling", overlapped=self.async_scheduling, why_synchronous=self.sync_reason or None)
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
+        self._pooled: dict[str, list[torch.Tensor]] = {}      # embedding requests: their last hidden rows
         # structured output: the grammar compiler (built at the first constrained request)
         self.grammars = Grammars(self.tokenizer.to_json, model_config.vocab_size, model_config.eos_token_ids)
 
@@ -220,6 +229,39 @@ class EngineCore:
         if params.stop:
             self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
         return req
+
+    def add_embedding(self, prompt: str | list[int], request_id: str | None = None,
+                      arrival: float | None = None) -> Request:
+        """An embedding request (embedding checkpoints only): one prefill; its final output carries the
+        last prompt token's final-normed hidden state, L2-normalised when the pipeline says so.
+        A text prompt is tokenized with the tokenizer's special tokens (Qwen3-Embedding appends EOS)."""
+        self.check_embedding()
+        ids = self.tokenizer.inner.encode(prompt, add_special_tokens=True).ids if isinstance(prompt, str) else prompt
+        req = self.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id, arrival=arrival)
+        self._pooled[req.request_id] = self.executor.collect_last_hidden(req.request_id)
+        return req
+
+    def check_embedding(self) -> None:
+        """UnsupportedError unless this engine serves an embedding checkpoint it can pool."""
+        if self.pooling is None:
+            raise UnsupportedError(
+                f"embeddings: {self.model_name} is a generative model (its directory has no sentence-transformers "
+                "pooling in modules.json); serve an embedding checkpoint such as Qwen3-Embedding")
+        if not self.pooling.last_token:
+            raise UnsupportedError(f"embeddings: {self.model_name} pools by {', '.join(self.pooling.modes) or 'nothing'}; "
+                                   "ninfer embeds by last-token pooling (Qwen3-Embedding)")
+
+    def _embedding(self, request_id: str) -> list[float] | None:
+        rows = self._pooled.pop(request_id, None)
+        if rows is None:
+            return None
+        self.executor.stop_collecting(request_id)
+        if not rows:                     # finished before its prefill ended (aborted)
+            return None
+        vector = rows[-1].float()                                                   # [hidden]
+        if self.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
         req = self.scheduler.finish(request_id, reason)
@@ -343,7 +385,7 @@ class EngineCore:
         stats = req.stats(self.config.prefill_chunk)
         self.metrics.record_request(stats)
         return RequestOutput(req.request_id, tokens, True, req.finish_reason, stats,
-                             self._stop_text.pop(req.request_id, None))
+                             self._stop_text.pop(req.request_id, None), self._embedding(req.request_id))
 
     def _record(self, sched, prefilling: list[Request], events) -> None:
         prefill = sum(len(p.token_ids) for p in sched.prefills)
@@ -378,7 +420,7 @@ class EngineCore:
             draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
-            warmup=self.warmup_report)
+            warmup=self.warmup_report, embedding=self.pooling is not None)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

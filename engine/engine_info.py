@@ -42,6 +42,7 @@ class EngineInfo:
     tensor_parallel_size: int
     lease_seconds: float
     warmup: WarmupReport
+    embedding: bool = False                      # an embedding checkpoint (engine.loading.pooling): Embed serves
 
     def log_fields(self) -> dict[str, Any]:
         """Everything but the tokenizer, for a log line."""

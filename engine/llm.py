@@ -26,6 +26,18 @@ class CompletionOutput:
     stats: RequestStats
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+
+
 class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
                  kv_dtype: str = "auto", prefill_chunk: int = 2048, kv_capacity: int | None = None,
@@ -63,6 +75,21 @@ class LLM:
             outputs.append(CompletionOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
                                             text, out.finish_reason, out.stats))
         return outputs
+
+    def embed(self, prompts: str | list[int] | list[str | list[int]]) -> list[EmbeddingRequestOutput]:
+        """Embeddings of an embedding checkpoint (Qwen3-Embedding: last-token pooling, L2-normalised), as
+        vLLM's `LLM.embed` answers them: `out[i].outputs.embedding`. UnsupportedError for a generative model."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        self.engine.check_embedding()
+        reqs = [self.engine.add_embedding(p) for p in prompts]
+        vectors: dict[str, list[float]] = {}
+        while len(vectors) < len(reqs):
+            for out in self.engine.step():
+                if out.finished:
+                    vectors[out.request_id] = out.embedding
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(vectors[r.request_id]))
+                for r in reqs]
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill."""

@@ -115,6 +115,18 @@ class EngineLoop:
             return stream
         return self._call(add)
 
+    def embed(self, prompt: str | list[int], request_id: str | None = None) -> RequestStream:
+        """An embedding request (embedding checkpoints only; UnsupportedError at once otherwise): its
+        stream's final output carries `embedding`."""
+        self.core.check_embedding()
+        arrival = self.clock()
+
+        def add() -> RequestStream:
+            req = self.core.add_embedding(prompt, request_id, arrival)
+            stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
+            return stream
+        return self._call(add)
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request wherever it is; its stream gets a final output. Unknown ids are ignored."""
         def do() -> None:

@@ -179,6 +179,16 @@ class Executor:
             for runner in self.runners:
                 runner.prompt_logits.pop(request_id, None)
 
+    def collect_last_hidden(self, request_id: str) -> list[torch.Tensor]:
+        """From now on the request's prefill appends its last prompt token's final hidden state [hidden]
+        (host) to the returned list (embeddings; every rank computes it, rank 0's is kept)."""
+        rows: list[torch.Tensor] = []
+        self.driver.last_hidden[request_id] = rows
+        return rows
+
+    def stop_collecting(self, request_id: str) -> None:
+        self.driver.last_hidden.pop(request_id, None)
+
     def shutdown(self) -> None:
         """Stop the rank threads and drop the shards (weights, KV, graphs), returning device memory."""
         for w in self._workers:

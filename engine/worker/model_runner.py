@@ -115,6 +115,8 @@ class ModelRunner:
         self.masks = masks
         self.graphs = None                               # engine.worker.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
+        # embeddings: request id -> list the final hidden state of its last prompt token is appended to
+        self.last_hidden: dict[str, list[torch.Tensor]] = {}
 
     def capture_graphs(self, buckets: list[int]) -> float:
         from engine.worker.cuda_graphs import GraphedRounds
@@ -195,6 +197,10 @@ class ModelRunner:
             if collect is not None:
                 collect.chunks.append(self.model.compute_logits(hidden[end - n:end]).float().cpu())
         done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
+        for w, row in done:
+            pooled = self.last_hidden.get(w.request_id)
+            if pooled is not None:
+                pooled.append(hidden[row].float().cpu())                                 # [hidden]
         if not done:
             return
         last = hidden[[row for _, row in done]]                                          # [S, hidden]
