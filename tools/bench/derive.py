@@ -43,6 +43,10 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
     "seed_32b_nvfp4_one_gpu_192k_ok": ("==", True, "qwen3-32b in NVFP4, int8 KV, one GPU: a 192k-token context, "
                                                    "prefill + 512 decoded tokens (issue 14)"),
     "fp8_decode_b1_roofline_fraction": (None, None, "FP8 decode batch 1: its bytes per step over the copy bandwidth"),
+    "structured_decode_overhead_b1": ("<=", 0.05, "host time to fill a JSON-schema mask over an unconstrained decode "
+                                                  "step, batch 1 (issue 37)"),
+    "structured_decode_overhead_b32": ("<=", 0.10, "host time to fill 32 JSON-schema masks over an unconstrained "
+                                                   "decode step, batch 32 (issue 37)"),
     "nvfp4_decode_b1_roofline_fraction": (None, None, "NVFP4 decode batch 1: its bytes per step over the copy bandwidth"),
 }
 QUANT_KEYS = ("nvfp4_over_bf16_decode_b1", "fp8_over_bf16_decode_b1", "fp8_over_bf16_prefill_4k",
@@ -303,6 +307,18 @@ def headline(results: dict) -> tuple[dict, dict]:
         inputs["int8_over_bf16_kv_decode_32k"] = kv.get("int8_over_bf16_inputs", {})
     else:
         why["int8_over_bf16_kv_decode_32k"] = missing("kv") or kv.get("int8_over_bf16_reason") or "not measured"
+
+    st = secs.get("structured", {})
+    for b in (1, 32):
+        name = f"structured_decode_overhead_b{b}"
+        p = next((p for p in _measured(st.get("points", [])) if p["batch"] == b), None)
+        if p is not None and p.get("device") != "cpu":
+            values[name] = p["share"]
+            inputs[name] = {"fill_ms_median": p["fill_ms_median"], "step_ms": p["step_ms"]}
+        else:
+            why[name] = missing("structured") or (
+                f"CPU dry run (fill/step on the CPU: {p['share']:.3f}); the GPU run takes the figure" if p
+                else f"no batch-{b} point")
 
     head, detail = {}, {}
     for name, (op, target, text) in TARGETS.items():

@@ -133,6 +133,17 @@ class HybridPlan:
 
 
 @dataclass
+class StructuredPlan:
+    """tools/bench/structured.py: a JSON-schema mask fill per step against an unconstrained step."""
+    batches: list[int] = field(default_factory=lambda: [1, 32])
+    context: int = 512
+    decode_tokens: int = 64
+    walks: int = 32                              # schema-valid sequences the matchers walk along
+    walk_tokens: int = 160
+    tokenizer: str = ""                          # a directory with tokenizer.json ("" = the small trained model)
+
+
+@dataclass
 class Plan:
     mode: str
     shape: str
@@ -156,6 +167,7 @@ class Plan:
         streams_small=2, streams_large=8))
     quant: QuantPlan = field(default_factory=QuantPlan)
     hybrid: HybridPlan = field(default_factory=HybridPlan)
+    structured: StructuredPlan = field(default_factory=StructuredPlan)
 
 
 def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, time_scale: float = 1.0) -> Plan:
@@ -255,6 +267,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
                            batch_repeats=2, kv_capacity=1024, seed_shape="tiny")
     plan.hybrid = HybridPlan(shape="tiny-hybrid", decode_contexts=[64, 256], decode_tokens=8, prefill_prompts=[128, 512],
                              long_context=1024, long_decode_tokens=16, chunk=128)
+    plan.structured = StructuredPlan(context=16, decode_tokens=12, walks=8, walk_tokens=120)
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 1, 512: 2})
         plan.decode.ks = [0, 3]
