@@ -107,7 +107,7 @@ def test_merge_keeps_sections_not_rerun():
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "--device", "cpu", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+                          cwd=REPO, capture_output=True, text=True, timeout=330)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc, json.loads((out / "results.json").read_text())
 

@@ -267,7 +267,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
                            batch_repeats=2, kv_capacity=1024, seed_shape="tiny")
     plan.hybrid = HybridPlan(shape="tiny-hybrid", decode_contexts=[64, 256], decode_tokens=8, prefill_prompts=[128, 512],
                              long_context=1024, long_decode_tokens=16, chunk=128)
-    plan.structured = StructuredPlan(context=16, decode_tokens=12, walks=8, walk_tokens=120)
+    plan.structured = StructuredPlan(context=16, decode_tokens=12, walks=4, walk_tokens=80)
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 1, 512: 2})
         plan.decode.ks = [0, 3]
