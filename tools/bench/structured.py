@@ -126,7 +126,7 @@ def run(bench, sec: dict) -> None:
     for b in plan.batches:
         fills = fill_times(grammar, vocab, walks, b, max(plan.batches))
         stats = session.generate_many([random_prompt(plan.context, session.vocab) for _ in range(b)],
-                                      [SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True)] * b)
+                                      [SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True, temperature=0.0)] * b)
         reps = [compact(s) for s in stats]
         step_ms = statistics.median(r["decode_s"] / (r["completion_tokens"] - 1) * 1e3 for r in reps)
         fill_ms = statistics.median(fills) * 1e3

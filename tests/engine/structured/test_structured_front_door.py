@@ -32,14 +32,14 @@ def loop(shared_model):
 
 
 def test_a_slow_compile_never_stalls_other_streams(loop):
-    running = loop.submit("def f(x):\n    return", SamplingParams(max_tokens=400, ignore_eos=True))
+    running = loop.submit("def f(x):\n    return", SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
     first = running.next(timeout=30)
     arrivals: list[float] = []
     compiled: dict = {}
 
     def slow():
         t0 = time.monotonic()
-        stream = loop.submit("Code: ", SamplingParams(max_tokens=12, structured_output=StructuredOutput(
+        stream = loop.submit("Code: ", SamplingParams(max_tokens=12, temperature=0.0, structured_output=StructuredOutput(
             regex=SLOW_REGEX)))
         compiled["window"] = (t0, time.monotonic())
         compiled["tokens"] = [t for out in stream for t in out.new_token_ids]

@@ -43,6 +43,7 @@ def obeys(so: StructuredOutput, text: str) -> bool:
 
 
 def params_for(max_tokens=120, **kw) -> list[SamplingParams]:
+    kw.setdefault("temperature", 0.0)
     return [SamplingParams(max_tokens=max_tokens, structured_output=so, **kw) for so in CONSTRAINTS]
 
 
@@ -60,9 +61,11 @@ def test_outputs_obey_their_constraint(greedy_k0):
     assert len(stopped) >= 5, [(o.text, o.finish_reason) for o in greedy_k0]
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_sampled_outputs_obey_their_constraint(llm_k0, seed):
-    outs = llm_k0.generate(PROMPTS, params_for(max_tokens=150, temperature=1.0, seed=seed))
+@pytest.mark.parametrize("k,seed", [(0, 0), (0, 1), (0, 2), (3, 0), (3, 1)])
+def test_sampled_outputs_obey_their_constraint(llm_k0, llm_k3, k, seed):
+    """Sampled (with k = 3: masked draft distributions q, rejection sampling against masked p)."""
+    llm = llm_k3 if k else llm_k0
+    outs = llm.generate(PROMPTS, params_for(max_tokens=150, temperature=1.0, seed=seed))
     for so, out in zip(CONSTRAINTS, outs):
         if out.finish_reason is FinishReason.STOP:
             assert obeys(so, out.text), (so, out.text)
@@ -87,7 +90,7 @@ def test_k3_with_a_reduced_draft_vocabulary_equals_k0(shared_model, greedy_k0):
 
 def test_unconstrained_rows_of_a_constrained_batch_are_untouched(llm_k0, llm_k3):
     plain = [WORKLOADS["code"][0], WORKLOADS["prose"][1]]
-    free = SamplingParams(max_tokens=24, ignore_eos=True)
+    free = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     for llm in (llm_k0, llm_k3):
         alone = [o.token_ids for o in llm.generate(plain, free)]
         mixed = llm.generate(plain + PROMPTS[:3], [free, free] + params_for()[:3])
@@ -114,7 +117,7 @@ def test_a_preempted_constrained_request_resumes_its_grammar(shared_model, greed
 
 def test_ignore_eos_after_the_grammar_ends_emits_stop_tokens_only(llm_k0):
     out = llm_k0.generate(["The answer is"], SamplingParams(
-        max_tokens=12, ignore_eos=True, structured_output=StructuredOutput(choice=("yes", "no"))))[0]
+        max_tokens=12, ignore_eos=True, temperature=0.0, structured_output=StructuredOutput(choice=("yes", "no"))))[0]
     text_ids = [t for t in out.token_ids if t != 0]
     assert llm_k0.tokenizer.decode(text_ids) in ("yes", "no")
     assert out.finish_reason is FinishReason.LENGTH and out.token_ids[len(text_ids):] == [0] * (12 - len(text_ids))
@@ -171,7 +174,7 @@ def test_graph_path_reads_the_persistent_mask_buffer(shared_model, greedy_k0, as
     runner = llm.engine.executor.driver
     runner.graphs = graphs = _GraphLike(runner, [1, 2, 4, 8])
     mixed = PROMPTS + [WORKLOADS["code"][0]]
-    outs = llm.generate(mixed, params_for() + [SamplingParams(max_tokens=160, ignore_eos=True)])
+    outs = llm.generate(mixed, params_for() + [SamplingParams(max_tokens=160, ignore_eos=True, temperature=0.0)])
     assert [o.token_ids for o in outs[:-1]] == [o.token_ids for o in greedy_k0]
     assert graphs.constrained > 10 and graphs.replays > graphs.constrained     # the last rounds: unconstrained only
     assert_kv_idle(llm.engine)
