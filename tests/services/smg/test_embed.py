@@ -2,11 +2,13 @@
 (config.json naming Qwen3ForCausalLM, bare-transformer tensors without `model.` or lm_head, and the
 sentence-transformers pipeline modules.json -> 1_Pooling (last token) -> Normalize). LLM.embed and the
 VllmEngine `Embed` RPC equal transformers' last-token hidden state, L2-normalised; a generative model
-answers UNIMPLEMENTED with a message that says why, logging no error and no traceback."""
+answers UNIMPLEMENTED with a message that says why, logging no error and no traceback; /v1/embeddings
+through the real smg router returns the same vector."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import grpc
@@ -138,3 +140,34 @@ def test_embed_rpc_refuses_bad_token_ids(hosts):
     with pytest.raises(grpc.RpcError) as e:
         _stub(embedder).Embed(pb.EmbedRequest(tokenized=pb.TokenizedInput(input_ids=[1, 10**6])), timeout=30)
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "tokenized.input_ids" in e.value.details()
+
+
+def test_v1_embeddings_through_the_real_smg_router(bare_checkpoint, tmp_path_factory):
+    """The openai SDK's embeddings call through `smg launch` to a `ninfer engine` process serving the
+    embedding checkpoint: smg tokenizes, calls Embed, and returns our vector as it is."""
+    openai = pytest.importorskip("openai", reason="the test extra installs the openai SDK")
+    from tokenizers import Tokenizer
+
+    from tools.serving.server_process import ServerProcess
+    from tools.serving.smg_stack import SmgRouter, smg_command
+    if smg_command() is None:
+        pytest.skip("smg is not installed (the `test` extra installs it)")
+    path, model = bare_checkpoint
+    engine = ServerProcess.start("engine", "--model", str(path), "--kv-capacity", "1024",
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+    router = None
+    try:
+        router = SmgRouter.start([engine.address], str(path), tmp_path_factory.mktemp("smg-embed") / "smg.log")
+        router.wait_until_ready(workers=1, model=path.name, timeout_s=60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        text = "the quick brown fox"
+        r = client.embeddings.create(model=path.name, input=text)
+        ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text).ids
+        assert r.usage.prompt_tokens == len(ids)
+        torch.testing.assert_close(torch.tensor(r.data[0].embedding), reference(model, ids), atol=1e-4, rtol=1e-4)
+    finally:
+        if router is not None:
+            router.stop()
+        engine.terminate()
+        engine.wait(30)
