@@ -42,7 +42,9 @@ class EngineInfo:
     tensor_parallel_size: int
     lease_seconds: float
     warmup: WarmupReport
-    embedding: bool = False                      # an embedding checkpoint (engine.loading.pooling): Embed serves
+    max_num_seqs: int = 0                    # the decode batch (--max-num-seqs)
+    max_pending: int = 0                     # the queue (--max-pending)
+    embedding: bool = False                  # an embedding checkpoint (engine.loading.pooling): Embed serves
 
     def log_fields(self) -> dict[str, Any]:
         """Everything but the tokenizer, for a log line."""

@@ -19,10 +19,63 @@ from engine.sched.scheduler import ModelOutput
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
-# The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (DESIGN.md).
+# The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (docs/development.md).
 SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared/models/tiny-qwen3-mtp"
 SKIP_REASON = (f"the trained test model is not at {SHARED_MODEL} (a checkout outside the ninfer workplace); "
                "tests that need real text behaviour run only beside ../shared/models/tiny-qwen3-mtp")
+
+# Which tests are GPU tests is decided here, by one rule, so that `pytest -m gpu` and `pytest -m multi_gpu`
+# select exactly them (tests/test_gpu_rule.py checks that no other test module touches a CUDA device):
+# - a module named test_*_multi_gpu.py needs two CUDA devices: marked `multi_gpu` and `gpu`, skipped with fewer;
+# - a module named test_*_gpu.py needs one: marked `gpu`, skipped without one;
+# - a module that imports tests.support.kernel_backend runs Triton kernels on a CUDA device when there is one,
+#   else in Triton's interpreter (opt-in, see that module), else it is skipped with the reason: marked `gpu`.
+KERNEL_BACKEND_MODULE = "tests.support.kernel_backend"
+
+
+def device_kind(path: Path, module_imports: set[str]) -> str | None:
+    """'multi_gpu', 'gpu', 'kernels' or None for a test module (its path and the modules it imports)."""
+    if path.name.endswith("_multi_gpu.py"):
+        return "multi_gpu"
+    if path.name.endswith("_gpu.py"):
+        return "gpu"
+    if KERNEL_BACKEND_MODULE in module_imports:
+        return "kernels"
+    return None
+
+
+def _imports_of(module) -> set[str]:
+    import ast
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def pytest_collection_modifyitems(config, items):
+    kinds: dict[str, str | None] = {}
+    cuda_devices = torch.cuda.device_count()
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        key = module.__name__
+        if key not in kinds:
+            kinds[key] = device_kind(Path(module.__file__), _imports_of(module))
+        kind = kinds[key]
+        if kind is None:
+            continue
+        item.add_marker(pytest.mark.gpu)
+        if kind == "multi_gpu":
+            item.add_marker(pytest.mark.multi_gpu)
+            if cuda_devices < 2:
+                item.add_marker(pytest.mark.skip(reason=f"needs two CUDA devices (torch sees {cuda_devices})"))
+        elif kind == "gpu" and cuda_devices < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
 
 # Small enough for CI, large enough for every test's batch.
 KV_CAPACITY = 8192
@@ -113,6 +166,7 @@ def make_request(prompt: int | list[int] = 8, max_tokens: int = 4, request_id: s
     from engine.sampling_params import SamplingParams
     n = next(_ids)
     ids = list(prompt) if isinstance(prompt, list) else [(n * 7919 + i) % 30000 + 1 for i in range(prompt)]
+    sampling.setdefault("temperature", 0.0)
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     return Request(request_id=request_id or f"req-{n}", prompt_token_ids=ids, sampling=params, seed=n,
                    times=PhaseTimes(arrival=arrival), draft_tokens=draft_tokens,

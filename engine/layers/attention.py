@@ -81,7 +81,7 @@ class PagedAttention(nn.Module):
         # already wrote them into the pages -> [T, heads, head_dim]
         ctx = get_forward_context()
         if q.is_cuda:
-            from engine.kernels.attention.paged import paged as kernels
+            from engine.kernels.attention import paged as kernels
             if k is not None:
                 kernels.write_kv(self.kv, k, v, ctx.slot_mapping)
             return kernels.paged_attention(q, self.kv, ctx, self.scale)

@@ -9,7 +9,7 @@ attention kernel sizes its split along the keys from an upper bound of the conte
 longest sequence is short replays a graph planned for short sequences.
 
 Structured output: without drafts (k = 0) a round whose batch has a request under a grammar replays a
-"constrained" graph of the same variant, which masks the sampled logits by the persistent
+"constrained" twin of its variant's graph, which masks the sampled logits by the persistent
 `RoundSetup.token_masks` buffer (filled on the host and copied in before the replay). With drafts, the
 masks of verify positions past the first depend on the drafts of the round itself: such a round runs
 eagerly (engine.worker.model_runner.graphed; docs/structured-output.md).
@@ -18,17 +18,22 @@ eagerly (engine.worker.model_runner.graphed; docs/structured-output.md).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import structlog
 import torch
 
-from engine.worker.decode_round import ROWS, RoundInputs, RoundSetup, pack_round, round_drafts, run_round
+from engine.worker.decode_round import (FLOAT_ROWS, ROWS, RoundInputs, RoundOutput, RoundSetup, pack_round,
+                                        round_drafts, run_round)
+from engine.worker.sampler import SamplingVariant
 
 log = structlog.get_logger(__name__)
 
-# (all_greedy, any_filter)
-VARIANTS = ((True, False), (False, False), (False, True))
+# Every sampling variant a round may need, each captured: greedy, sampled, sampled with filters, and
+# each of those with logit options (penalties, bias, bad words, min_tokens) and with logprobs.
+VARIANTS = tuple(SamplingVariant(greedy, filt, opts, lp) for lp in (False, True) for opts in (False, True)
+                 for greedy, filt in ((True, False), (False, False), (False, True)))
 # upper bounds of a round's longest context (positions, drafts included); the last is the limit
 CONTEXT_CLASSES = (2048, 16384)
 
@@ -50,15 +55,15 @@ class _Captured:
         # Two sets of pinned staging arrays, used in turn: with async scheduling the host packs the
         # next round while this one's copies may still wait in the stream behind the round before.
         self._staging = [(torch.zeros(ROWS * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
-                          torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
+                          torch.zeros(FLOAT_ROWS * batch, dtype=torch.float32, **pin).numpy(),
                           torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
                          for _ in range(2)]
         self._copied: list[list[torch.cuda.Event]] = [[], []]    # each set's last uploads (every rank's)
         self._turn = 0
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
-        # (context class, variant, draft steps, constrained) -> (graph, its output tokens)
-        self.graphs: dict[tuple[int, tuple[bool, bool], int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (context class, variant, draft steps) -> (graph, its outputs)
+        self.graphs: dict[tuple[int, SamplingVariant, int], tuple[torch.cuda.CUDAGraph, RoundOutput]] = {}
 
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,8 +114,9 @@ class GraphedRounds:
         self._by_batch: dict[int, _Captured] = {}
         # an adaptive draft length replays a graph per round length: k + 1 times the captures
         self.draft_counts = list(range(setup.k + 1)) if setup.adaptive else [setup.k]
-        # structured output: k = 0 rounds of a constrained batch replay a masking twin of each graph
-        self.constrained = [False, True] if setup.k == 0 and setup.token_masks is not None else [False]
+        # structured output: k = 0 rounds of a constrained batch replay a masking twin of each variant
+        self.variants = VARIANTS + (tuple(replace(v, constrained=True) for v in VARIANTS)
+                                    if setup.k == 0 and setup.token_masks is not None else ())
 
     def fits(self, n: int) -> bool:
         return n <= self.buckets[-1]
@@ -131,9 +137,9 @@ class GraphedRounds:
             cap = self._by_batch[batch] = _Captured(batch, setup)
             cap.pack([])                                         # all rows padding
             cap.upload()
-            for cls, variant, drafts, masked in ((c, v, d, m) for c in self.classes for v in VARIANTS
-                                                 for d in self.draft_counts for m in self.constrained):
-                args = (setup, cap.inputs, cls, *variant, drafts, masked)
+            for cls, variant, drafts in ((c, v, d) for c in self.classes for v in self.variants
+                                         for d in self.draft_counts):
+                args = (setup, cap.inputs, cls, variant, drafts)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
@@ -142,12 +148,12 @@ class GraphedRounds:
                 graph = torch.cuda.CUDAGraph()
                 # the ranks of a TP group capture at the same time, each on its own thread: NCCL
                 # may talk to its peers while a collective is captured
-                tokens, _ = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
-                cap.graphs[(cls, variant, drafts, masked)] = (graph, tokens)
+                out = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
+                cap.graphs[(cls, variant, drafts)] = (graph, out)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
-                 variants=len(VARIANTS), seconds=round(seconds, 2))
+                 variants=len(self.variants), seconds=round(seconds, 2))
         return seconds
 
     def bucket(self, batch: int) -> _Captured:
@@ -158,23 +164,22 @@ class GraphedRounds:
         """The batch size of the bucket a round of `batch` requests replays."""
         return next(b for b in self.buckets if b >= batch)
 
-    def select(self, works, all_greedy: bool, any_filter: bool, constrained: bool = False) -> tuple[_Captured, tuple]:
+    def select(self, works, variant: SamplingVariant) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
         cap = self._by_batch[self.bucket_for(len(works))]
         longest = max(w.max_num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
-        return cap, (cls, (True, False) if all_greedy else (False, any_filter), round_drafts(self.setup, works),
-                     constrained)
+        return cap, (cls, variant, round_drafts(self.setup, works))
 
     @staticmethod
-    def launch(cap: _Captured, key: tuple) -> torch.Tensor:
-        """Replay (inputs uploaded). -> the graph's output tokens [bucket, k+1] (device)."""
-        graph, tokens = cap.graphs[key]
+    def launch(cap: _Captured, key: tuple) -> RoundOutput:
+        """Replay (inputs uploaded). -> the graph's outputs: tokens [bucket, k+1] (device), ..."""
+        graph, out = cap.graphs[key]
         graph.replay()
-        return tokens
+        return out
 
-    def replay(self, works, all_greedy: bool, any_filter: bool, constrained: bool = False) -> torch.Tensor:
-        cap, key = self.select(works, all_greedy, any_filter, constrained)
+    def replay(self, works, variant: SamplingVariant) -> RoundOutput:
+        cap, key = self.select(works, variant)
         cap.pack(works)
         cap.upload()
         return self.launch(cap, key)

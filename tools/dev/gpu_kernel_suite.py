@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.worker.forward_context import build_forward_context                         # noqa: E402
-from engine.kernels.attention.paged import paged as A                                          # noqa: E402
+from engine.kernels.attention import paged as A                                          # noqa: E402
 from engine.kernels.elementwise import norm_rope as fused                                                   # noqa: E402
 from engine.worker.paged_kv import LayerKV                                                # noqa: E402
 from engine.layers.attention import paged_attention_reference, write_kv_reference  # noqa: E402

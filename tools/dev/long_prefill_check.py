@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--hd256", action="store_true", help="head_dim 256 on the TMA routes even under NINFER_PREFILL_TMA_HD256=0")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     if args.hd256:
         A.PREFILL_TMA_HEAD_DIMS = (128, 256)
     from tests.support.kernel_checks import attention_case, rel_err

@@ -127,8 +127,8 @@ def main() -> None:
     import triton
 
     from engine.worker.forward_context import build_forward_context
-    from engine.kernels.attention.paged import paged as A
-    from engine.kernels.attention.paged import prefill_tma as P
+    from engine.kernels.attention import paged as A
+    from engine.kernels.attention import prefill_tma as P
     from engine.worker.paged_kv import gather_kv
     from tools.dev import gpu_kernel_suite as G
     G.SHRINK = SHRINK

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.worker.forward_context import build_forward_context
-from engine.kernels.attention.paged import paged as A
+from engine.kernels.attention import paged as A
 from tests.support.kernel_checks import rel_err
 from engine.worker.paged_kv import LayerKV
 from engine.layers.attention import paged_attention_reference

@@ -121,7 +121,7 @@ def test_paged_attention_forced_splits(interpreted_kernels):
 def test_fused_merge_agrees_with_the_merge_kernel_and_rearms(interpreted_kernels):
     """The fused merge sums the same partials as _merge_kernel in another order (fp32 rounding apart), leaves
     every arrival counter at zero (a replayed graph finds them armed), and repeats itself exactly."""
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     q, kv, ctx = interpreted_kernels.attention_case([4, 4], [75, 200], 8, 2, 32, 8, BF16, BF16, "cpu", seed=31)
     two_kernels = _decode_config(4, 4, num_splits=8)
     a = A.paged_attention(q, kv, ctx, 0.2, config=two_kernels)
@@ -238,7 +238,7 @@ def test_prefetch_with_non_uniform_batch(interpreted_kernels):
 
 def test_prefetch_matches_the_plain_loop(interpreted_kernels):
     """The pipelined loop does the same arithmetic as the plain one, tile by tile."""
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     q, kv, ctx = interpreted_kernels.attention_case([1, 1], [75, 200], 8, 2, 32, 8, I8, BF16, "cpu", seed=9)
     plain = _decode_config(1, 4, num_splits=2)
     a = A.paged_attention(q, kv, ctx, 0.2, config=plain)
@@ -264,7 +264,7 @@ TMA_CASES = {
 @pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
 def test_tma_page_decode_matches_twin(interpreted_kernels, case, kv_dtype, fused, pages_per_step):
     # four pages a step: splits of 2-3 whole steps plus pages left over (the masked loop takes them)
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     query_lens, seq_lens, heads, kv_heads, d = TMA_CASES[case]
     q, kv, ctx = interpreted_kernels.attention_case(query_lens, seq_lens, heads, kv_heads, d, 16, kv_dtype, BF16,
                                                     "cpu", seed=sum(map(ord, case)))
@@ -280,7 +280,7 @@ def test_tma_page_decode_plan_rules(monkeypatch):
     """Switched on, the plan still takes TMA pages only on an sm90 GPU: a CPU call keeps the pointer kernel
     whatever the context. A TMA config without splits is refused rather than run (its partials would land in
     the output)."""
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from tests.support import kernel_checks as testing
     monkeypatch.setattr(A, "DECODE_TMA_DTYPES", (BF16, torch.float16, I8))
     q, kv, ctx = testing.attention_case([1], [20000], 32, 8, 128, 16, BF16, BF16, "cpu", seed=1)

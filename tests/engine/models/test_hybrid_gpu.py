@@ -18,14 +18,12 @@ MODEL = Path(__file__).resolve().parents[3] / ".models" / "tiny-qwen3_5-mtp"
 if not MODEL.exists():
     MODEL = Path(__file__).resolve().parents[4] / "shared" / "models" / "tiny-qwen3_5-mtp"
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")]
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")]
 
 PROMPTS = ['[{"id": 133630, "name": "Omar Sato", "age": 67, "city": "Denver", "email": "',
            "def _parse_args(argv=None):\n    parser = argparse.ArgumentParser(description=__doc__)\n",
            "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:", "He who laughs last"]
-GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -109,17 +107,11 @@ def test_mtp_on_gpu_is_lossless(eager_k0, k):
     assert all(g[:16] == w[:16] for g, w in zip(got, eager_k0))
 
 
-@pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_tp2_equals_tp1(eager_k0):
-    got, _ = generate(tensor_parallel_size=2, draft_tokens=3)
-    print(f"\nTP=2 k=3 vs TP=1 k=0: {agreement(got, eager_k0)} of {48 * len(PROMPTS)} tokens agree")
-    assert all(g[:16] == w[:16] for g, w in zip(got, eager_k0))
+def test_async_scheduling_equals_synchronous(eager_k0):
+    check_async_scheduling_equals_synchronous(tp=1)
 
 
-@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=[pytest.mark.multi_gpu, pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs two CUDA devices")])])
-def test_async_scheduling_equals_synchronous(eager_k0, tp):
+def check_async_scheduling_equals_synchronous(tp: int) -> None:
     # the round planned ahead steps the states the last one left (a verify round commits on the device)
     sync, _ = generate(tensor_parallel_size=tp, draft_tokens=3, async_scheduling=False)
     assert generate(tensor_parallel_size=tp, draft_tokens=3)[0] == sync

@@ -22,9 +22,7 @@ _ROOT = Path(__file__).resolve().parents[3]
 MODEL = next((p for p in (_ROOT / ".models" / "tiny-qwen3-mtp", _ROOT.parent / ".models" / "tiny-qwen3-mtp")
               if p.exists()), _ROOT.parent / "shared" / "models" / "tiny-qwen3-mtp")
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")]
+pytestmark = [pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")]
 
 PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -35,7 +33,7 @@ PROMPTS = [
     # dequantized to bf16)
     "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(1, 12)) + "Line 12:",
 ]
-GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=["fp8", "nvfp4"])
@@ -103,16 +101,3 @@ def test_mtp_speculation_agrees_with_k0(quantized):
     assert _agreement(_generate(quantized, draft_tokens=3), _generate(quantized)) >= 0.9
 
 
-@pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-def test_tp2_logits_agree_with_tp1(quantized):
-    """bf16 greedy runs drift apart at TP2 after a near-tie (0.65 token agreement seen on the H200,
-    bench/results/2026-11-30-h200-quant-bench/gpu_pytest.log), so the logits are compared."""
-    one, two = _llm(quantized), _llm(quantized, tensor_parallel_size=2, draft_tokens=3)
-    for prompt in PROMPTS:
-        a, b = two.prompt_logits(prompt).float(), one.prompt_logits(prompt).float()
-        assert float((a - b).abs().max() / b.abs().max()) < 0.05
-        assert float((a.argmax(-1) == b.argmax(-1)).float().mean()) >= 0.9
-    assert len(two.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens   # graphs, MTP, TP2 run
-    one.engine.executor.shutdown()
-    two.engine.executor.shutdown()

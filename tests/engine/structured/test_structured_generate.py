@@ -123,18 +123,18 @@ def test_ignore_eos_after_the_grammar_ends_emits_stop_tokens_only(llm_k0):
     assert out.finish_reason is FinishReason.LENGTH and out.token_ids[len(text_ids):] == [0] * (12 - len(text_ids))
 
 
-@pytest.mark.parametrize("so,field", [
-    (StructuredOutput(json_schema='{"type": "objekt"}'), "structured_output.json_schema"),
-    (StructuredOutput(regex="([a-z"), "structured_output.regex"),
-    (StructuredOutput(grammar='root ::= "a" missing'), "structured_output.grammar"),
-    (StructuredOutput(regex="[a-z]{1,100000}"), "structured_output.regex"),
-    (StructuredOutput(choice=()), "structured_output.choice"),
-    (StructuredOutput(regex="a", json_object=True), "structured_output"),
+@pytest.mark.parametrize("fields,field", [
+    ({"json_schema": '{"type": "objekt"}'}, "structured_output.json_schema"),
+    ({"regex": "([a-z"}, "structured_output.regex"),
+    ({"grammar": 'root ::= "a" missing'}, "structured_output.grammar"),
+    ({"regex": "[a-z]{1,100000}"}, "structured_output.regex"),
+    ({"choice": ()}, "structured_output.choice"),                     # refused when constructed
+    ({"regex": "a", "json_object": True}, "structured_output"),       # refused when constructed
 ])
-def test_bad_constraints_are_refused_naming_the_field_and_leak_nothing(llm_k0, so, field):
+def test_bad_constraints_are_refused_naming_the_field_and_leak_nothing(llm_k0, fields, field):
     with pytest.raises(InvalidArgumentError) as e:
-        llm_k0.generate(["Hello", "World"], [SamplingParams(max_tokens=4),
-                                             SamplingParams(max_tokens=4, structured_output=so)])
+        llm_k0.generate(["Hello", "World"], [SamplingParams(max_tokens=4), SamplingParams(
+            max_tokens=4, structured_output=StructuredOutput(**fields))])
     assert e.value.field == field
     assert_kv_idle(llm_k0.engine)
     assert llm_k0.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
@@ -154,7 +154,7 @@ class _GraphLike:
     def bucket_for(self, n):
         return next(b for b in self.buckets if b >= n)
 
-    def replay(self, works, all_greedy, any_filter, constrained=False):
+    def replay(self, works, variant):
         import torch
         from engine.worker.decode_round import RoundInputs, pack_round, run_round
         r = self.runner
@@ -162,8 +162,8 @@ class _GraphLike:
         packed = pack_round(r.round_setup, works, batch, r.max_blocks)
         inp = RoundInputs.from_packed(*(torch.from_numpy(a) for a in packed), k=r.k)
         self.replays += 1
-        self.constrained += constrained
-        return run_round(r.round_setup, inp, r.max_seq_len, all_greedy, any_filter, None, constrained)[0]
+        self.constrained += variant.constrained
+        return run_round(r.round_setup, inp, r.max_seq_len, variant)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -16,6 +16,8 @@ import struct
 import pytest
 import torch
 
+from tests.support.kernel_backend import CUDA
+
 # find_spec, not import: importing triton here, at collection, would fix its language module in
 # compiled mode before tests/engine/kernels/test_interpret.py can switch the process to the interpreter
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton importable")
@@ -87,7 +89,7 @@ def _decode_inputs(q_dtype, kv_dtype, query_len=1, seq_len=500):
 
 
 def test_plan_converts_int8_in_registers_for_decode_and_verify_only():
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     compiled = type(A._attn_kernel).__name__ != "InterpretedFunction"
     for query_len in (1, 4):
         q, kv, ctx = _decode_inputs(BF16, I8, query_len)
@@ -122,7 +124,7 @@ def test_plan_takes_128_key_tiles_for_int8_at_long_contexts(monkeypatch):
     """int8 pages past one-tile splits: 128-key tiles, prefetch 1, splits halved until at most 2 programs per SM
     (the plan reads shapes and lengths only; the CPU plans as for 132 SMs). bf16 pages keep DECODE there."""
     from engine.worker.forward_context import build_forward_context
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     gen = torch.Generator().manual_seed(5)
     for batch, keys in ((1, 32768), (1, 8192), (8, 8192), (8, 32768)):
         need = keys // 16
@@ -151,10 +153,10 @@ def test_plan_takes_128_key_tiles_for_int8_at_long_contexts(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device for the Triton kernels")
 @pytest.mark.parametrize("query_len", [1, 4])
 def test_int8_upcast_matches_the_float32_route(query_len):
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from tests.support import kernel_checks as testing
     q, kv, ctx = testing.attention_case([query_len] * 4, [query_len, 100, 2000, 33000], 32, 8, 128, 16, I8, BF16,
                                         "cuda", 61 + query_len)

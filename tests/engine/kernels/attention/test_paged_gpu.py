@@ -13,8 +13,6 @@ import torch
 
 from tests.support import kernel_checks as testing
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for the Triton kernels")]
 
 BF16, FP16, I8 = torch.bfloat16, torch.float16, torch.int8
 TOL = 1e-2
@@ -185,7 +183,7 @@ def test_decode_variants_graph_replays(kv_dtype, fused_merge, tma):
     seq_lens: each replay right and equal to an eager run bit for bit (the fused merge's counters re-armed by
     every launch; the TMA descriptors are kernel parameters, captured by value)."""
     from engine.worker.forward_context import build_forward_context
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from engine.layers.attention import paged_attention_reference
     cap = 6000
     q, kv, ctx = testing.attention_case([1] * 3, [cap] * 3, 32, 8, 128, 16, kv_dtype, BF16, DEV, 71)

@@ -21,7 +21,7 @@ def test_bf16_long_context_plan_rules(monkeypatch):
     context bound: a graph plans for its class): prefetch 1, one stage, 128 registers; batch 8 (8 splits), one-tile
     splits and int8 pages keep their plans; NINFER_ATTN_BF16_LONG=0 (BF16_LONG False) restores the cp.async
     pipeline. The plan reads shapes only (the CPU plans as for 132 SMs)."""
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from tests.support import kernel_checks as testing
     cases = {(1, 32768): True, (1, 8192): True, (1, 131072): True, (8, 8192): False, (1, 512): False}
     for (batch, keys), takes in cases.items():

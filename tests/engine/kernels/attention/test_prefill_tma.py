@@ -18,11 +18,13 @@ import sys
 import pytest
 import torch
 
+from tests.support.kernel_backend import CUDA as HAVE_CUDA
+
 INTERPRET = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if INTERPRET and HAVE_TRITON:
     os.environ["TRITON_INTERPRET"] = "1"
-CUDA = torch.cuda.is_available() and not INTERPRET
+CUDA = HAVE_CUDA and not INTERPRET
 TOL = 1e-2                                   # relative L2 error, as the other kernel tests
 
 needs_triton = pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -327,7 +329,7 @@ def test_gpu_paged_attention_routes_prefill_to_tma(P, monkeypatch):
     TMA kernel; its output matches the paged kernel (forced by an explicit plan) and the twin. Decode
     shapes, int8 pages, a context without host lengths and NINFER_PREFILL_TMA=0 stay on the paged kernel."""
     import dataclasses
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from engine.layers.attention import paged_attention_reference
     from tests.support.kernel_checks import attention_case, rel_err
     scale = 128 ** -0.5
@@ -374,7 +376,7 @@ def test_gpu_long_prefill_takes_segments(P, monkeypatch, kv_dtype):
     twin; several sequences, fewer than PREFILL_SEGMENT_MIN_QUERIES new tokens, and NINFER_PREFILL_TMA=0 stay on
     the paged kernel. The bound shrunk to 22 MB: 1.5 x 22 MB less the 18.3 MB float32 state of 1,100 tokens x 32
     heads leaves 3,979 keys of 4 KB, less the 1,100 new ones: segments of 2,816, three of them over 9,000 keys."""
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from engine.layers.attention import paged_attention_reference
     from tests.support.kernel_checks import attention_case, rel_err
     scale = 128 ** -0.5
@@ -401,7 +403,7 @@ def test_gpu_head_dim_256_takes_tma_routes(P, monkeypatch):
     """head_dim 256 (qwen3.5-27b's gated attention at TP=1: 24 q heads, 4 KV heads) takes the TMA routes while
     PREFILL_TMA_HEAD_DIMS holds it (the default; NINFER_PREFILL_TMA_HD256=0 takes it out): the whole gather and
     the segments match the paged kernel and the twin, bf16 and int8 pages."""
-    from engine.kernels.attention.paged import paged as A
+    from engine.kernels.attention import paged as A
     from engine.layers.attention import paged_attention_reference
     from tests.support.kernel_checks import attention_case, rel_err
     scale = 256 ** -0.5

@@ -11,21 +11,13 @@ path is the torch reference (engine.kernels.gated_delta.reference) on the CPU an
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-INTERPRET = (os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1" and importlib.util.find_spec("triton") is not None
-             and not CUDA)
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "1"
+from tests.support.kernel_backend import CUDA, DEV, INTERPRET, needs_a_backend
 
-pytestmark = [pytest.mark.skipif(not (CUDA or INTERPRET),
-                                 reason="needs a CUDA device, or NINFER_TRITON_INTERPRET_TESTS=1 with triton")]
-DEV = "cuda" if CUDA else "cpu"
+pytestmark = [needs_a_backend]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -25,7 +25,7 @@ def _fp8_configs(tile: str | None, shapes) -> list:
     env = {k: v for k, v in os.environ.items() if k != "NINFER_GEMV_FP8_TILE"}
     if tile is not None:
         env["NINFER_GEMV_FP8_TILE"] = tile
-    return _json_under("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, "
+    return _json_under("import json; from engine.kernels.linear import gemv as G; print(json.dumps([[c.block_n, c.block_k, "
                        "c.num_warps] for c in (G.default_config('fp8', m, n, k) for m, n, k in "
                        f"{list(shapes)!r})]))", env)
 
@@ -50,7 +50,7 @@ def test_fp8_scale_blocks_must_span_16_columns():
 
 
 def _rules_under(env: dict[str, str], base: dict[str, str] | None = None) -> list:
-    code = ("import json; from engine.kernels import gemv as G; "
+    code = ("import json; from engine.kernels.linear import gemv as G; "
             "print(json.dumps([G.GEMV_ROWS['bf16'], sorted(G.PAIRS_FORMATS)] + "
             "[G.default_config(f, m, 4096, 4096).pairs for f, m in (('bf16', 1), ('bf16', 2), ('fp8', 1), ('nvfp4', 1))]"
             " + [G.default_config('bf16', 2, 4096, 4096).block_n]))")
@@ -83,7 +83,7 @@ def test_fp8_one_row_tile_switch():
 def test_two_row_tile_and_preload_rows_switches():
     # defaults: two bf16 rows take 4x1024 pairs without the preload, one row preloads; the A/B settings of s25 d
     # (4x512 tiles, the preload at two rows) reach default_config, and a bad tile names its variable
-    code = ("import json; from engine.kernels import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.preload] "
+    code = ("import json; from engine.kernels.linear import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.preload] "
             "for c in (G.default_config('bf16', m, 12288, 4096) for m in (1, 2))]))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("NINFER_GEMV_")}
     assert _json_under(code, env) == [[2, 1024, True], [4, 1024, False]]
