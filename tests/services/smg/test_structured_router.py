@@ -3,8 +3,9 @@ of two `ninfer engine` processes (k = 2) on the shared tiny model, driven by the
 a json_schema chat response validates against its schema (jsonschema), json_object is an object, a
 regex answer fullmatches, an EBNF alternation answers from its set (smg 1.13 drops `choice`), and with
 `tools`, `tool_choice: "required"` and a named function produce tool_calls whose arguments validate
-against the tool's parameters. smg turns each into the engine protocol's constraint fields
-(docs/structured-output.md, "Through smg")."""
+against the tool's parameters; a json_schema request with n = 2, logprobs and a penalty gets two
+choices that validate, each with its token logprobs. smg turns each into the engine protocol's
+constraint fields (docs/structured-output.md, "Through smg")."""
 
 from __future__ import annotations
 
@@ -21,13 +22,7 @@ from tools.serving.server_process import ServerProcess
 from tools.serving.smg_stack import SmgRouter, smg_command
 
 openai = pytest.importorskip("openai", reason="the test extra installs the openai SDK")
-pytestmark = [
-    pytest.mark.skipif(smg_command() is None, reason="smg is not installed (the `test` extra installs it)"),
-    # services/smg/convert.py maps the protocol's constraint fields to StructuredOutput on branch
-    # request-sampling; until it merges the engine refuses them. All 8 passed here with that mapping
-    # applied locally; strict: once it lands these pass, and this marker must go.
-    pytest.mark.xfail(strict=True, reason="needs the smg constraint-field mapping of branch request-sampling"),
-]
+pytestmark = pytest.mark.skipif(smg_command() is None, reason="smg is not installed (the `test` extra installs it)")
 
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MODEL = "tiny-qwen3-mtp"
@@ -152,3 +147,22 @@ def test_a_bad_schema_is_a_client_error_naming_the_field(client):
         chat(client, "x", response_format={"type": "json_schema", "json_schema": {
             "name": "bad", "schema": {"type": "string", "maxLength": 10**7}}})
     assert "json_schema" in str(e.value) and "maxLength" in str(e.value)
+
+
+def test_json_schema_with_n_logprobs_and_a_penalty(client):
+    """The sampling fields and the grammar together: two seeded choices, each one valid JSON of the
+    schema (or cut by max_tokens), each with a logprob per token and its top alternatives."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], n=2, temperature=1.0,
+        seed=11, max_tokens=160, logprobs=True, top_logprobs=2, presence_penalty=0.5, response_format={
+            "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), PERSON)
+        else:
+            assert c.finish_reason == "length" and c.message.content.lstrip().startswith("{")
+        tokens = c.logprobs.content
+        assert tokens and "".join(t.token for t in tokens) == c.message.content
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0.0 for t in tokens)
+    assert any(c.finish_reason == "stop" for c in r.choices), [c.message.content for c in r.choices]
