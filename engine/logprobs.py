@@ -5,7 +5,8 @@ Every value is from the model's raw distribution: log_softmax of the target mode
 position, before temperature, penalties, bias or filters (vLLM's default, `raw_logprobs`). That
 makes them a property of the model and the text alone -- what scoring (lm-evaluation-harness'
 loglikelihood) needs, equal for greedy and sampled requests, and under speculation exactly the
-verify pass's logits at each position, which are the target's (docs/sampling.md)."""
+verify pass's logits at each position, which are the target's (docs/sampling.md). Under structured
+output the grammar's mask comes first: the distribution is over the tokens it allows (as vLLM's)."""
 
 from __future__ import annotations
 
