@@ -98,10 +98,10 @@ def test_penalties_bias_and_stop_options_equal_llm_generate(client, llm):
     assert with_stop.endswith("\n")
 
 
-def test_structured_output_with_logprobs_and_penalties(client, llm):
+def test_structured_output_with_logprobs_penalties_and_n(client, llm):
     """A JSON schema with the sampling fields through the gateway (prefill/decode split, k = 2): greedy
-    with logprobs and a penalty, and seeded sampling with a penalty, equal LLM.generate and validate
-    (or are cut by max_tokens), with a logprob per token. (n > 1 with a grammar: tests/engine/structured.)"""
+    with logprobs and a penalty, and n = 2 seeded sequences with a penalty, equal LLM.generate and
+    validate (or are cut by max_tokens), each under its index with a logprob per token."""
     so = {"json_schema": json.dumps(SCHEMA)}
     greedy = SamplingParams(max_tokens=120, temperature=0.0, logprobs=2, repetition_penalty=1.2, structured_output=so)
     (seq,) = by_index(client.generate(SCHEMA_PROMPT, sampling=greedy, include_token_ids=True)).values()
@@ -112,15 +112,17 @@ def test_structured_output_with_logprobs_and_penalties(client, llm):
     assert [lp.token_id for lp in seq["logprobs"]] == seq["ids"]
     for got, want in zip(seq["logprobs"], ref.outputs[0].logprobs):
         assert abs(got.logprob - want[got.token_id].logprob) < 1e-4
-    sampled = SamplingParams(max_tokens=120, temperature=1.0, seed=4, logprobs=1, presence_penalty=0.5,
+    sampled = SamplingParams(max_tokens=120, temperature=1.0, seed=4, n=2, logprobs=1, presence_penalty=0.5,
                              structured_output=so)
-    (seq,) = by_index(client.generate(SCHEMA_PROMPT, sampling=sampled, include_token_ids=True)).values()
+    seqs = by_index(client.generate(SCHEMA_PROMPT, sampling=sampled, include_token_ids=True))
     (ref,) = llm.generate(SCHEMA_PROMPT, sampling_from_proto(sampled))
-    assert seq["ids"] == ref.token_ids and len(seq["logprobs"]) == len(seq["ids"])
-    if seq["result"].stats.finish_reason == common_pb2.FINISH_REASON_STOP:
-        jsonschema.validate(json.loads(seq["text"]), SCHEMA)
-    else:
-        assert len(seq["ids"]) == 120 and seq["text"].lstrip().startswith("{")
+    assert sorted(seqs) == [0, 1] and seqs[0]["ids"] != seqs[1]["ids"]
+    for i, s in seqs.items():
+        assert s["ids"] == ref.outputs[i].token_ids and len(s["logprobs"]) == len(s["ids"])
+        if s["result"].stats.finish_reason == common_pb2.FINISH_REASON_STOP:
+            jsonschema.validate(json.loads(s["text"]), SCHEMA)
+        else:
+            assert len(s["ids"]) == 120 and s["text"].lstrip().startswith("{")
 
 
 @pytest.mark.parametrize("sampling, field", [
