@@ -13,6 +13,7 @@ from tests.engine.structured.test_structured_generate import CONSTRAINTS, PROMPT
 from tests.engine.test_engine_gpu import MODEL
 
 pytestmark = pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")
+pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the gpu extra, or .ci/run's --no-deps line)")
 DEVICE = "cuda"
 
 FREE = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "The interpreter reads the source file and"]
