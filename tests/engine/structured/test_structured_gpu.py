@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.request_stats import FinishReason
-from tests.engine.structured.test_structured_generate import CONSTRAINTS, PROMPTS, obeys
-from tests.engine.test_engine_gpu import MODEL
+pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the gpu extra, or .ci/run's --no-deps line)")
+
+from engine import LLM, SamplingParams  # noqa: E402
+from engine.request_stats import FinishReason  # noqa: E402
+from tests.engine.structured.test_structured_generate import CONSTRAINTS, PROMPTS, obeys  # noqa: E402
+from tests.engine.test_engine_gpu import MODEL  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not MODEL.exists(), reason=f"shared test model not found at {MODEL}")
-pytest.importorskip("xgrammar", reason="structured output needs xgrammar (the gpu extra, or .ci/run's --no-deps line)")
 DEVICE = "cuda"
 
 FREE = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "The interpreter reads the source file and"]
