@@ -3,7 +3,8 @@ are the model's distribution over the tokens the grammar allows (a position with
 logprob 0, every alternative reported is allowed), greedy k = 3 equals k = 0 with penalties and
 logprobs on, each of n sequences walks its own matcher, logit_bias steers between what the grammar
 allows and cannot leave it, bad_words removes a token and the grammar finds another spelling, and
-where min_tokens would ban every allowed token (EOS after a complete choice) the grammar wins."""
+where min_tokens would ban every allowed token (EOS after a complete choice) the grammar wins; a
+resumed (migrated) stream continues its grammar."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import math
 
 import jsonschema
+import pytest
 import torch
 
 from engine.request_stats import FinishReason
@@ -120,3 +122,22 @@ def test_min_tokens_and_bad_words_under_a_grammar(llm_k0):
     banned = run(bad_words=[word])
     assert banned.text in ("yes", "no") and banned.token_ids[0] != base.token_ids[0], banned.token_ids
     assert_kv_idle(llm_k0.engine)
+
+
+def test_a_resumed_stream_continues_its_grammar(llm_k0, llm_k3):
+    """A stream migrated to another engine (output_token_ids: what was sent) feeds those tokens to its
+    new matcher and continues as the unbroken run; tokens the grammar refuses are refused by name."""
+    from engine.errors import InvalidArgumentError
+    from tests.engine.test_resume import steps_of
+    params = params_for(max_tokens=80)[0]                 # the JSON schema, greedy
+    for llm in (llm_k0, llm_k3):
+        core = llm.engine
+        ids = core.tokenizer.encode(PROMPTS[0])
+        unbroken = [t for s in steps_of(core, ids, params) for t in s]
+        g = len(unbroken) // 2
+        resumed = [t for s in steps_of(core, ids, params, output_token_ids=unbroken[:g]) for t in s]
+        assert unbroken[:g] + resumed == unbroken
+        with pytest.raises(InvalidArgumentError) as e:
+            core.add_request(ids, params, output_token_ids=core.tokenizer.encode("hello"))
+        assert e.value.field == "output_token_ids" and "structured_output" in str(e.value)
+        assert_kv_idle(core)
