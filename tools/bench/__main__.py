@@ -2,7 +2,7 @@
 [--quick] [--out DIR]`.
 
 Measures the engine through its public API against the physical limits and the transformers peer,
-all in the same run (BENCH.md), section by section: a section that fails (OOM, exception) is
+all in the same run, section by section: a section that fails (OOM, exception) is
 recorded and the run goes on. Progress goes to stderr as each figure lands; results.json is
 rewritten after every figure (a run cut short keeps what it measured); summary.md and the plots
 after every section; a compact table is printed last on stdout.
@@ -26,8 +26,9 @@ import time
 import traceback
 from pathlib import Path
 
-ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid"]
-NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid"}
+ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid",
+         "moe"]
+NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid", "moe"}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -62,6 +63,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the decode section's draft lengths with the reduced draft vocabulary ('' = none)")
     ap.add_argument("--decode-contexts", default=None,
                     help="keep only these decode contexts (comma-separated prompt tokens), e.g. 512 for a quick A/B")
+    ap.add_argument("--peer-parts", default=None,
+                    help="the peer section's parts: transformers (prefill pairs, generate()), compiled (the gpt-fast-"
+                         "style step against the engine); default both")
+    ap.add_argument("--peer-compile-mode", default=None,
+                    help="the compiled step's torch.compile mode: max-autotune-no-cudagraphs (default; the step "
+                         "captured here as one CUDA graph) or reduce-overhead (Inductor's CUDA graphs)")
+    ap.add_argument("--e2e-tps", default=None, help="the e2e section's TP sizes (comma-separated), e.g. 1")
+    ap.add_argument("--e2e-ks", default=None, help="the e2e section's draft lengths (comma-separated), e.g. 0")
+    ap.add_argument("--e2e-streams", default=None, help="the e2e section's stream counts (comma-separated), e.g. 1,8")
+    ap.add_argument("--moe-shape", default=None, help="the moe section's preset (default qwen3-30b-a3b)")
     ap.add_argument("--hybrid-deployments", default=None,
                     help="the hybrid section's deployments: tp (the shape at TP=2), one_gpu (quantized, one GPU); "
                          "default both")
@@ -97,6 +108,22 @@ def _narrow_quant(plan, args) -> None:
     if args.quant_formats:
         plan.formats = [f.strip() for f in args.quant_formats.split(",") if f.strip()]
     plan.decode_only = plan.decode_only or args.quant_decode_only
+
+
+def _narrow_other(plan, args) -> None:
+    """The peer, e2e and moe flags."""
+    if args.peer_parts:
+        plan.peer.parts = tuple(p.strip() for p in args.peer_parts.split(",") if p.strip())
+    if args.peer_compile_mode:
+        plan.peer.compiled_mode = args.peer_compile_mode
+    if args.e2e_tps:
+        plan.e2e.tps = _ints(args.e2e_tps)
+    if args.e2e_ks:
+        plan.e2e.ks = _ints(args.e2e_ks)
+    if args.e2e_streams:
+        plan.e2e.streams = _ints(args.e2e_streams)
+    if args.moe_shape:
+        plan.moe.shape = args.moe_shape
 
 
 def _quiet_engine_logs() -> None:
@@ -140,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report_only(args)
 
     import torch
-    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, peer, prefill, quant, report,
+    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, moe, peer, prefill, quant, report,
                              roofline, runinfo, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
@@ -165,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant_seed_shape is not None:
         plan.quant.seed_shape = "" if args.quant_seed_shape == "none" else args.quant_seed_shape
     _narrow_decode(plan.decode, args)
+    _narrow_other(plan, args)
     if args.hybrid_deployments:
         plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
     if args.hybrid_decode_contexts is not None:
@@ -187,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid, "moe": moe}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

@@ -1,9 +1,12 @@
-"""End to end: the deployed shape against the in-process engine, in the same run.
+"""End to end: the deployed shape against the in-process engine, in the same run, interleaved.
 
 `ninfer engine` and `ninfer gateway` run as separate processes (as a platform deploys them) and a
 gRPC client drives them through the gateway; the in-process side is the `EngineLoop` the same flags
-build, warmed up the same way. For each (TP, k): the time to first token of a prompt alone (median
-of several), one stream's decode, and the aggregate of 8 and 32 streams sent together. Both sides
+build, warmed up the same way. Both sides are up together and take turns (served, in-process,
+served, ...; tools/bench/interleave.py): for each (TP, k), `ttft_samples` prompts alone (the time to
+first token; `e2e_ttft_added_ms` is the **median of the paired differences** served - in-process over
+at least 32 pairs), then for each stream count `reps` rounds of the streams sent together (1 stream:
+`e2e_decode_b1_over_inproc`, 8: `e2e_agg_8_over_inproc`, medians of the per-round ratios). Both sides
 are timed by their client alike: TTFT from the call to the first token; a stream's decode rate from
 its first to its last token, (tokens - 1) / seconds; the aggregate is the sum over the streams.
 
@@ -18,11 +21,12 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.request_stats import RequestStats
-from tools.bench.progress import fmt_rate, say
+from tools.bench import interleave
+from tools.bench.progress import say
 from tools.bench.session import compact, random_prompt
 
 TOLERANCE = 1e-6          # relative, for identities of floating-point figures
@@ -55,12 +59,6 @@ class StreamTiming:
         if self.tokens < 2 or self.last_at is None or self.last_at <= self.first_at:
             return None
         return (self.tokens - 1) / (self.last_at - self.first_at)
-
-
-@dataclass
-class PathResult:
-    ttft_ms: list[float] = field(default_factory=list)
-    points: dict[int, list[StreamTiming]] = field(default_factory=dict)     # streams -> timings
 
 
 # -- the two clients --------------------------------------------------------------------------------
@@ -105,17 +103,31 @@ def run_together(one, prompts: list[list[int]], params: SamplingParams, timeout:
     return timings
 
 
-def measure(one, vocab: int, plan, timeout: float) -> PathResult:
-    result = PathResult()
-    ttft_params = SamplingParams(max_tokens=2, ignore_eos=True)
-    for _ in range(plan.ttft_repeats):
-        t = StreamTiming()
-        one(random_prompt(plan.prompt, vocab), ttft_params, t)
-        result.ttft_ms.append(t.ttft_s * 1e3)
-    params = SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True)
-    for n in plan.streams:
-        result.points[n] = run_together(one, [random_prompt(plan.prompt, vocab) for _ in range(n)], params, timeout)
-    return result
+def ttft_rep(one, vocab: int, plan, served: list | None) -> dict:
+    """One prompt alone (two tokens): its client-side TTFT."""
+    t = StreamTiming()
+    one(random_prompt(plan.prompt, vocab), SamplingParams(max_tokens=2, ignore_eos=True), t)
+    if served is not None:
+        served.append(t)
+    return {"ttft_ms": t.ttft_s * 1e3 if t.ttft_s is not None else None, "gateway_ttft_s": t.gateway_ttft_s,
+            "engine_ttft_s": t.stats.timings.ttft if t.stats else None, "error": t.error}
+
+
+def streams_rep(one, vocab: int, plan, n: int, timeout: float, served: list | None) -> dict:
+    """`n` streams sent together: the sum of their client-side decode rates, and their records."""
+    timings = run_together(one, [random_prompt(plan.prompt, vocab) for _ in range(n)],
+                           SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True), timeout)
+    if served is not None:
+        served.extend(timings)
+    rates = [t.decode_tok_s for t in timings if t.decode_tok_s]
+    return {"aggregate_tok_s": sum(rates) if len(rates) == n else None,
+            "per_stream_tok_s_mean": statistics.mean(rates) if rates else None,
+            "errors": [t.error for t in timings if t.error],
+            "engine_decode_tok_s_mean": statistics.mean([t.stats.rates.decode_tok_s for t in timings if t.stats])
+            if any(t.stats for t in timings) else None,
+            "records": [{**(compact(t.stats) if t.stats else {}), "client_ttft_s": t.ttft_s,
+                         "client_decode_tok_s": t.decode_tok_s, "gateway_ttft_s": t.gateway_ttft_s}
+                        for t in timings]}
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -144,23 +156,6 @@ def consistency(t: StreamTiming) -> list[str]:
     if client and s.rates.decode_tok_s and client > s.rates.decode_tok_s * CLIENT_RATE_SLACK:
         bad.append(f"client decode {client:.1f} tok/s > engine decode_tok_s {s.rates.decode_tok_s:.1f}")
     return bad
-
-
-def summarize(result: PathResult) -> dict:
-    out = {"ttft_ms_median": statistics.median(result.ttft_ms), "ttft_ms": [round(x, 3) for x in result.ttft_ms],
-           "streams": {}}
-    for n, timings in result.points.items():
-        rates = [t.decode_tok_s for t in timings if t.decode_tok_s]
-        out["streams"][str(n)] = {
-            "aggregate_tok_s": sum(rates) if len(rates) == n else None,
-            "per_stream_tok_s_mean": statistics.mean(rates) if rates else None,
-            "errors": [t.error for t in timings if t.error],
-            "engine_decode_tok_s_mean": statistics.mean([t.stats.rates.decode_tok_s for t in timings if t.stats])
-            if any(t.stats for t in timings) else None,
-            "records": [{**(compact(t.stats) if t.stats else {}), "client_ttft_s": t.ttft_s,
-                         "client_decode_tok_s": t.decode_tok_s, "gateway_ttft_s": t.gateway_ttft_s}
-                        for t in timings]}
-    return out
 
 
 # -- the section ------------------------------------------------------------------------------------
@@ -196,52 +191,59 @@ def run(bench, sec: dict) -> None:
                                      kv_capacity=plan.kv_capacity, max_model_len=plan.kv_capacity,
                                      max_batch=max(plan.streams))
             session, _ = bench.pool.get(spec, warm_prompt=plan.prompt, warm_decode=16)
-            inproc = measure(lambda ids, p, t: inproc_stream(session.loop, ids, p, t), session.vocab, plan, timeout)
-            engine_info = session.describe
-            bench.pool.close()                        # the device's memory goes to the engine process
+            # the in-process engine stays up: both sides take turns
             with ServerProcess.start("engine", *engine_flags(bench, tp, k, dv), "--log-level", "info",
                                      timeout_s=900) as engine, \
                     ServerProcess.start("gateway", "--engine", engine.address) as gateway, \
                     GatewayClient(gateway.address) as client:
                 client.wait_until_serving(900)
-                e2e = measure(lambda ids, p, t: gateway_stream(client, ids, p, t), session.vocab, plan, timeout)
+                sides = {"served": lambda ids, p, t: gateway_stream(client, ids, p, t),
+                         "inproc": lambda ids, p, t: inproc_stream(session.loop, ids, p, t)}
+                entry = _interleaved(bench, sides, session.vocab, plan, timeout)
                 served = engine.wait_for_event("engine_serving")
-            violations = [f"{n} streams: {v}" for n, timings in e2e.points.items() for t in timings
-                          for v in consistency(t)]
-            entry = {"label": label, "tp": tp, "k": k, "draft_vocab": dv, "prompt": plan.prompt,
-                     "decode_tokens": plan.decode_tokens, "inproc": summarize(inproc), "e2e": summarize(e2e),
-                     "engine": engine_info, "served_engine_warmup": {key: served.get(key) for key in
-                     ("cuda_graphs", "graph_buckets", "graph_capture_seconds", "no_graphs_reason", "warmup_seconds")},
-                     "consistency_violations": violations[:200], "consistency_violation_count": len(violations),
-                     "messages_checked": sum(len(v) for v in e2e.points.values())}
+            entry.update(label=label, tp=tp, k=k, draft_vocab=dv, prompt=plan.prompt, decode_tokens=plan.decode_tokens,
+                         tensor_parallel_size=tp, engine=session.describe,
+                         served_engine_warmup={key: served.get(key) for key in
+                                               ("cuda_graphs", "graph_buckets", "graph_capture_seconds",
+                                                "no_graphs_reason", "warmup_seconds")})
             ratios(entry)
             configs.append(entry)
-            say("e2e", f"{label}: decode 1 stream {fmt_rate(entry['decode_b1_ratio_inputs'][0])} in-process vs "
-                       f"{fmt_rate(entry['decode_b1_ratio_inputs'][1])} served; TTFT +{entry['ttft_added_ms']:.2f} ms; "
-                       f"{len(violations)} inconsistent of {entry['messages_checked']} final messages")
+            say("e2e", f"{label}: TTFT added {entry['ttft_added_ms'] or 0:+.2f} ms (median of {entry['ttft']['reps_paired']} "
+                       f"paired differences); decode 1 stream served / in-process {entry['decode_b1_over_inproc'] or 0:.3f}; "
+                       f"{entry['consistency_violation_count']} inconsistent of {entry['messages_checked']} final messages")
             bench.save()
-    ref = next((c for c in configs if c.get("label") == "tp1-k0"), None)
-    if ref is None:
+    if not any(c.get("label") == "tp1-k0" and "ttft" in c for c in configs):
         sec["e2e_reason"] = "the TP=1, k=0 configuration was not measured"
-        return
-    sec["e2e_decode_b1_over_inproc"] = ref["decode_b1_over_inproc"]
-    sec["e2e_agg_8_over_inproc"] = ref["agg_8_over_inproc"]
-    sec["e2e_ttft_added_ms"] = ref["ttft_added_ms"]
-    for name in ("e2e_decode_b1_over_inproc", "e2e_agg_8_over_inproc", "e2e_ttft_added_ms"):
-        sec[name + "_inputs"] = {"config": "tp1-k0", "prompt": plan.prompt, "decode_tokens": plan.decode_tokens}
+
+
+def _interleaved(bench, sides: dict, vocab: int, plan, timeout: float) -> dict:
+    """Warm the served path, then every comparison with the sides taking turns; the served final
+    messages are checked."""
+    served: list[StreamTiming] = []
+    for _ in range(2):                    # the first requests through a new gRPC channel: not measured
+        ttft_rep(sides["served"], vocab, plan, None)
+
+    def side_calls(make):
+        return {name: (lambda name=name, one=one: make(one, served if name == "served" else None))
+                for name, one in sides.items()}
+
+    ttft = interleave.run(side_calls(lambda one, s: ttft_rep(one, vocab, plan, s)), plan.ttft_samples)
+    streams = {str(n): interleave.run(side_calls(lambda one, s, n=n: streams_rep(one, vocab, plan, n, timeout, s)),
+                                      plan.reps, streams=n)
+               for n in plan.streams}
+    violations = [v for t in served for v in consistency(t)]
+    return {"ttft": ttft, "streams": streams, "consistency_violations": violations[:200],
+            "consistency_violation_count": len(violations), "messages_checked": len(served)}
 
 
 def ratios(entry: dict) -> None:
-    a, b = entry["inproc"], entry["e2e"]
-
-    def agg(side, n):
-        return (side["streams"].get(str(n)) or {}).get("aggregate_tok_s")
-
-    one = (agg(a, 1), agg(b, 1))
-    entry["decode_b1_ratio_inputs"] = one
-    entry["decode_b1_over_inproc"] = one[1] / one[0] if all(one) else None
-    n8 = 8 if "8" in a["streams"] else max(int(n) for n in a["streams"])
-    entry["agg_8_over_inproc"] = agg(b, n8) / agg(a, n8) if agg(a, n8) and agg(b, n8) else None
-    entry["agg_streams"] = n8
-    entry["agg_32_over_inproc"] = agg(b, 32) / agg(a, 32) if agg(a, 32) and agg(b, 32) else None
-    entry["ttft_added_ms"] = b["ttft_ms_median"] - a["ttft_ms_median"]
+    """The config's figures by the headline rule (median of per-rep ratios / differences), for the table."""
+    ttft = interleave.reduce_pair(entry["ttft"], "served", "inproc", "ttft_ms", op="difference")
+    entry["ttft"]["reps_paired"] = ttft["reps"]
+    entry["ttft_added_ms"] = ttft["value"]
+    entry["ttft_ms_median"] = {side: statistics.median(x for x in interleave.values(entry["ttft"], side, "ttft_ms")
+                                                       if x is not None) for side in ("served", "inproc")}
+    for n in map(int, entry["streams"]):
+        r = interleave.reduce_pair(entry["streams"][str(n)], "served", "inproc", "aggregate_tok_s")
+        entry[f"agg_{n}_over_inproc"] = r["value"]
+    entry["decode_b1_over_inproc"] = entry.get("agg_1_over_inproc")
