@@ -404,7 +404,7 @@ def _e2e(r: dict) -> list[str]:
     rows = []
     for c in sec.get("configs", []):
         if "skipped" in c or "ttft" not in c:
-            rows.append([c.get("label", f"tp{c.get('tp')}"), "skipped: " + str(c.get("skipped"))] + [""] * 5)
+            rows.append([c.get("label", f"tp{c.get('tp')}"), "skipped: " + str(c.get("skipped"))] + [""] * 4)
             continue
         med = c.get("ttft_ms_median", {})
         ratios = "; ".join(f"{n}: {fmt(c.get(f'agg_{n}_over_inproc'))}" for n in sorted(map(int, c["streams"])))
@@ -412,9 +412,9 @@ def _e2e(r: dict) -> list[str]:
                      f"{fmt(c.get('ttft_added_ms'))} ({c['ttft'].get('reps_paired')} pairs)", ratios,
                      f"{c['consistency_violation_count']} of {c['messages_checked']}",
                      "graphs" if (c.get("served_engine_warmup") or {}).get("cuda_graphs") else
-                     (c.get("served_engine_warmup") or {}).get("no_graphs_reason") or "?", ""])
+                     (c.get("served_engine_warmup") or {}).get("no_graphs_reason") or "?"])
     L += _tab(["config", "TTFT ms in-proc / served (medians)", "added ms", "served / in-process by streams",
-               "inconsistent final messages", "served engine", ""], rows)
+               "inconsistent final messages", "served engine"], rows)
     bad = [v for c in sec.get("configs", []) for v in c.get("consistency_violations", [])[:5]]
     if bad:
         L += ["", "First inconsistencies:", ""] + [f"- {v}" for v in bad[:10]]
@@ -426,7 +426,7 @@ def _quant_rows(sec: dict) -> list[list[str]]:
     pairs = {(p["shape"], p["format"], p["figure"]): p for p in sec.get("pairs", [])}
     for p in sec.get("points", []):
         if "skipped" in p:
-            rows.append([p["shape"], p["format"], "skipped", "", "", "", ""])
+            rows.append([p["shape"], p["format"], "skipped: " + p["skipped"][:120], "", "", ""])
             continue
         shape, fmt_ = p["shape"], p["format"]
         cells = []
