@@ -247,6 +247,37 @@ def test_reserved_keys_are_derived_from_their_sections_raw_reps():
     assert r["headline"]["nvfp4_mtp3_b1_implied_tok_s"] == pytest.approx(3.16 / (0.3 / 100 * 1e3) * 1e3)
 
 
+def test_interleave_runs_whole_rounds_in_turn_and_stops_between_rounds():
+    calls = []
+
+    class Budget:                      # allows the first two rounds only
+        def allows(self, s):
+            return len(calls) < 4
+
+        def skip_reason(self, s):
+            return "out of time"
+
+    rec = interleave.run({"a": lambda: calls.append("a") or {"x": 1.0}, "b": lambda: calls.append("b") or {"x": 2.0}},
+                         5, Budget(), 1.0, context=7)
+    assert calls == rec["order"] == ["a", "b", "a", "b"] and rec["context"] == 7
+    assert interleave.interleaved(rec) and "after 2 of 5 rounds" in rec["stopped"]
+    assert not interleave.interleaved({**rec, "order": ["a", "a", "b", "b"]})
+    assert interleave.reduce_pair(rec, "b", "a", "x")["reason"]          # two rounds: no headline figure
+
+
+def test_sweeps_measured_one_after_another_give_no_interleaved_key():
+    """A results.json of an older run (P and N measured one after the other, no order) derives no
+    prefill_32k_over_4k or agg_decode_N_streams."""
+    rep = {"prefill_tok_s": 1000.0, "computed_prefill_tokens": 4096, "cached_tokens": 0}
+    points = [{"P": P, "chunk": 4096, "prefill_tok_s_peak": 1e3, "prefill_tok_s_median": 1e3, "repeats": [rep] * 3}
+              for P in (4096, 32768)]
+    r = _synthetic(prefill={"points": points})
+    assert r["headline"]["prefill_32k_over_4k"] is None
+    assert "interleaved" in r["headline_detail"]["prefill_32k_over_4k"]["reason"]
+    r = _synthetic(prefill={"points": points, "order": {"4096": [4096, 32768] * 3}})
+    assert r["headline"]["prefill_32k_over_4k"] == pytest.approx(1.0)
+
+
 # -- the tool end to end on the CPU ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -173,7 +173,10 @@ def _prefill(keys: Keys, results: dict, ref: dict) -> None:
                  P=P, chunk=chunk, tok_s_median=pre[P]["prefill_tok_s_median"])
     else:
         keys.miss("prefill_4k_mfu", keys.missing("prefill"), "no roofline measured" if P in pre else f"no P={P} point")
-    if P in pre and P2 in pre:
+    order = [x for x in (sec.get("order") or {}).get(str(chunk), []) if x in (P, P2)]
+    if P in pre and P2 in pre and order[:2] != [P, P2]:
+        keys.miss("prefill_32k_over_4k", f"P={P} and P={P2} were not measured in interleaved rounds (no order recorded)")
+    elif P in pre and P2 in pre:
         record = {"reps": {"long": pre[P2]["repeats"], "ref": pre[P]["repeats"]}}
         keys.put("prefill_32k_over_4k", interleave.reduce_pair(record, "long", "ref", "prefill_tok_s"),
                  _tp_of(pre[P].get("engine")), P=[P, P2], chunk=chunk)
@@ -212,14 +215,18 @@ def _concurrency(keys: Keys, results: dict, ref: dict) -> None:
     conc = {p["streams"]: p for p in _measured(sec.get("points", []))}
     tp = _tp_of((sec.get("setup") or {}).get("engine"))
     for name, n in (("agg_decode_2_streams", ref.get("streams_small", 2)), ("agg_decode_8_streams", ref.get("streams_large", 8))):
-        if n in conc and 1 in conc:
+        if n in conc and 1 in conc and not sec.get("order"):
+            keys.miss(name, f"N=1 and N={n} were not measured in interleaved rounds (no order recorded)")
+        elif n in conc and 1 in conc:
             record = {"reps": {"n": conc[n].get("reps", []), "one": conc[1].get("reps", [])}}
             keys.put(name, interleave.reduce_pair(record, "n", "one", "aggregate_tok_s"), tp, streams=n)
         else:
             keys.miss(name, keys.missing("concurrency"), f"needs N=1 and N={n}")
     burst = sec.get("ttft_burst") or {}
     name = "ttft_8x512_over_single"
-    if burst.get("alone"):
+    if burst.get("alone") and not burst.get("order"):
+        keys.miss(name, "the prompts alone and the bursts were not measured in interleaved rounds (no order recorded)")
+    elif burst.get("alone"):
         from tools.bench.burst import round_ratio
         per_round = [round_ratio(a, b) for a, b in zip(burst["alone"], burst["bursts"])]
         keys.put(name, interleave.reduce_values(per_round, "rounds", interleave.RULE_RATIO), tp,
