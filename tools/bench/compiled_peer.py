@@ -14,7 +14,8 @@ gpt-fast (pytorch-labs/gpt-fast, generate.py; ideas only, written here from the 
   kernel names and the FX graph cache;
 - mode `max-autotune-no-cudagraphs` (autotuning on) with the compiled step captured here as one
   `torch.cuda.CUDAGraph` and replayed, or `reduce-overhead` (Inductor's own CUDA graph per call, as
-  gpt-fast's generate.py); warmed up before anything is timed.
+  gpt-fast's generate.py decodes; captured here instead where Inductor declines its graph, so no
+  timed step runs launch by launch); warmed up before anything is timed.
 
 ms per token = wall time of n steps / n, one synchronisation at the end (the step feeds itself).
 On the CPU (the bench's dry run, the tests) the same module runs eagerly, or compiled by a backend
@@ -144,6 +145,7 @@ class CompiledDecodePeer:
         else:                                          # a compiler-free backend: Dynamo's whole-graph trace only
             self.step_fn = torch.compile(self.model, fullgraph=True, dynamic=False, backend=backend)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.cudagraph_skips = 0                       # Inductor declined its CUDA graph (reduce-overhead)
         self.timings: dict[str, float] = {}
 
     @property
@@ -163,24 +165,31 @@ class CompiledDecodePeer:
         return inductor_config.patch(INDUCTOR_SETTINGS)
 
     def warm(self, steps: int = 3) -> None:
-        """Compile (the first call) and warm up; on CUDA with the no-cudagraphs mode, then capture one
-        step as a CUDA graph. Inductor's settings hold while it compiles, tunes and records."""
+        """Compile (the first call) and warm up; on CUDA, then make sure every timed step is one CUDA
+        graph: with `max-autotune-no-cudagraphs` one step is captured here; with `reduce-overhead`
+        Inductor records its own, and where it declines (its `cudagraph_skips` counter moved: it then
+        runs the compiled kernels one launch at a time, a weaker peer than gpt-fast's) the step is
+        captured here all the same. Inductor's settings hold while it compiles, tunes and records."""
+        from torch._dynamo.utils import counters
         cuda = self.device.type == "cuda"
+        skips_before = counters["inductor"]["cudagraph_skips"]
         with self._settings():
             t0 = time.perf_counter()
-            if cuda:
-                side = torch.cuda.Stream()
+            if cuda and self.mode != "reduce-overhead":
+                side = torch.cuda.Stream()          # a manual capture wants its warm-up off the capture stream
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(steps):
                         self.step()
                 torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-            else:
+            else:                                   # Inductor's CUDA graph trees manage their own streams
                 for _ in range(steps):
                     self.step()
+            if cuda:
+                torch.cuda.synchronize()
             self.timings["compile_and_warm_s"] = time.perf_counter() - t0
-            if cuda and self.mode == "max-autotune-no-cudagraphs":
+            self.cudagraph_skips = counters["inductor"]["cudagraph_skips"] - skips_before
+            if cuda and self.mode is not None and (self.mode != "reduce-overhead" or self.cudagraph_skips):
                 t0 = time.perf_counter()
                 self.graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(self.graph), torch.inference_mode():
@@ -211,6 +220,7 @@ class CompiledDecodePeer:
                 "inductor_settings": INDUCTOR_SETTINGS if compiled else None,
                 "cuda_graph": ("one torch.cuda.CUDAGraph per step (captured here)" if self.graph is not None else
                                "Inductor's CUDA graph per call" if cuda and self.mode == "reduce-overhead" else None),
+                "inductor_cudagraph_skips": self.cudagraph_skips,
                 "static_kv_cache": True, "attention": "written out (the math SDPA backend's computation)",
                 **{k: round(v, 2) for k, v in self.timings.items()}}
 
