@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tools.bench import derive, headline, interleave, shapes
-from tools.bench.__main__ import ORDER, _merge, _narrow_decode, _narrow_other, _narrow_quant, parse
+from tools.bench.__main__ import ORDER, _merge, _narrow_decode, _narrow_other, _narrow_quant, parse, run_order
 from tools.bench.targets import TARGETS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,7 +107,9 @@ def test_quant_flags_narrow_the_plan():
     plan = make_plan("cuda", "qwen3-8b", True, None, 1.0).quant
     assert plan.formats == ["bf16", "fp8", "nvfp4", "w4a16", "fp16"] and not plan.decode_only and plan.mtp_k == 3
     _narrow_quant(plan, parse(["--quant-formats", "bf16,fp8", "--quant-decode-only"]))
-    assert plan.formats == ["bf16", "fp8"] and plan.decode_only
+    assert plan.formats == ["bf16", "fp8"] and plan.decode_only and plan.mtp_k == 3
+    _narrow_quant(plan, parse(["--quant-mtp-k", "0"]))
+    assert plan.mtp_k == 0
     # --repeats sets the interleaved rounds of every comparison
     repeated = make_plan("cuda", "qwen3-8b", True, 5, 1.0)
     assert (repeated.quant.reps, repeated.peer.reps, repeated.tp.reps, repeated.e2e.reps) == (5, 5, 5, 5)
@@ -136,6 +138,14 @@ def test_peer_and_e2e_flags_narrow_the_plan():
                                "--e2e-ks", "0", "--e2e-streams", "1,8", "--moe-shape", "x"]))
     assert plan.peer.parts == ("compiled",) and plan.peer.compiled_mode == "reduce-overhead"
     assert (plan.e2e.tps, plan.e2e.ks, plan.e2e.streams, plan.moe.shape) == ([1], [0], [1, 8], "x")
+
+
+def test_sections_run_in_the_benchs_order_unless_asked_in_the_given_one():
+    named = ["quant", "e2e", "decode", "peer", "roofline"]
+    assert run_order(named, given=False) == ["roofline", "peer", "decode", "e2e", "quant"]
+    assert run_order(named, given=True) == ["roofline", "quant", "e2e", "decode", "peer"]    # roofline first
+    assert run_order(["e2e", "quant", "e2e"], given=True) == ["e2e", "quant"]
+    assert parse(["--in-given-order"]).in_given_order and not parse([]).in_given_order
 
 
 def test_merge_keeps_sections_not_rerun():

@@ -37,6 +37,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sections", default=",".join(ORDER),
                     help=f"comma-separated, any of {','.join(ORDER)} (run in that order; roofline is added "
                          "when a section needs it)")
+    ap.add_argument("--in-given-order", action="store_true",
+                    help="run the sections in the order --sections names them (roofline first), e.g. the quick keys "
+                         "before a long compile; by default the order above, in which consecutive sections share "
+                         "an engine")
     ap.add_argument("--model-shape", default=None, help="qwen3-8b (default on a GPU), qwen3-32b, tiny (default on CPU)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--quick", action="store_true", help="fewer points and repeats (~3 minutes on one H200)")
@@ -57,6 +61,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quant-formats", default=None, help="the quant section's formats (comma-separated: bf16,fp8,nvfp4)")
     ap.add_argument("--quant-decode-only", action="store_true",
                     help="the quant section measures decode batch 1 only (an A/B of the decode step)")
+    ap.add_argument("--quant-mtp-k", type=int, default=None,
+                    help="drafts of the quant section's NVFP4 + MTP round against NVFP4 at k = 0 (default 3; 0 = not run)")
     ap.add_argument("--decode-ks", default=None,
                     help="the decode section's draft lengths with the full draft vocabulary (comma-separated; '' = none)")
     ap.add_argument("--decode-draft-vocab-ks", default=None,
@@ -108,6 +114,8 @@ def _narrow_quant(plan, args) -> None:
     if args.quant_formats:
         plan.formats = [f.strip() for f in args.quant_formats.split(",") if f.strip()]
     plan.decode_only = plan.decode_only or args.quant_decode_only
+    if args.quant_mtp_k is not None:
+        plan.mtp_k = args.quant_mtp_k
 
 
 def _narrow_other(plan, args) -> None:
@@ -124,6 +132,15 @@ def _narrow_other(plan, args) -> None:
         plan.e2e.streams = _ints(args.e2e_streams)
     if args.moe_shape:
         plan.moe.shape = args.moe_shape
+
+
+def run_order(selected: list[str], given: bool) -> list[str]:
+    """The sections to run, in the bench's order or, when `given`, in the order named (roofline first:
+    the others read its limits)."""
+    if not given:
+        return [name for name in ORDER if name in selected]
+    named = list(dict.fromkeys(selected))
+    return ["roofline"] * ("roofline" in named) + [name for name in named if name != "roofline"]
 
 
 def _quiet_engine_logs() -> None:
@@ -183,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if NEEDS_ROOFLINE & set(selected) and "roofline" not in selected:
         selected.append("roofline")
+    order = run_order(selected, args.in_given_order)
     plan = make_plan(device, shape, args.quick, args.repeats, args.time_scale)
     if args.budget_s:
         plan.global_s = args.budget_s
@@ -203,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         plan.hybrid.long_context = args.hybrid_long_context
     info = runinfo.collect(device)
     run_id = f"{info['date'][:10]}-{(info['git']['commit'] or 'nogit')[:8]}-{secrets.token_hex(2)}"
-    info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=selected,
+    info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=order,
                 command="python -m tools.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
     out = Path(args.out) if args.out else runinfo.default_out_dir(info)
     results = {"schema": "ninfer-bench/1", "run": info, "runs": {run_id: info},
@@ -224,12 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         old_term = signal.signal(signal.SIGTERM, on_term)
     t_start = time.monotonic()
     deadline = t_start + plan.global_s
-    say("bench", f"{shape} on {info['device']['name']} ({plan.mode}); sections {', '.join(s for s in ORDER if s in selected)}; "
+    say("bench", f"{shape} on {info['device']['name']} ({plan.mode}); sections {', '.join(order)}; "
                  f"budget {plan.global_s:.0f} s; writing {out}")
     try:
-        for name in ORDER:
-            if name not in selected:
-                continue
+        for name in order:
             sec = results["sections"][name] = {"run_id": run_id}
             results["sections"] = {n: results["sections"][n] for n in ORDER if n in results["sections"]}
             if time.monotonic() >= deadline:

@@ -308,7 +308,7 @@ def _moonshot(keys: Keys, sec: dict) -> None:
     acc = [e for e in keys.secs.get("acceptance", {}).get("results", []) if "skipped" not in e
            and e.get("workload") == "prose" and e.get("temperature") == 0 and pair and e.get("k") == pair.get("k")]
     if not pair:
-        return keys.miss(name, keys.missing("quant"), "no NVFP4 k=3 / k=0 pair (quant.mtp_pair)")
+        return keys.miss(name, keys.missing("quant"), sec.get("mtp_reason"), "no NVFP4 k=3 / k=0 pair (quant.mtp_pair)")
     if not acc:
         return keys.miss(name, keys.missing("acceptance"), f"no prose acceptance at k={pair['k']}, T=0")
     tpr = acc[0]["tokens_per_round"]

@@ -67,7 +67,11 @@ def run(bench, sec: dict) -> None:
     sec["headline_shape"] = plan.shapes[0] if plan.shapes else None
     for i, shape in enumerate(plan.shapes):
         _shape(bench, sec, shape, mtp=i == 0)
-    if plan.seed_shape:
+    if not plan.mtp_k:
+        sec["mtp_reason"] = "not asked (mtp_k 0)"
+    if not plan.seed_shape:
+        sec["seed_one_gpu"] = {"reason": "not asked (no seed shape)"}
+    else:
         seed_plan = replace(bench.plan.hybrid, shape=plan.seed_shape, one_gpu_format="nvfp4")
         hybrid.one_gpu_deployment(bench, sec.setdefault("seed_one_gpu", {}), seed_plan,
                                   shapes.model_config(plan.seed_shape), "seed_32b_nvfp4_one_gpu_192k_ok", "quant")
