@@ -12,8 +12,11 @@ its first to its last token, (tokens - 1) / seconds; the aggregate is the sum ov
 
 Every final message through the gateway is checked against itself and against the client:
     prefill_tok_s = computed_prefill_tokens / prefill_seconds,  prefill_seconds <= ttft_seconds,
-    engine TTFT <= gateway TTFT <= the client's TTFT,  the client's decode rate <= the engine's
-(the engine's decode window lies inside the client's). Violations are counted and kept.
+    engine TTFT <= gateway TTFT <= the client's TTFT,
+    client's first token -> final message >= the engine's decode seconds - (client TTFT - engine TTFT)
+(the final message leaves after the engine finished, and the first token reached the client late by at
+most the TTFT difference; a rate check with a fixed 5 % slack failed on a loaded machine where the first
+token's delivery lagged by a few ms in a 60 ms window). Violations are counted and kept.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from tools.bench.progress import say
 from tools.bench.session import compact, random_prompt
 
 TOLERANCE = 1e-6          # relative, for identities of floating-point figures
-CLIENT_RATE_SLACK = 1.05  # the client's decode rate may exceed the engine's by clock jitter only
+CLOCK_SLACK_S = 1e-3      # two clocks' readings of one interval may differ by this much
 
 
 @dataclass
@@ -43,6 +46,7 @@ class StreamTiming:
     tokens: int = 0
     stats: RequestStats | None = None               # the engine's figures (in the final message)
     gateway_ttft_s: float | None = None             # the gateway's own (e2e only)
+    final_at: float | None = None                   # when the final message (with the stats) arrived
     error: str | None = None
 
     def tokens_arrived(self, n: int, now: float, start: float) -> None:
@@ -68,7 +72,7 @@ def inproc_stream(loop, ids: list[int], params: SamplingParams, timing: StreamTi
     for out in loop.submit(ids, params):
         timing.tokens_arrived(len(out.new_token_ids), time.perf_counter(), start)
         if out.finished:
-            timing.stats = out.stats
+            timing.stats, timing.final_at = out.stats, time.perf_counter()
 
 
 def gateway_stream(client, ids: list[int], params: SamplingParams, timing: StreamTiming) -> None:
@@ -79,6 +83,7 @@ def gateway_stream(client, ids: list[int], params: SamplingParams, timing: Strea
     for msg in client.generate(prompt_token_ids=ids, sampling=wire, include_token_ids=True):
         timing.tokens_arrived(len(msg.token_ids), time.perf_counter(), start)
         if msg.HasField("result"):
+            timing.final_at = time.perf_counter()
             timing.stats = stats_from_proto(msg.result.stats)
             timing.gateway_ttft_s = msg.result.gateway_timings.ttft_seconds
 
@@ -152,9 +157,13 @@ def consistency(t: StreamTiming) -> list[str]:
         bad.append(f"gateway ttft {t.gateway_ttft_s:.4f} > client ttft {t.ttft_s:.4f}")
     if t.tokens != u.completion_tokens:
         bad.append(f"client counted {t.tokens} tokens, the engine {u.completion_tokens}")
-    client = t.decode_tok_s
-    if client and s.rates.decode_tok_s and client > s.rates.decode_tok_s * CLIENT_RATE_SLACK:
-        bad.append(f"client decode {client:.1f} tok/s > engine decode_tok_s {s.rates.decode_tok_s:.1f}")
+    if t.tokens >= 2 and tm.decode > 0 and t.ttft_s is not None and t.final_at is not None:
+        # the client sees the first token late by at most (its TTFT - the engine's), and the final message
+        # only after the engine finished: from the one to the other at least the engine's decode less that lag
+        window, lag = t.final_at - t.first_at, max(0.0, t.ttft_s - tm.ttft)
+        if window < tm.decode - lag - CLOCK_SLACK_S:
+            bad.append(f"client's first token to final message {window * 1e3:.2f} ms < the engine's decode "
+                       f"{tm.decode * 1e3:.2f} ms less the first token's delivery lag {lag * 1e3:.2f} ms")
     return bad
 
 
