@@ -62,6 +62,8 @@ def patch_interpreter() -> None:
         return to_f32(h) if h.dtype.scalar == tl.bfloat16 else h
 
     def as_bool(m):
+        if isinstance(m, np.ndarray):           # a descriptor load's mask comes as a bare array
+            return Handle(m.astype(np.bool_), tl.int1)
         return m if m.data.dtype == np.bool_ else Handle(m.data.astype(np.bool_), tl.int1)
 
     builder.cast_impl = cast_impl

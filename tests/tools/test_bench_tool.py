@@ -30,7 +30,7 @@ def close(a, b, rel=1e-6):
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
 
-# -- formulas (BENCH.md's worked numbers) ----------------------------------------------------------
+# -- formulas (docs/performance.md's worked numbers) -----------------------------------------------
 
 def test_decode_floor_of_qwen3_8b_matches_bench_md():
     cfg = shapes.model_config("qwen3-8b")

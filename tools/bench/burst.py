@@ -22,7 +22,7 @@ def round_ratio(alone: dict, burst: list[dict]) -> float | None:
 
 
 def ttft_burst(session, streams: int, prompt: int, repeats: int, timeout: float) -> dict:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     alone, bursts, order = [], [], []
     for _ in range(repeats):
         alone.append(compact(session.generate(random_prompt(prompt, session.vocab), params, timeout=timeout)))

@@ -78,7 +78,7 @@ def inproc_stream(loop, ids: list[int], params: SamplingParams, timing: StreamTi
 def gateway_stream(client, ids: list[int], params: SamplingParams, timing: StreamTiming) -> None:
     from gateway.client import SamplingParams as WireSampling
     from services.convert import stats_from_proto
-    wire = WireSampling(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+    wire = WireSampling(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, temperature=params.temperature)
     start = time.perf_counter()
     for msg in client.generate(prompt_token_ids=ids, sampling=wire, include_token_ids=True):
         timing.tokens_arrived(len(msg.token_ids), time.perf_counter(), start)
@@ -111,7 +111,7 @@ def run_together(one, prompts: list[list[int]], params: SamplingParams, timeout:
 def ttft_rep(one, vocab: int, plan, served: list | None) -> dict:
     """One prompt alone (two tokens): its client-side TTFT."""
     t = StreamTiming()
-    one(random_prompt(plan.prompt, vocab), SamplingParams(max_tokens=2, ignore_eos=True), t)
+    one(random_prompt(plan.prompt, vocab), SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), t)
     if served is not None:
         served.append(t)
     return {"ttft_ms": t.ttft_s * 1e3 if t.ttft_s is not None else None, "gateway_ttft_s": t.gateway_ttft_s,
@@ -121,7 +121,7 @@ def ttft_rep(one, vocab: int, plan, served: list | None) -> dict:
 def streams_rep(one, vocab: int, plan, n: int, timeout: float, served: list | None) -> dict:
     """`n` streams sent together: the sum of their client-side decode rates, and their records."""
     timings = run_together(one, [random_prompt(plan.prompt, vocab) for _ in range(n)],
-                           SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True), timeout)
+                           SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True, temperature=0.0), timeout)
     if served is not None:
         served.extend(timings)
     rates = [t.decode_tok_s for t in timings if t.decode_tok_s]

@@ -74,7 +74,7 @@ def build(cfg: ModelConfig, device: str, dtype: torch.dtype):
 
 
 def engine_prefill(session, P: int, timeout: float) -> dict:
-    r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1), timeout=timeout))
+    r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0), timeout=timeout))
     return {"prefill_tok_s": r["prefill_tok_s"], "computed_prefill_tokens": r["computed_prefill_tokens"],
             "cached_tokens": r["cached_tokens"], "prefill_s": r["prefill_s"]}
 

@@ -45,7 +45,7 @@ def run(bench, sec: dict) -> None:
                     skipped[P] = bench.budget.skip_reason(one)
                     say("prefill", f"P={P} chunk={chunk}: {'skipped' if not reps[P] else 'stopped'} ({skipped[P]})")
                     continue
-                stats = session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1),
+                stats = session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
                                          timeout=max(120.0, 5 * one))
                 reps[P].append(compact(stats))
                 order.append(P)

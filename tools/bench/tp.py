@@ -44,7 +44,7 @@ def kernels_per_round(session, context: int, tokens: int = 24) -> dict:
     """Kernels per decode round on each device (batch 1, k = 0), counted by the profiler over one
     request's decode after its prefill (parked, then resumed under the profiler)."""
     from torch.profiler import ProfilerActivity, profile
-    stream = session.submit(random_prompt(context, session.vocab), SamplingParams(max_tokens=tokens, ignore_eos=True),
+    stream = session.submit(random_prompt(context, session.vocab), SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0),
                             park=True)
     stream.next(timeout=120)
     torch.cuda.synchronize()
@@ -63,7 +63,7 @@ def kernels_per_round(session, context: int, tokens: int = 24) -> dict:
 
 
 def _prefill_rep(session, P: int, timeout: float) -> dict:
-    r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1), timeout=timeout))
+    r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0), timeout=timeout))
     return {k: r[k] for k in ("prefill_tok_s", "ttft_s", "computed_prefill_tokens", "cached_tokens", "prefill_chunk")}
 
 
@@ -162,7 +162,7 @@ def _big_shape(bench, sec: dict, plan, points: list, ctx: int) -> None:
         return
     try:
         stats = compact(session.generate(random_prompt(P, session.vocab),
-                                         SamplingParams(max_tokens=n_dec, ignore_eos=True), timeout=max(300.0, 3 * est)))
+                                         SamplingParams(max_tokens=n_dec, ignore_eos=True, temperature=0.0), timeout=max(300.0, 3 * est)))
     except Exception as e:  # noqa: BLE001 - the figure is whether it works
         sec["long_context"] = {"prompt_tokens": P, "error": repr(e)[:400], "tensor_parallel_size": 2}
         sec["context_192k_ok"] = False

@@ -88,7 +88,7 @@ def test_tp2_prompt_logits_equal_tp1(tp_pair):
 @pytest.mark.parametrize("draft_tokens", [0, 3])
 def test_tp2_greedy_equals_tp1(shared_model, tp_pair, draft_tokens):
     one, _ = tp_pair
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     want = [o.token_ids for o in one.generate(PROMPTS, greedy)]
     two = make_llm(shared_model, tensor_parallel_size=2, draft_tokens=draft_tokens)
     got = [o.token_ids for o in two.generate(PROMPTS, greedy)]
@@ -155,25 +155,27 @@ class _StandInRounds:
     def bucket(self, batch):
         return self.bucket_of[batch]
 
-    def select(self, works, all_greedy, any_filter):
-        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
+    def select(self, works, variant):
+        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], variant
 
     def launch(self, bucket, key):
-        from engine.worker.decode_round import RoundInputs, run_round
+        from engine.worker.decode_round import RoundInputs, RoundOutput, run_round
         r, ex = bucket.runner, self.executor
         rank = ex.runners.index(r)
         inputs = RoundInputs.from_packed(*bucket.device, k=r.k)
-        ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, *key)[0])
+        ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, key))
         self.launches += 1
         if rank == 0:
-            self.tokens = torch.full((bucket.batch, r.k + 1), -2, dtype=torch.int64)
+            self.out = RoundOutput(None, None)       # filled by the last rank's launch, before anyone reads it
         if rank == len(ex.runners) - 1:
             outcomes = [w.outcome() for w in ex._workers]
             bad = [v for ok, v in outcomes if not ok]
             if bad:
                 raise bad[0]
-            ex.runners[0].graphs.tokens.copy_(outcomes[0][1])
-        return self.tokens if rank == 0 else None
+            first = ex.runners[0].graphs.out
+            first.tokens, first.num_accepted, first.logprobs = (outcomes[0][1].tokens, outcomes[0][1].num_accepted,
+                                                                outcomes[0][1].logprobs)
+        return self.out if rank == 0 else None
 
 
 @pytest.mark.parametrize("kw, buckets", [
@@ -188,8 +190,12 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduli
     from its own last tokens): same tokens as TP=1, greedy and sampled, with chunked prefills between."""
     prompts = [s * 4 for s in ("def f(x):\n    return", "Hello world, this is", "Line 1: the quick brown fox",
                                "import numpy as np\n", "The capital of", "a b c d e f g")]
-    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
     sampled = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, top_k=50, seed=s, ignore_eos=True)
+               for s in range(len(prompts))]
+    # logit options and logprobs: the option slots and the logprob readback take the same lockstep path
+    options = [SamplingParams(max_tokens=16, temperature=0.9 * (s % 2), seed=s, ignore_eos=True, logprobs=2,
+                              repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={7: 1.5}, min_p=0.05)
                for s in range(len(prompts))]
     one = make_llm(shared_model, prefill_chunk=16, **kw)
     two = make_llm(shared_model, prefill_chunk=16, tensor_parallel_size=2, async_scheduling=async_scheduling, **kw)
@@ -200,9 +206,12 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduli
     carried = []
     launch = ex.launch
     ex.launch = lambda out: carried.append(any(w.carry_row >= 0 for w in out.decode)) or launch(out)
-    for params in (greedy, sampled):
-        assert [o.token_ids for o in two.generate(prompts, params)] == \
-               [o.token_ids for o in one.generate(prompts, params)]
+    for params in (greedy, sampled, options):
+        got, want = two.generate(prompts, params), one.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        if params is options:
+            for a, b in zip(got, want):
+                assert [list(p) for p in a.outputs[0].logprobs] == [list(p) for p in b.outputs[0].logprobs]
     assert ex.runners[0].graphs.launches > 0 and ex.runners[1].graphs.launches == ex.runners[0].graphs.launches
     assert (sum(carried) >= 5) is async_scheduling, carried       # rounds planned ahead, each rank carrying
     assert ex.runners[0].round_setup.pool_rows == ex.runners[1].round_setup.pool_rows  # (the last row goes at the next step)

@@ -21,21 +21,7 @@ def Q():
     if not CUDA:
         from tests.support import kernel_checks
         kernel_checks.patch_interpreter()
-        _descriptor_loads_through_the_patch()
     return skinny_dense
-
-
-def _descriptor_loads_through_the_patch() -> None:
-    # the interpreter's descriptor load passes cache_policy/is_volatile by keyword; kernel_checks' patched
-    # create_masked_load takes them by position only
-    from triton.runtime import interpreter
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_skinny_kw", False):
-        return
-    load = builder.create_masked_load
-    builder.create_masked_load = lambda self, ptrs, mask, other=None, cache_policy=None, is_volatile=False: load(
-        self, ptrs, mask, other, cache_policy, is_volatile)
-    builder._skinny_kw = True
 
 
 def _rel_err(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> float:
