@@ -254,6 +254,13 @@ def test_reserved_keys_are_derived_from_their_sections_raw_reps():
                    acceptance=acc)
     assert r["headline"]["structured_decode_overhead_b1"] == pytest.approx(100 / 97 - 1)
     assert r["headline"]["structured_decode_overhead_b32"] is None
+    # the request-structured branch's section: a mask fill's share of a step, taken on a GPU only
+    points = [{"batch": 1, "share": 0.031, "fill_ms_median": 0.13, "step_ms": 4.2, "steps": 80, "device": "cuda"},
+              {"batch": 32, "share": 0.4, "fill_ms_median": 2.0, "step_ms": 5.0, "steps": 80, "device": "cpu"}]
+    shares = _synthetic(structured={"points": points})
+    assert shares["headline"]["structured_decode_overhead_b1"] == 0.031
+    assert shares["headline"]["structured_decode_overhead_b32"] is None
+    assert "CPU" in shares["headline_detail"]["structured_decode_overhead_b32"]["reason"]
     assert r["headline"]["nvfp4_mtp3_b1_implied_tok_s"] == pytest.approx(3.16 / (0.3 / 100 * 1e3) * 1e3)
 
 

@@ -19,7 +19,8 @@ Where each key's raw figures live in results.json:
                                      quant.pairs / quant.mtp_pair (+ acceptance: prose, T=0)
     structured_decode_overhead_b*    structured.pairs.b1 / .b32: interleaved records with sides
                                      "unconstrained" and "structured", each rep's `decode_tok_s` (batch 32:
-                                     the batch's aggregate); overhead = unconstrained / structured - 1 per rep
+                                     the batch's aggregate); overhead = unconstrained / structured - 1 per rep;
+                                     else structured.points[] (batch, share: mask fill / step, on a GPU)
     hybrid_*                         hybrid.points / long_context / one_gpu
     moe_30b_a3b_*                    moe.points (tp1), moe.pairs.decode_b1
 """
@@ -319,15 +320,28 @@ def _moonshot(keys: Keys, sec: dict) -> None:
 
 
 def _structured(keys: Keys, results: dict, ref: dict) -> None:
-    pairs = keys.secs.get("structured", {}).get("pairs", {})
-    for name, batch in (("structured_decode_overhead_b1", "b1"), ("structured_decode_overhead_b32", "b32")):
-        pair = pairs.get(batch)
-        if not pair:
-            keys.miss(name, keys.missing("structured"), f"no interleaved structured / unconstrained {batch} pair")
-            continue
-        r = interleave.reduce_pair(pair, "unconstrained", "structured", "decode_tok_s")
-        r = {**r, "value": None if r["value"] is None else r["value"] - 1, "per_rep": [x - 1 for x in r["per_rep"]]}
-        keys.put(name, r, pair.get("tensor_parallel_size", 1), batch=batch)
+    """Two layouts: interleaved pairs (`pairs.b1`, `.b32`: sides unconstrained / structured, overhead =
+    unconstrained / structured - 1 per rep, the median), or the mask-fill points of the request-structured
+    branch's section (`points[]`: `batch`, `share` = the median host fill of b masks over the median
+    unconstrained step at batch b, `device`), which is a share, not an A/B of decode rates, and says so."""
+    sec = keys.secs.get("structured", {})
+    pairs = sec.get("pairs") or {}
+    points = {p.get("batch"): p for p in _measured(sec.get("points", []))}
+    for name, batch in (("structured_decode_overhead_b1", 1), ("structured_decode_overhead_b32", 32)):
+        pair, point = pairs.get(f"b{batch}"), points.get(batch)
+        if pair:
+            r = interleave.reduce_pair(pair, "unconstrained", "structured", "decode_tok_s")
+            r = {**r, "value": None if r["value"] is None else r["value"] - 1, "per_rep": [x - 1 for x in r["per_rep"]]}
+            keys.put(name, r, pair.get("tensor_parallel_size", 1), batch=f"b{batch}")
+        elif point and point.get("device") != "cpu" and point.get("share") is not None:
+            keys.put(name, {"value": point["share"], "reason": None, "per_rep": None,
+                            "rule": "median host time to fill the batch's JSON-schema masks over the median "
+                                    "unconstrained decode step at that batch (not an interleaved A/B)"},
+                     1, batch=f"b{batch}", fill_ms_median=point.get("fill_ms_median"), step_ms=point.get("step_ms"),
+                     steps=point.get("steps"))
+        else:
+            keys.miss(name, keys.missing("structured"), "CPU dry run: the GPU run takes the figure" if point else None,
+                      f"no interleaved structured / unconstrained b{batch} pair")
 
 
 def _hybrid(keys: Keys, results: dict, ref: dict) -> None:
