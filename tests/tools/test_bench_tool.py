@@ -605,3 +605,51 @@ def test_quant_section_runs_the_seeds_one_gpu_deployment_on_the_dense_shape(cpu_
     lc = seed["long_context"]
     assert lc["context"] == plan["hybrid"]["long_context"]
     assert lc["completion_tokens"] == plan["hybrid"]["long_decode_tokens"] and lc["finish_reason"] == "length"
+
+
+def test_moe_bytes_count_the_experts_actually_read():
+    """Qwen3-30B-A3B: 30.5 B parameters, 3.3 B of them used by a token (its card's "A3B"); a batch-1 decode
+    step reads the 8 chosen experts of each of the 48 layers, not 128; a batch reads the union of its choices."""
+    cfg = shapes.model_config("qwen3-30b-a3b")
+    assert shapes.params(cfg) == pytest.approx(30.5e9, rel=2e-3)
+    assert shapes.active_params(cfg) == pytest.approx(3.35e9, rel=2e-3)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    assert shapes.weight_bytes_per_step(cfg) == (shapes.active_params(cfg) - v * h) * 2
+    assert shapes.experts_read(cfg, 1) == pytest.approx(8)
+    assert 8 < shapes.experts_read(cfg, 8) < 64 and shapes.experts_read(cfg, 4096) == pytest.approx(128)
+    assert shapes.weight_bytes_per_step(cfg, batch=4096) == pytest.approx((shapes.params(cfg) - v * h) * 2, rel=1e-6)
+    # prefill MFU counts the active parameters' FLOPs (the body's for every token, the lm_head for the last one)
+    assert shapes.body_params(cfg) == shapes.active_params(cfg) - 2 * v * h
+    assert shapes.prefill_flops_per_token(cfg, 1) == pytest.approx(2 * shapes.body_params(cfg) + 4 * 48 * 32 * 128
+                                                                     + 2 * v * h)
+    hybrid = shapes.model_config("qwen3.5-35b-a3b")
+    assert shapes.params(hybrid) == pytest.approx(34.66e9, rel=2e-3) and shapes.active_params(hybrid) < 3.5e9
+
+
+def test_moe_section_and_its_headline_keys(cpu_run):
+    """The tiny-moe preset on the CPU: TP1 and TP2 (two in-process ranks) take turns; each point's floor counts
+    the experts read; the keys are null at another shape, and at the headline's shape they are the TP1 point's
+    median roofline fraction and the median of the per-rep TP2 / TP1 decode rates."""
+    _, _, r = cpu_run
+    sec = r["sections"]["moe"]
+    assert sec["status"] == "ok", sec.get("reason") or sec.get("error")
+    pair = sec["pairs"]["decode_b1"]
+    assert interleave.interleaved(pair) and pair["sides"] == ["tp1", "tp2"] and len(pair["reps"]["tp1"]) >= 3
+    points = {p["label"]: p for p in derive._measured(sec["points"])}
+    bw, _ = derive.roofline_of(r, sec["run_id"])
+    cfg = shapes.model_config(sec["shape"])
+    for label, tp in (("tp1", 1), ("tp2", 2)):
+        p = points[label]
+        want = shapes.decode_floor_ms(cfg, p["context"] + p["max_tokens"] / 2, bw, p["engine"]["dtype"],
+                                      p["engine"]["kv_dtype"], tp)
+        assert close(p["floor_ms"], want) and close(p["roofline_fraction"], statistics.median(p["roofline_fraction_per_rep"]))
+    for name in ("moe_30b_a3b_decode_b1_roofline_fraction", "moe_30b_a3b_tp2_over_tp1_decode_b1"):
+        assert r["headline"][name] is None and r["headline_detail"][name]["reason"], name
+    # at the headline's shape (the same records, relabelled) the keys follow the rule
+    at_shape = _synthetic(moe={**{k: v for k, v in sec.items() if k != "run_id"}, "shape": "qwen3-30b-a3b",
+                               "points": [{**p, "shape": "qwen3-30b-a3b"} for p in points.values()]})
+    head = at_shape["headline"]
+    one = next(p for p in derive._measured(at_shape["sections"]["moe"]["points"]) if p["label"] == "tp1")
+    assert close(head["moe_30b_a3b_decode_b1_roofline_fraction"], statistics.median(one["roofline_fraction_per_rep"]))
+    ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(pair["reps"]["tp2"], pair["reps"]["tp1"])]
+    assert close(head["moe_30b_a3b_tp2_over_tp1_decode_b1"], statistics.median(ratios))

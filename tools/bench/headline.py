@@ -367,8 +367,15 @@ def _hybrid(keys: Keys, results: dict, ref: dict) -> None:
                   one.get("reason"))
 
 
+MOE_SHAPE = "qwen3-30b-a3b"          # the shape the moe keys name
+
+
 def _moe(keys: Keys, results: dict, ref: dict) -> None:
     sec = keys.secs.get("moe", {})
+    if sec.get("shape") not in (None, MOE_SHAPE):
+        for name in ("moe_30b_a3b_decode_b1_roofline_fraction", "moe_30b_a3b_tp2_over_tp1_decode_b1"):
+            keys.miss(name, f"the moe section ran the {sec['shape']} shape, not {MOE_SHAPE}")
+        return
     one = [p for p in _measured(sec.get("points", [])) if p.get("label") == "tp1"]
     name = "moe_30b_a3b_decode_b1_roofline_fraction"
     if one and one[0].get("roofline_fraction_per_rep"):

@@ -476,7 +476,8 @@ def _moe(r: dict) -> list[str]:
     if sec.get("status") != "ok":
         return ["## Mixture of experts", "", f"- {sec.get('status')}: {sec.get('reason') or sec.get('error')}", ""]
     L = [f"## Mixture of experts — {sec.get('shape')}, decode batch 1, k = 0", "",
-         f"- bytes of the weights one step reads (the experts routed to): "
+         f"- {(sec.get('describe') or {}).get('experts')} experts, {(sec.get('describe') or {}).get('experts_per_token')} "
+         f"per token; bytes of the weights one step reads (the experts routed to): "
          f"{sec.get('active_weight_bytes_per_step', 0) / 1e9:.2f} GB", ""]
     rows = [[p.get("label", ""), str(p["context"]), fmt(p["decode_tok_s_median"]), f"{p['ms_per_round_median']:.3f}",
              fmt(p.get("floor_ms")), fmt(p.get("roofline_fraction"))] for p in _measured(sec.get("points"))]

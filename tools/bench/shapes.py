@@ -12,6 +12,12 @@ Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no devic
                               full-attention layers') + on a hybrid, the linear-attention state read
                               and written once (float32 conv windows and recurrent matrices)
     decode floor            = bytes per step / measured copy bandwidth
+
+A mixture of experts reads, per token, its router, its shared expert and the `num_experts_per_tok`
+experts the token chose, not all of them: "active params" (`ModelConfig.num_params(active=True)`)
+replace the params in the body's FLOPs, and the weight bytes of a batch-1 decode step are those of the experts
+actually read. A batch of B tokens reads the union of their choices: under uniform routing the expected
+number of distinct experts per layer is E (1 - (1 - k/E)^B) (`experts_read`).
 """
 
 from __future__ import annotations
@@ -33,11 +39,27 @@ def params(cfg: ModelConfig) -> int:
     return cfg.num_params(include_mtp=False)
 
 
-def weight_bytes_per_step(cfg: ModelConfig, dtype: str = "bfloat16", tp: int = 1) -> int:
-    """Weight bytes one rank reads in a k=0 batch-1 decode step: all but the embedding table (a gather
-    of one row), lm_head included; with tied embeddings the table *is* the lm_head and is read whole.
-    Of a mixture of experts only the experts the token is routed to are read."""
-    n = cfg.num_params(include_mtp=False, active=True) if getattr(cfg, "is_moe", False) else params(cfg)
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses (main model): all of a dense model's; a mixture of experts' router, shared
+    expert and chosen experts."""
+    return cfg.num_params(include_mtp=False, active=True)
+
+
+def experts_read(cfg: ModelConfig, batch: int = 1) -> float:
+    """Expected distinct experts a decode step of `batch` tokens reads per MoE layer (uniform routing)."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** batch) if e else 0.0
+
+
+def weight_bytes_per_step(cfg: ModelConfig, dtype: str = "bfloat16", tp: int = 1, batch: int = 1) -> int:
+    """Weight bytes one rank reads in a k=0 decode step of `batch` tokens: all but the embedding table (a
+    gather of one row), lm_head included; with tied embeddings the table *is* the lm_head and is read whole.
+    A mixture of experts: the experts the batch chose (all k of one token at batch 1), not all of them."""
+    n = params(cfg)
+    if cfg.is_moe:
+        per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        sparse_layers = sum(cfg.layer_is_moe(i) for i in range(cfg.num_hidden_layers))
+        n -= round(sparse_layers * (cfg.num_experts - experts_read(cfg, batch)) * per_expert)
     if not cfg.tie_word_embeddings:
         n -= cfg.vocab_size * cfg.hidden_size
     return n * DTYPE_BYTES[dtype] // tp
@@ -89,11 +111,7 @@ def embedding_and_head_params(cfg: ModelConfig) -> int:
 def body_params(cfg: ModelConfig) -> int:
     """The parameters every prompt token runs through: all but the embedding table (a gather) and the
     lm_head (run for the last token only); of a mixture of experts, the experts one token uses."""
-    if getattr(cfg, "is_moe", False):
-        total = cfg.num_params(include_mtp=False, active=True)
-    else:
-        total = params(cfg)
-    return total - embedding_and_head_params(cfg)
+    return active_params(cfg) - embedding_and_head_params(cfg)
 
 
 def attention_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
@@ -123,7 +141,8 @@ def describe(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
         "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "ffn": cfg.intermediate_size,
         "vocab": cfg.vocab_size, "tied_embeddings": cfg.tie_word_embeddings,
-        "mtp_layers": cfg.mtp_num_hidden_layers, "params": params(cfg), "body_params": body_params(cfg),
+        "mtp_layers": cfg.mtp_num_hidden_layers, "params": params(cfg), "active_params": active_params(cfg),
+        "body_params": body_params(cfg), "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
         "params_with_mtp": cfg.num_params(include_mtp=True),
         "weight_bytes_per_decode_step": weight_bytes_per_step(cfg, dtype),
         "kv_bytes_per_token": {kv: kv_bytes_per_token(cfg, kv) for kv in (dtype, "int8")},

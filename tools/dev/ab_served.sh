@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Interleaved A/B of several commits' served decode, in one call on the GPU machine. Across calls the same
-# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (session 15, d and e). So
+# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (bench/results/2026-12-01-h200-fp8-gemv/, d and e). So
 # a change worth a few percent is judged here, never across calls.
 #
 # Here (no GPU), one tree per commit, bench/results left out to keep the carry small:
@@ -10,7 +10,7 @@
 # AB_ARGS replaces the bench's section arguments, e.g. the cost of a draft round at one context:
 #   AB_ARGS="--sections roofline,decode --decode-ks 0 --decode-draft-vocab-ks 1,3 --decode-contexts 512"
 # A tree may carry engine switches after a "+", one tree run under each setting:
-#   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/main+NINFER_GEMV_PAIRS=bf16,fp8
+#   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/main+NINFER_GEMV_PAIRS=0
 # By default each tree runs `tools.bench --sections roofline,quant --quant-decode-only` (bf16, FP8 and NVFP4
 # qwen3-8b engines through EngineSession, decode batch 1) in the order A B A B ...; results.json per run under
 # $OUT/ab-<tree>-<rep>, packed into ab_runs.tar.gz at the end.
