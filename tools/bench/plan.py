@@ -224,7 +224,7 @@ def _gpu_quick(shape: str) -> Plan:
     plan.mode = "quick"
     plan.kv_capacity = 32 * K + 1024
     # kv: the int8 engine's build and warm-up alone took 20-28 s on the H200 (graphs to 32k), so 25 s left its point
-    # unmeasured (bench/results/2026-12-02-h200-s20/e); 45 s holds it and one 32k point
+    # unmeasured (bench/results/2026-12-02-h200-fused-merge-kv-32b/e); 45 s holds it and one 32k point
     plan.budgets = {"roofline": 12, "peer": 360, "prefill": 45, "concurrency": 45, "decode": 90, "kv": 70,
                     "tp": 240, "acceptance": 25, "e2e": 480, "quant": 330, "hybrid": 300, "moe": 150}
     plan.global_s = 1800            # a device call is shorter: pick sections, and --budget-s under the call's limit
