@@ -181,6 +181,10 @@ P2P_PUSH_MAX_BYTES = _register(
 TRITON_INTERPRET_TESTS = _register(
     "NINFER_TRITON_INTERPRET_TESTS", False, parse_bool, "development",
     "1 runs the Triton kernel tests under Triton's interpreter on the CPU (slow; needs triton installed).")
+TRITON_COMPILE_TESTS = _register(
+    "NINFER_TRITON_COMPILE_TESTS", False, parse_bool, "development",
+    "1 runs the opt-in offline compile tests of Triton kernels for GPU targets on a machine without one (minutes of "
+    "ptxas; needs triton installed, no interpreter).")
 TEST_WORKERS = _register(
     "NINFER_TEST_WORKERS", 2, parse_count, "development",
     "The pytest-xdist workers .ci/run spreads the suite over (a file stays on one worker); 0 runs it in one process.")
