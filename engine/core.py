@@ -36,7 +36,7 @@ from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, Sche
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.request_stats import FinishReason, RequestStats
 from engine.structured.grammars import Grammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
@@ -45,11 +45,16 @@ log = structlog.get_logger(__name__)
 
 
 def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized)."""
+    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized,
+    fused expert stacks stated per expert)."""
+    found = weights.shapes()
+    if model_config.is_moe:
+        from engine.layers.moe_experts import per_expert_shapes
+        found = per_expert_shapes(found)
     if model_config.quant is None:
-        return weights.shapes()
+        return found
     from engine.quant.scheme import normalize_found
-    return normalize_found(weights.shapes(), model_config.quant)
+    return normalize_found(found, model_config.quant)
 
 
 @dataclass
