@@ -24,6 +24,8 @@ import os
 
 import torch
 import triton
+
+from engine.platform import paths_for
 import triton.language as tl
 
 _ON: dict[int, bool] = {}
@@ -45,7 +47,7 @@ def enabled(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _ON:                 # the environment is read once per device, not per launch
         _ON[idx] = (os.environ.get("NINFER_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
-                    and _triton_launches_pdl() and torch.cuda.get_device_capability(idx)[0] >= 9)
+                    and _triton_launches_pdl() and paths_for(device).pdl)
     return _ON[idx]
 
 

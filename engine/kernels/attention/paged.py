@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.platform import paths_for
 from engine.worker.forward_context import ForwardContext
 from engine.kernels.attention.tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
                                             _split_range, _store_split, _unmasked_end)
@@ -690,7 +691,7 @@ def _tma_prefill_shape(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> boo
         return False
     if q.stride(2) != 1 or q.stride(1) != d or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
         return False
-    if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or paths_for(q.device).attention_prefill != "triton-tma-prefill":
         return False
     return not torch.cuda.is_current_stream_capturing()      # host lengths and descriptors must not be baked in
 
@@ -744,7 +745,7 @@ def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m:
         return False
     if kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16 or (kvh * d * kv.k.element_size()) % 16:
         return False
-    return torch.cuda.get_device_capability(q.device)[0] == 9
+    return paths_for(q.device).attention_decode == "triton-tma-pages"
 
 
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
