@@ -142,6 +142,8 @@ def engine_paths(config: Any, model: Any) -> KernelPaths:
     if config.device == "cpu":
         capability = None
     else:
-        from engine.distributed.executor import rank_devices
-        capability = min(device_capability(d) for d in rank_devices(config))
+        import torch
+        first = torch.device(config.device).index or 0      # the ranks' devices, as the executor numbers them
+        ranks = range(first, min(first + config.tensor_parallel_size, max(torch.cuda.device_count(), first + 1)))
+        capability = min(device_capability(torch.device("cuda", i)) for i in ranks)
     return select_paths(capability, config.dtype, config.kv_dtype, quant_format)
