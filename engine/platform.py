@@ -125,14 +125,15 @@ def device_capability(device: Any) -> tuple[int, int] | None:
 
 def paths_for(device: Any, dtype: str = "auto") -> KernelPaths:
     """The kernel families of a torch device (cached per device): what the kernels consult before launching."""
-    import torch
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = (str(device), dtype)
-    if key not in _DEVICE_PATHS:
-        _DEVICE_PATHS[key] = select_paths(device_capability(device), dtype if dtype != "auto" else "auto")
-    return _DEVICE_PATHS[key]
+    key = (device, dtype)                  # the kernels ask per launch: a dict hit, no torch call
+    hit = _DEVICE_PATHS.get(key)
+    if hit is None:
+        import torch
+        resolved = torch.device(device)
+        if resolved.type == "cuda" and resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+        hit = _DEVICE_PATHS[key] = select_paths(device_capability(resolved), dtype)
+    return hit
 
 
 def engine_paths(config: Any, model: Any) -> KernelPaths:
