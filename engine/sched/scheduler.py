@@ -375,6 +375,7 @@ class Scheduler:
                 child.status = RequestStatus.PARKED
                 self.parked[child.request_id] = child
                 self._lease_deadline[child.request_id] = now + self.config.lease_s
+                self._parked_at[child.request_id] = now
             else:
                 child.status = RequestStatus.RUNNING
                 child.times.decode_start = now

@@ -20,14 +20,14 @@ def _twin(monkeypatch):
 
 
 def _round_inputs(bsz: int, k: int, max_batch: int, seed: int):
-    from engine.worker.decode_round import ROWS, RoundInputs
+    from engine.worker.decode_round import FLOAT_ROWS, ROWS, RoundInputs
     g = torch.Generator().manual_seed(seed)
     ints = torch.randint(0, 500, (ROWS * bsz + bsz * (k + 1),), generator=g)
     carry = ints[10 * bsz:11 * bsz]                                                   # -1 = not carried
     carry.copy_(torch.randint(-1, max_batch, (bsz,), generator=g))
     carry[0] = 3
     carry[1:2] = -1                                                                    # both kinds where B > 1
-    floats = torch.rand(2 * bsz, generator=g)
+    floats = torch.rand(FLOAT_ROWS * bsz, generator=g)
     tables = torch.randint(0, 1000, (bsz, 64), generator=g, dtype=torch.int32)
     inp = RoundInputs.from_packed(ints.to(DEV), floats.to(DEV), tables.to(DEV), k)
     # each row of the last round: accepted + 1 tokens, then -1 (a row of all -1 too: never read, still defined)
