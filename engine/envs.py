@@ -96,6 +96,14 @@ ENGINE_API_KEY_FILE = _register(
     "File holding the bearer token the gateway sends to its engines (same as --engine-api-key-file).")
 
 
+# --- development --------------------------------------------------------------------------------------------
+
+KERNEL_CAPABILITY = _register(
+    "NINFER_KERNEL_CAPABILITY", "", parse_str, "development",
+    "Choose kernel paths as if the GPU were this older compute capability (\"7.0\", \"8.0\", \"8.9\"): runs the "
+    "sm70/sm80/sm89 paths on a newer GPU (engine/platform.py); a newer one than the device's is refused.")
+
+
 def markdown() -> str:
     """docs/switches.md: one table row per switch, grouped by kind, in registration order."""
     lines = ["# Environment switches", "",

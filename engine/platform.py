@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine import envs
 from engine.errors import InvalidArgumentError
 
 # capabilities the compile matrix covers; newer majors (Blackwell) take the sm90 rules where they are
@@ -120,7 +121,23 @@ def device_capability(device: Any) -> tuple[int, int] | None:
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return tuple(torch.cuda.get_device_capability(device))   # type: ignore[return-value]
+    actual: tuple[int, int] = tuple(torch.cuda.get_device_capability(device))  # type: ignore[assignment]
+    return capability_override(envs.KERNEL_CAPABILITY.read(), actual)
+
+
+def capability_override(setting: str, actual: tuple[int, int]) -> tuple[int, int]:
+    """The capability the paths are chosen for: the device's, or an older one NINFER_KERNEL_CAPABILITY names
+    ("8.0"), to run an older GPU's paths on a newer one. A newer one would launch code the device cannot run."""
+    if not setting:
+        return actual
+    try:
+        major, minor = (int(part) for part in setting.strip().split("."))
+    except ValueError:
+        raise ValueError(f"NINFER_KERNEL_CAPABILITY={setting!r}: takes major.minor, e.g. 8.0") from None
+    if (major, minor) > actual:
+        raise ValueError(f"NINFER_KERNEL_CAPABILITY={setting!r} is newer than the device's "
+                         f"{capability_name(actual)}: only an older GPU's paths can run here")
+    return major, minor
 
 
 def paths_for(device: Any, dtype: str = "auto") -> KernelPaths:

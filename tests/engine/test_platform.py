@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidArgumentError
-from engine.platform import COMPILED_CAPABILITIES, select_paths
+from engine.platform import COMPILED_CAPABILITIES, capability_override, select_paths
 
 CAPS = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
 
@@ -82,3 +82,12 @@ def test_blackwell_takes_the_portable_attention_not_the_hopper_tma_kernels():
 
 def test_the_compile_matrix_covers_every_architecture_of_the_table():
     assert set(COMPILED_CAPABILITIES) == {(7, 0), (7, 5), (8, 0), (8, 9), (9, 0)}
+
+
+def test_an_older_capability_can_be_chosen_on_a_newer_gpu_never_a_newer_one():
+    assert capability_override("", (9, 0)) == (9, 0)
+    assert capability_override("7.0", (9, 0)) == (7, 0) and capability_override("8.9", (9, 0)) == (8, 9)
+    with pytest.raises(ValueError, match="newer than the device's sm80"):
+        capability_override("9.0", (8, 0))
+    with pytest.raises(ValueError, match="takes major.minor"):
+        capability_override("sm70", (9, 0))
