@@ -42,6 +42,7 @@ class KernelPaths:
     fp8_linear: str                   # "fp8-gemv+scaled-mm" | "torch-dequantize" | "torch"
     nvfp4_linear: str                 # "mma-gemv+triton-gemv" | "triton-gemv" | "torch-dequantize" | "torch"
     fp8_activation_quant: bool        # the fused Triton FP8 activation quantizer (needs e4m3 on the device)
+    dense_linear: str                 # 16-bit weights, 1-16 rows: "triton-gemv+skinny" | "torch"; more rows: cuBLAS
     elementwise: str                  # "triton" | "torch"
     gated_delta: str                  # "triton" | "torch"
 
@@ -92,7 +93,7 @@ def select_paths(capability: tuple[int, int] | None, dtype: str = "auto", kv_dty
                                                "use float16 or int8")
     if capability is None:
         return KernelPaths("cpu", run_dtype, fallback, "torch", "torch", False, "torch", "torch", False,
-                           "torch", "torch")
+                           "torch", "torch", "torch")
     hopper = capability[0] == 9
     fp8 = capability >= (8, 9)
     half = run_dtype in ("bfloat16", "float16")
@@ -109,7 +110,7 @@ def select_paths(capability: tuple[int, int] | None, dtype: str = "auto", kv_dty
         nvfp4_linear=("mma-gemv+triton-gemv" if capability[0] >= 9 and half
                       else "triton-gemv" if fp8 and half else "torch-dequantize"),
         fp8_activation_quant=fp8,
-        elementwise="triton", gated_delta="triton")
+        dense_linear="triton-gemv+skinny", elementwise="triton", gated_delta="triton")
 
 
 _DEVICE_PATHS: dict[Any, KernelPaths] = {}

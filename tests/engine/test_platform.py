@@ -52,7 +52,7 @@ def test_each_capability_and_dtype_is_served_or_refused_naming_the_setting(cap, 
     assert (p.attention_decode == "triton-tma-pages") == (cap[0] == 9 and half)
     assert (p.fp8_linear == "fp8-gemv+scaled-mm") == (cap >= (8, 9) and half)
     assert p.pdl == (cap[0] >= 9)
-    assert p.elementwise == "triton" and p.gated_delta == "triton"
+    assert p.elementwise == "triton" and p.gated_delta == "triton" and p.dense_linear == "triton-gemv+skinny"
 
 
 def test_the_cpu_takes_the_torch_paths_and_float32_by_default():

@@ -206,6 +206,17 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
         _rms_norm_kernel[(2,)](x, x, w, x, x, 1024, 1024, 1024, 1024, 1024, 1e-6, BLOCK=1024, HAS_RESIDUAL=False,
                                ZERO_CENTRED=False, num_warps=2, USE_PDL=True, launch_pdl=True)
 
+    def tma_prefill(dtype):
+        from engine.kernels.attention.prefill_tma import prefill_attention
+        q = torch.randn(200, 8, 128, dtype=dtype)
+        k, v = torch.randn(300, 2, 128, dtype=dtype), torch.randn(300, 2, 128, dtype=dtype)
+        prefill_attention(q, k, v, torch.tensor([0, 200], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32),
+                          200, 128 ** -0.5)
+
+    def skinny_dense(dtype):
+        from engine.kernels.linear.skinny_gemm import skinny_dense as run
+        run(torch.randn(4, 512, dtype=dtype), torch.randn(1024, 512, dtype=dtype))
+
     def act_quant(dtype):
         from engine.kernels.linear.act_quant import quantize_activations_fused
         quantize_activations_fused(torch.randn(5, 256, dtype=dtype))
@@ -235,12 +246,16 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
                                    caps if full else caps[:1]),
             f"gemv_nvfp4_{tag}": ("nvfp4_linear", lambda d=dtype: qc.check_gemv("nvfp4", 1, 256, 512, cpu, dtype=d),
                                   every),
+            f"gemv_dense_{tag}": ("dense_linear", lambda d=dtype: qc.check_gemv("bf16", 1, 256, 512, cpu, dtype=d),
+                                  caps),
+            f"skinny_dense_{tag}": ("dense_linear", lambda d=dtype: skinny_dense(d), caps),
             f"gemv_fp8_{tag}": ("fp8_linear", lambda d=dtype: qc.check_gemv("fp8", 1, 256, 512, cpu, dtype=d), every),
             f"act_quant_fp8_{tag}": ("fp8_activation_quant", lambda d=dtype: act_quant(d), every),
             f"pdl_{tag}": ("pdl", lambda d=dtype: rms_norm_pdl(d), every),
         }
     table["tma_decode_bf16"] = ("attention_tma", lambda: tma_decode(bf16, bf16), (90,))
     table["tma_decode_int8"] = ("attention_tma", lambda: tma_decode(bf16, i8), (90,))
+    table["tma_prefill_bf16"] = ("attention_tma", lambda: tma_prefill(bf16), (90,))
     table["gated_delta_recurrent"] = ("gated_delta", recurrent, every)
     if not full:
         # the capability-only families compile in the dtype their capability runs in

@@ -2,7 +2,7 @@
 and the capability selector (engine/platform.py) checked against the results: a family it selects on a capability
 compiles there, and the capability-only families (FP8, PDL) are selected exactly where they compile.
 
-The fast set runs in CI (a fresh process, ~35 s of CPU); `NINFER_COMPILE_MATRIX=full` adds the
+The fast set runs in CI (a fresh process, ~41 s of CPU); `NINFER_COMPILE_MATRIX=full` adds the
 prefill-shaped attention and both dtypes everywhere (sm70's prefill attention alone compiles for ~100 s)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="the compile matrix needs Triton's compiler
 REPO = Path(__file__).resolve().parents[3]
 FULL = os.environ.get("NINFER_COMPILE_MATRIX") == "full"
 # CPU seconds (this process and its ptxas children): wall time on a shared 2-core machine says more about the
-# neighbours. Measured 2026-12-05: ~35 s of CPU for the fast set.
+# neighbours. Measured 2026-12-05: ~41 s of CPU for the fast set (95 compiles).
 FAST_BUDGET_CPU_S = 75
 
 
@@ -54,7 +54,8 @@ def selects(family: str, capability: int, dtype: str) -> bool:
             "attention_tma": p.attention_decode == "triton-tma-pages",
             "fp8_linear": p.fp8_linear == "fp8-gemv+scaled-mm",
             "nvfp4_linear": p.nvfp4_linear in ("triton-gemv", "mma-gemv+triton-gemv"),
-            "fp8_activation_quant": p.fp8_activation_quant, "pdl": p.pdl}[family]
+            "fp8_activation_quant": p.fp8_activation_quant, "pdl": p.pdl,
+            "dense_linear": p.dense_linear == "triton-gemv+skinny"}[family]
 
 
 def scenario_dtype(name: str) -> str:
@@ -81,7 +82,7 @@ def test_every_capability_compiles_the_kernels_its_dtype_needs(matrix):
     kernels = {(r["kernel"], r["capability"]) for r in matrix["results"] if r["ok"]}
     for cap in (70, 75, 80, 89, 90):
         for kernel in ("_attn_kernel", "_qk_norm_rope_kernel", "_rms_norm_kernel", "_write_kv_kernel",
-                       "_recurrent_kernel"):
+                       "_recurrent_kernel", "gemv_kernel", "_skinny_dense_kernel"):
             assert (kernel, cap) in kernels, (kernel, cap)
 
 
