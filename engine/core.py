@@ -42,11 +42,16 @@ log = structlog.get_logger(__name__)
 
 
 def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized)."""
+    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized,
+    fused expert stacks stated per expert)."""
+    found = weights.shapes()
+    if model_config.is_moe:
+        from engine.layers.moe_experts import per_expert_shapes
+        found = per_expert_shapes(found)
     if model_config.quant is None:
-        return weights.shapes()
+        return found
     from engine.quant.scheme import normalize_found
-    return normalize_found(weights.shapes(), model_config.quant)
+    return normalize_found(found, model_config.quant)
 
 
 @dataclass

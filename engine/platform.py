@@ -8,7 +8,7 @@ FP8 `cvt.e4m3x2` decodes and FP8 tensor cores, bf16 throughout. Older GPUs lack 
     sm75 (T4)          as sm70 (bf16 only emulated)              -> fp16, weight-only dequantising quantized linears
     sm80/86 (A100/A10) bf16; no FP8, no TMA, no PDL              -> the non-TMA attention, dequantising FP8/NVFP4
     sm89 (L40S, L4)    bf16, FP8 tensor cores; no TMA, no PDL    -> the non-TMA attention, the FP8/NVFP4 GEMV kernels
-    sm90 (H100, H200)  everything                                -> TMA attention, PDL, the CUDA C NVFP4/FP8 MMA GEMV
+    sm90 (H100, H200)  everything                                -> TMA prefill attention, PDL, the CUDA C MMA GEMV
 
 A family is selectable on a capability only where its kernels compile for it (tests/kernels/test_compile_matrix.py
 compiles them offline for sm70..sm90 and checks this table against the results). A setting the device cannot
@@ -36,7 +36,7 @@ class KernelPaths:
     capability: str                   # "sm90", or "cpu"
     dtype: str                        # the activation / weight dtype the engine runs in
     dtype_fallback: str               # why `dtype` differs from what "auto" means on a newer GPU; "" = none
-    attention_decode: str             # "triton-tma-pages" | "triton-paged" | "torch"
+    attention_decode: str             # "triton-paged" | "torch"
     attention_prefill: str            # "triton-tma-prefill" | "triton-paged" | "torch"
     pdl: bool                         # programmatic dependent launch between decode kernels
     fp8_linear: str                   # "fp8-gemv+scaled-mm" | "torch-dequantize" | "torch"
@@ -102,7 +102,7 @@ def select_paths(capability: tuple[int, int] | None, dtype: str = "auto", kv_dty
         raise InvalidArgumentError("dtype", "an FP8 checkpoint on CUDA needs --dtype bfloat16 or float16")
     return KernelPaths(
         capability=capability_name(capability), dtype=run_dtype, dtype_fallback=fallback,
-        attention_decode="triton-tma-pages" if tma else "triton-paged",
+        attention_decode="triton-paged",
         attention_prefill="triton-tma-prefill" if tma else "triton-paged",
         pdl=capability[0] >= 9,
         fp8_linear="fp8-gemv+scaled-mm" if fp8 and half else "torch-dequantize",

@@ -6,6 +6,8 @@ that the tests hold it to; `tests/support/kernel_checks.py` builds those checks 
 GPU check script share it). docs/kernels.md says how each kernel works and what it measured.
 `quant_gemm`: matmuls of FP8-block and NVFP4 linear layers, held to `engine.quant.formats` by
 `tests/support/quant_kernel_checks.py` (docs/kernels.md, "Linear layers").
+`moe`: routing, the token->expert sort, the grouped expert GEMM and the combine of sparse MoE blocks, held to
+`engine.kernels.moe.reference` (docs/moe.md).
 
 Nothing here is imported on the CPU path: importing these modules needs Triton.
 """

@@ -169,13 +169,13 @@ def read_model_dir(path: str | Path) -> ModelDir:
     if not tokenizer_file.exists():
         raise ModelLoadError(f"{path}: no tokenizer.json")
     weights = CheckpointWeights.from_dir(path)
-    if config.model_type == "qwen3_5":
+    if config.model_type in ("qwen3_5", "qwen3_5_moe"):
         weights = language_model_weights(weights, path)
     return ModelDir(path, config, tokenizer_file, weights)
 
 
 def language_model_weights(weights: CheckpointWeights, path: Path) -> CheckpointWeights:
-    """A Qwen3_5ForConditionalGeneration checkpoint as its language model: `model.language_model.X`
+    """A Qwen3_5(Moe)ForConditionalGeneration checkpoint as its language model: `model.language_model.X`
     becomes `model.X`; the vision tower (`model.visual.*`) is skipped."""
     skipped = []
 

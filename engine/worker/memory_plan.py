@@ -1,5 +1,8 @@
 """Memory planning before anything is loaded: weights, KV pages (main and MTP), activations, graphs.
 
+Weights are counted on a shard built on the meta device, so a mixture of experts counts every expert's
+stacked tensors (quantized ones in their own dtypes) on each rank's slice of their intermediate dimension.
+
 An impossible configuration is refused here with the numbers, never by a crash halfway through
 loading (the seed's "silent exit while loading model..." lesson).
 """
@@ -104,6 +107,9 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     # live tensors of one layer at the largest chunk (hidden, residual, qkv, attention out, gate/up,
     # act), twice for the allocator's double buffering; plus the vocabulary rows sampled per step.
     activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
+    if model.is_moe:
+        from engine.loading.moe_config import moe_activation_bytes
+        activations += 2 * moe_activation_bytes(model, chunk, tp, elt)
     logit_rows = cfg.max_batch * (draft_tokens + 1)
     activations += logit_rows * model.vocab_size * 4 * (4 if draft_tokens else 2)
     # per-request logit options (engine.worker.logit_options): counts and prompt masks of every seat

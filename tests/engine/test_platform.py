@@ -16,7 +16,7 @@ EXPECTED_AUTO = {
     (8, 0): ("bfloat16", "triton-paged", "triton-paged", False, "torch-dequantize", "torch-dequantize", False),
     (8, 6): ("bfloat16", "triton-paged", "triton-paged", False, "torch-dequantize", "torch-dequantize", False),
     (8, 9): ("bfloat16", "triton-paged", "triton-paged", False, "fp8-gemv+scaled-mm", "triton-gemv", True),
-    (9, 0): ("bfloat16", "triton-tma-pages", "triton-tma-prefill", True, "fp8-gemv+scaled-mm",
+    (9, 0): ("bfloat16", "triton-paged", "triton-tma-prefill", True, "fp8-gemv+scaled-mm",
              "mma-gemv+triton-gemv", True),
 }
 
@@ -49,7 +49,7 @@ def test_each_capability_and_dtype_is_served_or_refused_naming_the_setting(cap, 
     assert p.dtype == dtype and p.dtype_fallback == ""
     half = dtype != "float32"
     # TMA, FP8 and the NVFP4 GEMV take 16-bit activations only; float32 runs the portable kernels
-    assert (p.attention_decode == "triton-tma-pages") == (cap[0] == 9 and half)
+    assert (p.attention_prefill == "triton-tma-prefill") == (cap[0] == 9 and half)
     assert (p.fp8_linear == "fp8-gemv+scaled-mm") == (cap >= (8, 9) and half)
     assert p.pdl == (cap[0] >= 9)
     assert p.elementwise == "triton" and p.gated_delta == "triton" and p.dense_linear == "triton-gemv+skinny"
@@ -77,7 +77,7 @@ def test_an_fp8_checkpoint_in_float32_on_cuda_is_refused():
 
 def test_blackwell_takes_the_portable_attention_not_the_hopper_tma_kernels():
     p = select_paths((10, 0))
-    assert p.attention_decode == "triton-paged" and p.fp8_tensor_cores and p.pdl
+    assert p.attention_prefill == "triton-paged" and p.fp8_tensor_cores and p.pdl
 
 
 def test_the_compile_matrix_covers_every_architecture_of_the_table():

@@ -192,20 +192,6 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
         q, kv, ctx = kc.attention_case(query_lens, seq_lens, 8, kv_heads, head_dim, 16, kv_dtype, dtype, cpu, 0)
         paged_attention(q, kv, ctx, head_dim ** -0.5)
 
-    def tma_decode(dtype, kv_dtype):
-        from engine.kernels.attention.paged import AttnConfig, paged_attention
-        q, kv, ctx = kc.attention_case([1], [700], 8, 2, 128, 16, kv_dtype, dtype, cpu, 0)
-        paged_attention(q, kv, ctx, 128 ** -0.5, config=AttnConfig(block_m=16, block_n=16, num_warps=4, num_stages=5,
-                                                                    num_splits=4, tma_pages=True, fused_merge=True))
-
-    def rms_norm_pdl(dtype):
-        # the decode kernels' PDL form: the real RMSNorm kernel launched with the attribute on
-        from engine.kernels.elementwise.norm_rope import _rms_norm_kernel
-        x = torch.randn(2, 1024, dtype=dtype)
-        w = torch.ones(1024, dtype=dtype)
-        _rms_norm_kernel[(2,)](x, x, w, x, x, 1024, 1024, 1024, 1024, 1024, 1e-6, BLOCK=1024, HAS_RESIDUAL=False,
-                               ZERO_CENTRED=False, num_warps=2, USE_PDL=True, launch_pdl=True)
-
     def tma_prefill(dtype):
         from engine.kernels.attention.prefill_tma import prefill_attention
         q = torch.randn(200, 8, 128, dtype=dtype)
@@ -253,8 +239,6 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
             f"act_quant_fp8_{tag}": ("fp8_activation_quant", lambda d=dtype: act_quant(d), every),
             f"pdl_{tag}": ("pdl", lambda d=dtype: rms_norm_pdl(d), every),
         }
-    table["tma_decode_bf16"] = ("attention_tma", lambda: tma_decode(bf16, bf16), (90,))
-    table["tma_decode_int8"] = ("attention_tma", lambda: tma_decode(bf16, i8), (90,))
     table["tma_prefill_bf16"] = ("attention_tma", lambda: tma_prefill(bf16), (90,))
     table["gated_delta_recurrent"] = ("gated_delta", recurrent, every)
     if not full:

@@ -13,7 +13,8 @@ import site
 
 
 def find_libnvrtc() -> str | None:
-    named = os.environ.get("NINFER_NVRTC_LIB")
+    from engine import envs
+    named = envs.NVRTC_LIB.read()
     if named:
         return named
     for root in site.getsitepackages():

@@ -5,7 +5,7 @@
 # The machine's copy of .git can be stale (s20: bench runs recorded the session's first commit, "dirty"): name the
 # commit that runs in the command, NINFER_COMMIT=$(git rev-parse --short HEAD) written out here, and the bench
 # records that (tools/bench/runinfo.py).
-# Steps: env, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, bench-s13, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, bench-round, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, bench-s13, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -77,6 +77,14 @@ step() {
     small-kernels-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/elementwise/test_round_prep.py tests/engine/kernels/linear/test_gemv_silu.py tests/engine/kernels/linear/test_gemv_pairs.py tests/engine/kernels/attention/test_paged_gpu.py -k "pairs or round_prep or gate_up_silu or carry_forward or uniform_context or qk_norm" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;   # the exp/decode-small-kernels branch's kernels
     fp8-gemv) python3 -m tools.dev.gemv_sweep --rows 1 --formats fp8 --budget-s "${SWEEP_BUDGET_S:-170}" ;;   # issue 14: FP8 decode row, scale after the 16-product sums
     mma-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/linear/test_quant_gemv_mma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
+    bench-round) # issue 43 part 3 on one H200 in ~6.5 min (budget 440 s; give the step 480): the quick, robust keys
+                 # first, the compiled peer (whole-step Inductor compile, minutes, never timed on a GPU yet) last, so an
+                 # overrun costs that key alone; decode right before peer: they share the k=0 engine
+                 python3 -m tools.bench --quick --in-given-order --sections roofline,quant,e2e,decode,peer \
+                   --quant-shapes qwen3-8b --quant-formats bf16,fp8,nvfp4 --quant-decode-only --quant-mtp-k 0 --quant-seed-shape none \
+                   --e2e-tps 1 --e2e-ks 0 --e2e-streams 1,8 --decode-ks 0 --decode-draft-vocab-ks '' --decode-contexts 512 \
+                   --peer-parts compiled --peer-compile-mode "${PEER_COMPILE_MODE:-reduce-overhead}" \
+                   --budget-s "${BENCH_BUDGET_S:-440}" --no-plots --out "$OUT/bench-round" ;;
     bench-quant) python3 -m tools.bench --quick --sections roofline,peer,decode,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-240}" --out "$OUT/bench" ;;   # issue 14 on one GPU
     skinny-sweep) python3 -m tools.dev.skinny_bf16_sweep ;;   # issue 15: bf16 decode rows 2-8 on tensor cores against cuBLAS
     skinny-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/linear/test_skinny_gemm.py tests/engine/kernels/attention/test_prefill_tma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;

@@ -2,7 +2,7 @@
 and the capability selector (engine/platform.py) checked against the results: a family it selects on a capability
 compiles there, and the capability-only families (FP8, PDL) are selected exactly where they compile.
 
-The fast set runs in CI (a fresh process, ~41 s of CPU); `NINFER_COMPILE_MATRIX=full` adds the
+The fast set runs in CI (a fresh process, ~41 s of CPU); `NINFER_COMPILE_MATRIX_FULL=1` adds the
 prefill-shaped attention and both dtypes everywhere (sm70's prefill attention alone compiles for ~100 s)."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.platform import select_paths
+from engine import envs
 from engine.errors import InvalidArgumentError
+from engine.platform import select_paths
 
 pytest.importorskip("triton", reason="the compile matrix needs Triton's compiler")
 REPO = Path(__file__).resolve().parents[3]
-FULL = os.environ.get("NINFER_COMPILE_MATRIX") == "full"
+FULL = envs.COMPILE_MATRIX_FULL.read()
 # CPU seconds (this process and its ptxas children): wall time on a shared 2-core machine says more about the
 # neighbours. Measured 2026-12-05: ~41 s of CPU for the fast set (95 compiles).
 FAST_BUDGET_CPU_S = 75
@@ -30,7 +31,7 @@ FAST_BUDGET_CPU_S = 75
 def matrix(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("compile") / "matrix.json"
     # a fresh process: the kernel tests switch Triton to its interpreter in theirs, and a cold cache of its own
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NINFER_TRITON_INTERPRET_TESTS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", envs.TRITON_INTERPRET_TESTS.name)}
     env["TRITON_CACHE_DIR"] = str(out.parent / "triton-cache")
     done = subprocess.run([sys.executable, "-m", "tests.support.compile_matrix", str(out), *(["--full"] if FULL else [])],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
@@ -50,8 +51,8 @@ def selects(family: str, capability: int, dtype: str) -> bool:
     except InvalidArgumentError:
         return False                       # bf16 below sm80: refused before anything launches
     return {"elementwise": p.elementwise == "triton", "gated_delta": p.gated_delta == "triton",
-            "attention": p.attention_decode in ("triton-paged", "triton-tma-pages"),
-            "attention_tma": p.attention_decode == "triton-tma-pages",
+            "attention": p.attention_decode == "triton-paged",
+            "attention_tma": p.attention_prefill == "triton-tma-prefill",
             "fp8_linear": p.fp8_linear == "fp8-gemv+scaled-mm",
             "nvfp4_linear": p.nvfp4_linear in ("triton-gemv", "mma-gemv+triton-gemv"),
             "fp8_activation_quant": p.fp8_activation_quant, "pdl": p.pdl,

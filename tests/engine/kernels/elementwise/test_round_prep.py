@@ -37,7 +37,6 @@ def _round_inputs(bsz: int, k: int, max_batch: int, seed: int):
     return inp, last.to(DEV)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("bsz,query_len,block_size", [(1, 1, 16), (5, 4, 16), (16, 1, 64), (3, 8, 16), (64, 2, 32)])
 def test_uniform_context_equals_the_torch_ops(monkeypatch, bsz, query_len, block_size):
     from engine.kernels.elementwise import round_prep
@@ -53,7 +52,6 @@ def test_uniform_context_equals_the_torch_ops(monkeypatch, bsz, query_len, block
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("bsz,k", [(1, 1), (4, 3), (8, 0), (13, 2)])
 def test_carry_forward_equals_the_torch_ops(monkeypatch, bsz, k):
     from engine.kernels.elementwise import round_prep
@@ -67,7 +65,6 @@ def test_carry_forward_equals_the_torch_ops(monkeypatch, bsz, k):
     assert (inp.carry_rows >= 0).any() and (bsz == 1 or (inp.carry_rows < 0).any())
 
 
-@pytest.mark.gpu
 def test_carry_forward_refuses_mismatched_widths():
     from engine.kernels.elementwise import round_prep
     z = torch.zeros(2, dtype=torch.int64, device=DEV)
@@ -76,7 +73,6 @@ def test_carry_forward_refuses_mismatched_widths():
                                  torch.zeros(2, 2, dtype=torch.int64, device=DEV), z)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 def test_captured_round_prep_replays_new_inputs(monkeypatch):
     from engine.kernels.elementwise import round_prep
