@@ -192,6 +192,14 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
         q, kv, ctx = kc.attention_case(query_lens, seq_lens, 8, kv_heads, head_dim, 16, kv_dtype, dtype, cpu, 0)
         paged_attention(q, kv, ctx, head_dim ** -0.5)
 
+    def rms_norm_pdl(dtype):
+        # the decode kernels' PDL form: the real RMSNorm kernel launched with the attribute on
+        from engine.kernels.elementwise.norm_rope import _rms_norm_kernel
+        x = torch.randn(2, 1024, dtype=dtype)
+        w = torch.ones(1024, dtype=dtype)
+        _rms_norm_kernel[(2,)](x, x, w, x, x, 1024, 1024, 1024, 1024, 1024, 1e-6, BLOCK=1024, HAS_RESIDUAL=False,
+                               ZERO_CENTRED=False, num_warps=2, USE_PDL=True, launch_pdl=True)
+
     def tma_prefill(dtype):
         from engine.kernels.attention.prefill_tma import prefill_attention
         q = torch.randn(200, 8, 128, dtype=dtype)

@@ -2,7 +2,7 @@
 and the capability selector (engine/platform.py) checked against the results: a family it selects on a capability
 compiles there, and the capability-only families (FP8, PDL) are selected exactly where they compile.
 
-The fast set runs in CI (a fresh process, ~41 s of CPU); `NINFER_COMPILE_MATRIX_FULL=1` adds the
+The fast set runs in CI (a fresh process, ~35-41 s of CPU); `NINFER_COMPILE_MATRIX_FULL=1` adds the
 prefill-shaped attention and both dtypes everywhere (sm70's prefill attention alone compiles for ~100 s)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="the compile matrix needs Triton's compiler
 REPO = Path(__file__).resolve().parents[3]
 FULL = envs.COMPILE_MATRIX_FULL.read()
 # CPU seconds (this process and its ptxas children): wall time on a shared 2-core machine says more about the
-# neighbours. Measured 2026-12-05: ~41 s of CPU for the fast set (95 compiles).
+# neighbours. Measured 2026-12-05: ~35-41 s of CPU for the fast set (93 compiles).
 FAST_BUDGET_CPU_S = 75
 
 
