@@ -34,7 +34,7 @@ from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, Sche
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.request_stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
 

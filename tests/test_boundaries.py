@@ -18,7 +18,7 @@ PRODUCT_PACKAGES = ("engine", "services", "gateway", "ninfer")
 TORCH_FREE_PACKAGES = ("gateway", "engine/sched", "engine/cache", "services/server", "ninfer/cli")
 TORCH_FREE_MODULES = ["engine", "engine.config", "engine.errors", "engine.sampling_params", "engine.request_stats",
                       "engine.metrics", "engine.tokenizer", "engine.engine_info", "engine.envs", "engine.admission",
-                      "engine.logprobs", "services.convert"]
+                      "services.convert"]
 # in those packages, the modules that hold an engine (and so torch), and why
 TORCH_USERS = {"gateway.serve": "`ninfer serve`'s one-process stack: an engine and the gateway together"}
 
