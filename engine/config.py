@@ -160,7 +160,7 @@ class EngineConfig:
     model: str | None = None                # HF directory; None = the embedded default model
     served_model_name: str | None = None    # the name clients see and ask for; None = the model directory's name
     device: str = "auto"                    # "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]"
-    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA (float16 below sm80), float32 on CPU
     kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
     block_size: int = 16                    # tokens per KV page
     prefill_chunk: int = 2048               # tokens per prefill step of the one prefill lane

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 import torch
 
+from engine.platform import engine_paths
 from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
@@ -156,7 +157,12 @@ class EngineCore:
             self.model_name = config.served_model_name
         if config.draft_vocab > model_config.vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
-        self.memory = plan_memory(config, model_config, k, self.max_model_len)
+        # the kernel family of each operation on this device; "auto" dtype means float16 where there is no bf16
+        self.kernel_paths = engine_paths(config, model_config)
+        if config.dtype == "auto" and self.kernel_paths.dtype != config.torch_dtype_name:
+            config.dtype = self.kernel_paths.dtype
+        log.info("kernel_paths", **self.kernel_paths.as_dict())
+        self.memory = plan_memory(config, model_config, k, self.max_model_len, paths=self.kernel_paths)
         log.info("memory_plan", plan=self.memory.describe(), model=self.model_name, draft_tokens=k)
         t0 = time.perf_counter()
         self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
@@ -545,7 +551,7 @@ class EngineCore:
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
             warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending,
-            embedding=self.pooling is not None)
+            kernel_paths=tuple(self.kernel_paths.as_dict().items()), embedding=self.pooling is not None)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

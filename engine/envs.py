@@ -192,6 +192,19 @@ COMMIT = _register(
     "NINFER_COMMIT", "", parse_str, "development",
     "The commit a bench or tuner run records, for a copy of the tree whose .git is stale or missing.")
 
+COMPILE_MATRIX_FULL = _register(
+    "NINFER_COMPILE_MATRIX_FULL", False, parse_bool, "development",
+    "1 makes tests/engine/kernels/test_compile_matrix.py compile every kernel in both dtypes for every capability, "
+    "prefill attention included (tens of minutes of ptxas), not CI's representative set.")
+NVRTC_LIB = _register(
+    "NINFER_NVRTC_LIB", "", parse_str, "development",
+    "Path of a libnvrtc.so for the NVRTC compile test of the CUDA C kernels (default: the nvidia-cuda-nvrtc wheel's, "
+    "if installed; the test skips without one).")
+KERNEL_CAPABILITY = _register(
+    "NINFER_KERNEL_CAPABILITY", "", parse_str, "development",
+    "Choose kernel paths as if the GPU were this older compute capability (\"7.0\", \"8.0\", \"8.9\"): runs the "
+    "sm70/sm80/sm89 paths on a newer GPU (engine/platform.py); a newer one than the device's is refused.")
+
 
 def markdown() -> str:
     """docs/switches.md: one table row per switch, grouped by kind, in registration order."""
