@@ -45,6 +45,7 @@ class EngineInfo:
     max_num_seqs: int = 0                    # the decode batch (--max-num-seqs)
     max_pending: int = 0                     # the queue (--max-pending)
     kernel_paths: tuple[tuple[str, str], ...] = ()   # operation -> kernel family (engine/platform.py)
+    embedding: bool = False                  # an embedding checkpoint (engine.loading.pooling): Embed serves
 
     def log_fields(self) -> dict[str, Any]:
         """Everything but the tokenizer, for a log line."""

@@ -45,8 +45,8 @@ def _is_number(x) -> bool:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain the output to a language: exactly one kind is set. The grammar engine that honours
-    it lives in the engine; until it lands the engine refuses a set `structured_output`."""
+    """Constrain the output to a language: exactly one kind is set. The engine compiles it with its
+    grammar engine (engine/structured, docs/structured-output.md) and masks every sampled token."""
 
     json_schema: str | None = None      # a JSON Schema document (text)
     json_object: bool = False           # any JSON object
@@ -258,7 +258,8 @@ class TokenLogprob:
     logits at that position, before temperature, penalties, bias or filters (vLLM's default, `raw_logprobs`):
     a property of the model and the text alone, which scoring (lm-evaluation-harness' loglikelihood) needs,
     equal for greedy and sampled requests, and under speculation the verify pass's logits, which are the
-    target's (docs/sampling.md)."""
+    target's (docs/sampling.md). Under structured output the grammar's mask comes first: the distribution
+    is over the tokens it allows (as vLLM's)."""
 
     token_id: int
     logprob: float

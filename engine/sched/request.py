@@ -80,6 +80,9 @@ class Request:
     group_id: str = ""                       # the id the caller knows (this request's own when n = 1)
     index: int = 0                           # which of the n sequences
     forks: list["Request"] = field(default_factory=list)
+    # structured output: the sequence's grammar matcher (engine.structured.matcher.GrammarState), advanced
+    # by the engine as tokens are appended; None when unconstrained
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -51,6 +51,10 @@ class EnginePort:
         """Admit one request (validated at once; raises the engine's errors); no prefill/decode split."""
         return await self._loop().submit_async(prompt, params, request_id or None)
 
+    async def embed(self, prompt: list[int], request_id: str | None) -> RequestStream:
+        """An embedding request (UnsupportedError at once for a generative model); its final output carries it."""
+        return await self._loop().embed_async(prompt, request_id or None)
+
     def abort(self, request_id: str) -> None:
         """End a request wherever it is (unknown ids are ignored)."""
         if self.loaded:

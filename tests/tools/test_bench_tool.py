@@ -301,7 +301,7 @@ def test_sweeps_measured_one_after_another_give_no_interleaved_key():
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "tools.bench", "--device", "cpu", "--quick", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+                          cwd=REPO, capture_output=True, text=True, timeout=330)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc, json.loads((out / "results.json").read_text())
 
@@ -605,6 +605,24 @@ def test_quant_section_runs_the_seeds_one_gpu_deployment_on_the_dense_shape(cpu_
     lc = seed["long_context"]
     assert lc["context"] == plan["hybrid"]["long_context"]
     assert lc["completion_tokens"] == plan["hybrid"]["long_decode_tokens"] and lc["finish_reason"] == "length"
+
+
+def test_structured_section_times_the_mask_fill_against_the_step(cpu_run):
+    """The CPU dry run fills JSON-schema masks for batch 1 and 32 along schema-valid walks and times a step of
+    the same batch; the headline waits for the GPU run, saying so."""
+    _, _, r = cpu_run
+    sec = r["sections"]["structured"]
+    assert sec["status"] == "ok", sec.get("error") or sec.get("reason")
+    points = {p["batch"]: p for p in sec["points"]}
+    assert set(points) == {1, 32}
+    for b, p in points.items():
+        assert p["steps"] > 10 and 0 < p["fill_ms_median"] <= p["fill_ms_p90"] and p["step_ms"] > 0
+        assert p["share"] == pytest.approx(p["fill_ms_median"] / p["step_ms"])
+        assert p["fill_us_per_request"] == pytest.approx(p["fill_ms_median"] * 1e3 / b)
+    assert points[32]["fill_ms_median"] > points[1]["fill_ms_median"]
+    for b in (1, 32):
+        d = r["headline_detail"][f"structured_decode_overhead_b{b}"]
+        assert d["value"] is None and "CPU dry run" in d["reason"]
 
 
 def test_moe_bytes_count_the_experts_actually_read():

@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid",
-         "moe"]
+         "moe", "structured"]
 NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid", "moe"}
 
 
@@ -86,6 +86,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the hybrid section's decode contexts (comma-separated; '' = none)")
     ap.add_argument("--hybrid-prefill-prompts", default=None,
                     help="the hybrid section's fresh prefill prompts (comma-separated tokens; '' = none)")
+    ap.add_argument("--structured-tokenizer", default=None,
+                    help="the structured section's vocabulary: a directory with tokenizer.json (e.g. a real Qwen3 "
+                         "one; default: the small trained model's)")
     ap.add_argument("--hybrid-long-context", type=int, default=None,
                     help="the hybrid section's long context in tokens, prompt plus decoded (0 = not run)")
     return ap.parse_args(argv)
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, moe, peer, prefill, quant, report,
-                             roofline, runinfo, tp)
+                             roofline, runinfo, structured, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
     from tools.bench.progress import Budget, say
@@ -219,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.hybrid.prefill_prompts = _ints(args.hybrid_prefill_prompts)
     if args.hybrid_long_context is not None:
         plan.hybrid.long_context = args.hybrid_long_context
+    if args.structured_tokenizer:
+        plan.structured.tokenizer = args.structured_tokenizer
     info = runinfo.collect(device)
     run_id = f"{info['date'][:10]}-{(info['git']['commit'] or 'nogit')[:8]}-{secrets.token_hex(2)}"
     info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=order,
@@ -233,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid, "moe": moe}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid, "moe": moe,
+               "structured": structured}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

@@ -140,6 +140,17 @@ class HybridPlan:
 
 
 @dataclass
+class StructuredPlan:
+    """tools/bench/structured.py: a JSON-schema mask fill per step against an unconstrained step."""
+    batches: list[int] = field(default_factory=lambda: [1, 32])
+    context: int = 512
+    decode_tokens: int = 64
+    walks: int = 32                              # schema-valid sequences the matchers walk along
+    walk_tokens: int = 160
+    tokenizer: str = ""                          # a directory with tokenizer.json ("" = the small trained model)
+
+
+@dataclass
 class MoEPlan:
     """tools/bench/moe.py: the mixture-of-experts shape, decode batch 1 (TP1, and TP2 where two GPUs)."""
     shape: str = "qwen3-30b-a3b"
@@ -173,6 +184,7 @@ class Plan:
         streams_small=2, streams_large=8, tp_prefill_P=512))
     quant: QuantPlan = field(default_factory=QuantPlan)
     hybrid: HybridPlan = field(default_factory=HybridPlan)
+    structured: StructuredPlan = field(default_factory=StructuredPlan)
     moe: MoEPlan = field(default_factory=MoEPlan)
 
 
@@ -273,6 +285,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
                            seed_shape="tiny")
     plan.hybrid = HybridPlan(shape="tiny-hybrid", decode_contexts=[64, 256], decode_tokens=8, prefill_prompts=[128, 512],
                              long_context=1024, long_decode_tokens=16, chunk=128)
+    plan.structured = StructuredPlan(context=16, decode_tokens=12, walks=4, walk_tokens=80)
     plan.moe = MoEPlan(shape="tiny-moe", context=64, kv_capacity=1024, chunk=128)
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 3, 512: 3})

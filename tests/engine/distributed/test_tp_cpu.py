@@ -156,6 +156,8 @@ class _StandInRounds:
         return self.bucket_of[batch]
 
     def select(self, works, variant):
+        # a constrained variant masks by the persistent token_masks buffer the executor uploaded, as a
+        # captured round does
         return self.bucket_of[next(b for b in self.buckets if b >= len(works))], variant
 
     def launch(self, bucket, key):
