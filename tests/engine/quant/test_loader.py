@@ -164,7 +164,7 @@ def test_bad_tensors_are_refused_by_name(random_hf_model, tmp_path, fmt, edit, m
      "model.layers.0.mlp.down_proj.weight_scale: the module is in exclude_modules"),
     ("fp8", lambda c: c.update(weight_block_size=[64, 64]), "quantization_config.weight_block_size=[64, 64]"),
     ("fp8", lambda c: c.update(activation_scheme="static"), "quantization_config.activation_scheme='static'"),
-    ("fp8", lambda c: c.update(quant_method="gptq"), "quantization_config.quant_method='gptq'"),
+    ("fp8", lambda c: c.update(quant_method="bitsandbytes"), "quantization_config.quant_method='bitsandbytes'"),
 ])
 def test_bad_configs_are_refused_by_field(random_hf_model, tmp_path, fmt, edit, message):
     quantize_checkpoint(random_hf_model[0], tmp_path / "q", fmt)

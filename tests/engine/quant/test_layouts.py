@@ -1,0 +1,67 @@
+"""Checkpoints as their producers write them (tests/fixtures/quant, made by tools/dev/make_quant_fixtures.py:
+ModelOpt, llmcompressor's compressed-tensors, gptqmodel's GPTQ v1, transformers/optimum's GPTQ v2, AutoAWQ and
+gptqmodel's AWQ GEMM), loaded by the engine:
+  - the reference dequantizer (tests/support/quant_layouts.py, written from the format descriptions) equals
+    each producer's OWN dequantizer at the positions the fixture recorded (producer_probe.safetensors);
+  - the engine's logits equal those of the fixture dequantized by that reference and loaded as float32;
+  - TP=2 equals TP=1 (packed weights, scales, zero points and g_idx split over two CPU ranks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import make_llm
+from tests.support import quant_layouts as ql
+
+FIXTURES = ql.fixture_names()
+PROMPTS = ["def fibonacci(n):\n    if n < 2:", [5, 9, 77, 300, 12, 8, 41, 7, 250, 3, 3, 3, 199, 42, 42, 17]]
+# compressed-tensors decompresses NVFP4 in bf16 (fp4 * (scale / global scale) rounded to bf16): its values are
+# the exact ones rounded to bf16 (tools/dev/make_quant_fixtures.py records the dequantizer of each fixture)
+PRODUCER_ROUNDING = {"ct_nvfp4/qwen3": 2 ** -8}
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_the_reference_equals_the_producers_own_dequantizer(name):
+    d = ql.FIXTURES / name
+    dense, probe = ql.reference_dense(d), ql.probe(d)
+    assert set(dense) == set(probe) and dense
+    tol = PRODUCER_ROUNDING.get(name, 1e-6)
+    for module, (idx, want) in probe.items():
+        got = dense[module][idx[:, 0], idx[:, 1]]
+        assert torch.allclose(got, want, rtol=tol, atol=1e-12), (module, float((got - want).abs().max()))
+
+
+@pytest.fixture(scope="module")
+def dequantized(tmp_path_factory):
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = ql.dequantized_dir(ql.FIXTURES / name, tmp_path_factory.mktemp(name.replace("/", "-")))
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_engine_logits_equal_the_dequantized_reference(name, dequantized):
+    quant = make_llm(str(ql.FIXTURES / name), kv_capacity=1024)
+    plain = make_llm(str(dequantized(name)), kv_capacity=1024)
+    modules = quant.engine.model_config.quant.modules
+    assert modules == set(ql.reference_dense(ql.FIXTURES / name))   # quantized exactly where the producer did
+    for prompt in PROMPTS:
+        assert rel_diff(quant.prompt_logits(prompt), plain.prompt_logits(prompt)) < 1e-5
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_tp2_equals_tp1(name):
+    one = make_llm(str(ql.FIXTURES / name), kv_capacity=1024)
+    two = make_llm(str(ql.FIXTURES / name), kv_capacity=1024, tensor_parallel_size=2)
+    assert two.engine.executor.num_ranks == 2
+    for prompt in PROMPTS:
+        assert rel_diff(two.prompt_logits(prompt), one.prompt_logits(prompt)) < 1e-5
