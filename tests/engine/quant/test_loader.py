@@ -224,3 +224,16 @@ def test_ninfer_quantize_subcommand_writes_a_checkpoint_the_engine_loads(random_
                               str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
                              cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
+
+
+def test_quantized_files_are_readable_by_other_users(random_hf_model, tmp_path):
+    """safetensors writes 0600; `ninfer quantize`'s files take the mode new files get under the umask."""
+    import os
+    import stat
+    old = os.umask(0o022)
+    try:
+        quantize_checkpoint(random_hf_model[0], tmp_path / "q", "nvfp4")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "q").iterdir()}
+    assert modes and all(m == 0o644 for m in modes.values()), modes
