@@ -65,3 +65,23 @@ def test_tp2_equals_tp1(name):
     assert two.engine.executor.num_ranks == 2
     for prompt in PROMPTS:
         assert rel_diff(two.prompt_logits(prompt), one.prompt_logits(prompt)) < 1e-5
+
+
+@pytest.mark.parametrize("name, head", [("gptq_int4_asym_descact_g32/qwen3", "ct_w4a16_sym/qwen3"),
+                                        ("ct_fp8_dynamic/qwen3_5", "ct_fp8_dynamic/qwen3_5"),
+                                        ("awq_gemm/qwen3_5", "awq_gemm/qwen3_5")])
+def test_graphed_rounds_equal_eager_with_mtp(name, head):
+    """TP=2 in lockstep (the decode rounds CUDA graphs capture, run by a CPU stand-in) with k=3 equals TP=1
+    eager with k=0: act order across ranks, per-channel FP8 and AWQ on the hybrid, an MTP head beside them."""
+    from engine import SamplingParams
+    from tests.support.graph_standin import StandInRounds
+    prompts = ["def f(x):\n    return x * 2\n" * 2, "Line 1: the quick brown fox", "a b c d e f g h"]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in make_llm(str(ql.FIXTURES / name), kv_capacity=1024).generate(prompts, greedy)]
+    two = make_llm(str(ql.FIXTURES / name), kv_capacity=1024, tensor_parallel_size=2, draft_tokens=3, max_batch=4,
+                   speculative_model=str(ql.FIXTURES / head))
+    ex = two.engine.executor
+    for runner in ex.runners:
+        runner.graphs = StandInRounds(ex, runner, [1, 2, 4])
+    assert [o.token_ids for o in two.generate(prompts, greedy)] == want
+    assert ex.runners[0].graphs.launches > 0
