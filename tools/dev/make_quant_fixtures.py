@@ -73,6 +73,28 @@ FIXTURES = {
     "awq_gemm_g64/qwen3": ("gptq", "gptqmodel", "qwen3", {"quant_method": "awq", "format": "gemm", "bits": 4, "group_size": 64, "sym": False, "_dtype": "float16"}),
     "awq_gemm/qwen3_5": ("gptq", "gptqmodel", "qwen3_5", {"quant_method": "awq", "format": "gemm", "bits": 4, "group_size": 128, "sym": False, "_dtype": "float16"}),
 }
+# `--quality-out`: each layout from its real producer on the shared trained models (tools/quality/quant_quality.py
+# measures them), calibrated on in-domain text (tools/quality/calibration_texts.py); not kept in the repository
+G128 = {"bits": 4, "group_size": 128}
+QUALITY = {f"{fmt}/{arch}": (venv, prod, arch, opts) for arch in ("qwen3", "qwen3_5") for fmt, (venv, prod, opts) in {
+    "modelopt_fp8": ("main", "modelopt", {"cfg": "FP8_DEFAULT_CFG"}),
+    "modelopt_nvfp4": ("main", "modelopt", {"cfg": "NVFP4_DEFAULT_CFG"}),
+    "ct_fp8_dynamic": ("llmc", "llmc", {"scheme": "FP8_DYNAMIC"}),
+    "ct_fp8_static": ("llmc", "llmc", {"scheme": "FP8"}),
+    "ct_fp8_block": ("llmc", "llmc", {"scheme": "FP8_BLOCK"}),
+    "ct_w8a16": ("llmc", "llmc", {"scheme": "W8A16"}),
+    "ct_w4a16": ("llmc", "llmc", {"scheme": "W4A16"}),
+    "ct_w4a16_asym": ("llmc", "llmc", {"scheme": "W4A16_ASYM"}),
+    "ct_w4a16_gptq": ("llmc", "llmc", {"scheme": "W4A16", "algo": "gptq"}),
+    "ct_nvfp4": ("llmc", "llmc", {"scheme": "NVFP4"}),
+    "gptq_int4": ("gptq", "gptqmodel", {**G128, "desc_act": False, "sym": True}),
+    "gptq_int4_descact": ("gptq", "gptqmodel", {**G128, "desc_act": True, "sym": False}),
+    "gptq_int8": ("gptq", "gptqmodel", {"bits": 8, "group_size": 128, "desc_act": False, "sym": True}),
+    "awq_gemm": ("gptq", "gptqmodel", {"quant_method": "awq", "format": "gemm", **G128, "sym": False,
+                                       "_dtype": "float16"}),
+    "awq_autoawq": ("legacy", "autoawq", {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}),
+}.items() if not (fmt == "awq_autoawq" and arch == "qwen3_5")}      # AutoAWQ has no Qwen3.5 model map
+TABLE = {**FIXTURES, **QUALITY}
 VERSIONS = {"main": ["nvidia-modelopt", "torch", "transformers"],
             "llmc": ["llmcompressor", "compressed-tensors", "torch", "transformers"],
             "gptq": ["gptqmodel", "optimum", "torch", "transformers"],
@@ -145,6 +167,10 @@ def write_tokenizer(out: str, tokenizer) -> None:
 
 # -- producers (each in its own venv) ------------------------------------------------------------------
 
+# a run other than the fixtures' (--quality-out): the source models, the calibration texts, the output root
+JOB: dict = {}
+
+
 def calib_ids(n: int = 8, seqlen: int = 64, seed: int = 1234):
     """[n, seqlen] token ids of printable ASCII bytes (ids 35..129 of the byte-level vocabulary), fixed seed."""
     import torch
@@ -152,9 +178,25 @@ def calib_ids(n: int = 8, seqlen: int = 64, seed: int = 1234):
     return torch.randint(3 + 32, 3 + 127, (n, seqlen), generator=g)
 
 
+def calib_samples(arch: str, n: int = 8, seqlen: int = 64) -> list:
+    """Calibration token ids, one [1, L] tensor each: the job's texts tokenized by the source model's tokenizer
+    (at most 512 tokens each), or the fixtures' seeded random bytes."""
+    import torch
+    if not JOB.get("calib_texts"):
+        return [row[None] for row in calib_ids(n, seqlen)]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(base_dir(arch))
+    return [torch.tensor([tok.encode(t)[:512]]) for t in JOB["calib_texts"]]
+
+
 def base_dir(arch: str) -> str:
-    """The bf16 base models: made for each run (seeded, so the same every time), not kept in the repository."""
-    return os.path.join(FIX, "_base", arch)
+    """The bf16 base models: made for each fixture run (seeded, so the same every time) and not kept in the
+    repository, or the job's source models."""
+    return JOB.get("sources", {}).get(arch) or os.path.join(FIX, "_base", arch)
+
+
+def out_root() -> str:
+    return JOB.get("out") or FIX
 
 
 def copy_tokenizer(out: str, arch: str) -> None:
@@ -169,27 +211,28 @@ def produce_modelopt(arch, out, cfg):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(base_dir(arch), dtype=torch.bfloat16)
-    ids = calib_ids(4, 32)
-    model = mtq.quantize(model, getattr(mtq, cfg), lambda m: [m(ids[i:i + 1]) for i in range(ids.shape[0])])
+    samples = calib_samples(arch, 4, 32)
+    model = mtq.quantize(model, getattr(mtq, cfg), lambda m: [m(ids) for ids in samples])
     with torch.inference_mode():
         export_hf_checkpoint(model, export_dir=out)
     copy_tokenizer(out, arch)              # the export writes no tokenizer
 
 
-def produce_llmc(arch, out, scheme=None, config_groups=None, ignore=("lm_head",)):
+def produce_llmc(arch, out, scheme=None, config_groups=None, ignore=("lm_head",), algo="rtn"):
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(base_dir(arch), dtype=torch.bfloat16)
-    ids = calib_ids()
-    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    samples = calib_samples(arch)
+    ds = Dataset.from_dict({"input_ids": [s[0].tolist() for s in samples],
+                            "attention_mask": [[1] * s.shape[1] for s in samples]})
     kw = {"scheme": scheme} if scheme else {"config_groups": config_groups}
-    recipe = QuantizationModifier(targets="Linear", ignore=list(ignore), **kw)
-    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=ids.shape[0],
-            max_seq_length=ids.shape[1], shuffle_calibration_samples=False)
+    recipe = (GPTQModifier if algo == "gptq" else QuantizationModifier)(targets="Linear", ignore=list(ignore), **kw)
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(samples),
+            max_seq_length=max(s.shape[1] for s in samples), shuffle_calibration_samples=False)
     model.save_pretrained(out, save_compressed=True)
     copy_tokenizer(out, arch)
 
@@ -200,8 +243,7 @@ def produce_gptqmodel(arch, out, _dtype="bfloat16", **qkw):
     torch.manual_seed(0)
     qkw.setdefault("offload_to_disk", False)            # else a /tmp path lands in the config
     model = GPTQModel.load(base_dir(arch), QuantizeConfig(**qkw), device="cpu", dtype=getattr(torch, _dtype))
-    ids = calib_ids()
-    calib = [{"input_ids": ids[i:i + 1], "attention_mask": torch.ones_like(ids[i:i + 1])} for i in range(ids.shape[0])]
+    calib = [{"input_ids": ids, "attention_mask": torch.ones_like(ids)} for ids in calib_samples(arch)]
     # the default AWQ packer needs CUDA
     model.quantize(calib, batch_size=1, **({"backend": BACKEND.AWQ_TORCH} if qkw.get("quant_method") == "awq" else {}))
     model.save(out)
@@ -212,7 +254,7 @@ def produce_gptqmodel(arch, out, _dtype="bfloat16", **qkw):
 
 
 def calib_texts(tok):
-    return [tok.decode(r) for r in calib_ids().tolist()]
+    return JOB.get("calib_texts") or [tok.decode(r) for r in calib_ids().tolist()]
 
 
 def produce_hf_optimum(arch, out, **gkw):
@@ -234,7 +276,9 @@ def produce_autoawq(arch, out, **quant_config):
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(base_dir(arch))
     m = AutoAWQForCausalLM.from_pretrained(base_dir(arch), device_map="cpu", dtype=torch.float16)
-    m.quantize(tok, quant_config=quant_config, calib_data=calib_texts(tok), max_calib_samples=8, max_calib_seq_len=64)
+    texts = calib_texts(tok)
+    m.quantize(tok, quant_config=quant_config, calib_data=texts, max_calib_samples=len(texts),
+               max_calib_seq_len=512 if JOB.get("calib_texts") else 64)
     m.save_quantized(out)
     copy_tokenizer(out, arch)
 
@@ -344,20 +388,22 @@ def probe_fixture(name: str) -> str:
 
 # -- driver / worker ----------------------------------------------------------------------------------
 
-def worker(venv: str, names: list[str]) -> None:
+def worker(venv: str, names: list[str], job: str | None) -> None:
     from importlib.metadata import version
+    if job:
+        JOB.update(json.load(open(job)))
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")        # gptqmodel 7.6 fails on <= 2-core hosts without it
     work = tempfile.mkdtemp(prefix="fixtures-")
     os.chdir(work)                                             # producers drop logs into the cwd
     versions = {p: version(p) for p in VERSIONS[venv]}
     for name in names:
-        _, prod, arch, opts = FIXTURES[name]
-        out = os.path.join(FIX, name)
+        _, prod, arch, opts = TABLE[name]
+        out = os.path.join(out_root(), name)
         shutil.rmtree(out, ignore_errors=True)
         t = time.time()
         PRODUCERS[prod](arch, out, **opts)
         seconds = round(time.time() - t, 1)
-        what = probe_fixture(name)
+        what = probe_fixture(name) if not JOB else ""
         print("DONE " + json.dumps({"name": name, "seconds": seconds, "dequantizer": what, "versions": versions}),
               flush=True)
     shutil.rmtree(work, ignore_errors=True)
@@ -393,17 +439,57 @@ def write_manifest(done: dict, bases: dict) -> None:
         fh.write("\n")
 
 
+def run_workers(pythons: dict, names: list[str], job: str | None = None) -> dict:
+    done = {}
+    for v, py in pythons.items():
+        group = [n for n in names if TABLE[n][0] == v]
+        if not group:
+            continue
+        r = subprocess.run([py, os.path.abspath(__file__), "--worker", v, *(["--job", job] if job else []), *group],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in r.stdout.splitlines():
+            if line.startswith("DONE "):
+                entry = json.loads(line[5:])
+                done[entry["name"]] = entry
+                print(f"{entry['name']}: {entry['seconds']} s", flush=True)
+        if r.returncode:
+            sys.exit(f"worker {v} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return done
+
+
+def quality_run(a) -> None:
+    sys.path.insert(0, REPO)
+    from tools.quality.calibration_texts import calibration_texts
+    sources = dict(s.split("=", 1) for s in a.source)
+    names = [n for n in QUALITY if a.only in n and QUALITY[n][2] in sources]
+    os.makedirs(a.quality_out, exist_ok=True)
+    job = os.path.join(a.quality_out, "job.json")
+    with open(job, "w") as fh:
+        json.dump({"sources": sources, "out": os.path.abspath(a.quality_out), "calib_texts": calibration_texts()}, fh)
+    pythons = {v: os.path.join(a.venvs, v, "bin", "python") for v in VERSIONS}
+    done = run_workers(pythons, names, job)
+    with open(os.path.join(a.quality_out, "producers.json"), "w") as fh:
+        json.dump({n: {**e, "producer": QUALITY[n][1], "options": QUALITY[n][3]} for n, e in done.items()}, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--venvs", default=os.environ.get("QUANT_FIXTURE_VENVS", ""),
+    ap.add_argument("--venvs", default="",
                     help="directory holding the producer venvs main/ llmc/ gptq/ legacy/ (quant_fixture_venvs.sh)")
     ap.add_argument("--only", default="", help="substring of the fixture names to make")
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--quality-out", default="", metavar="DIR",
+                    help="instead of the fixtures: every layout from its producer on --source models, into DIR")
+    ap.add_argument("--source", action="append", default=[], metavar="ARCH=DIR",
+                    help="the bf16 model of an arch (qwen3, qwen3_5) for --quality-out")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("names", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        return worker(a.worker, a.names)
+        return worker(a.worker, a.names, a.job)
+    if a.quality_out:
+        return quality_run(a)
     names = [n for n in FIXTURES if a.only in n]
     if a.list:
         print("\n".join(f"{n:36s} {FIXTURES[n][1]:10s} {FIXTURES[n][3]}" for n in names))
@@ -418,20 +504,7 @@ def main() -> None:
         shutil.rmtree(base_dir(arch), ignore_errors=True)
         build_base(arch, base_dir(arch))
         bases[arch] = sha256(os.path.join(base_dir(arch), "model.safetensors"))
-    done = {}
-    for v, py in pythons.items():
-        group = [n for n in names if FIXTURES[n][0] == v]
-        if not group:
-            continue
-        r = subprocess.run([py, os.path.abspath(__file__), "--worker", v, *group], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-        for line in r.stdout.splitlines():
-            if line.startswith("DONE "):
-                entry = json.loads(line[5:])
-                done[entry["name"]] = entry
-                print(f"{entry['name']}: {entry['seconds']} s", flush=True)
-        if r.returncode:
-            sys.exit(f"worker {v} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    done = run_workers(pythons, names)
     shutil.rmtree(os.path.dirname(base_dir("qwen3")))
     write_manifest(done, bases)
 
