@@ -76,6 +76,7 @@ FIXTURES = {
 # `--quality-out`: each layout from its real producer on the shared trained models (tools/quality/quant_quality.py
 # measures them), calibrated on in-domain text (tools/quality/calibration_texts.py); not kept in the repository
 G128 = {"bits": 4, "group_size": 128}
+HYBRID_QUALITY = ("modelopt_fp8", "ct_fp8_dynamic", "ct_w4a16", "ct_nvfp4", "gptq_int4", "awq_gemm")
 QUALITY = {f"{fmt}/{arch}": (venv, prod, arch, opts) for arch in ("qwen3", "qwen3_5") for fmt, (venv, prod, opts) in {
     "modelopt_fp8": ("main", "modelopt", {"cfg": "FP8_DEFAULT_CFG"}),
     "modelopt_nvfp4": ("main", "modelopt", {"cfg": "NVFP4_DEFAULT_CFG"}),
@@ -93,7 +94,8 @@ QUALITY = {f"{fmt}/{arch}": (venv, prod, arch, opts) for arch in ("qwen3", "qwen
     "awq_gemm": ("gptq", "gptqmodel", {"quant_method": "awq", "format": "gemm", **G128, "sym": False,
                                        "_dtype": "float16"}),
     "awq_autoawq": ("legacy", "autoawq", {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}),
-}.items() if not (fmt == "awq_autoawq" and arch == "qwen3_5")}      # AutoAWQ has no Qwen3.5 model map
+}.items() if arch == "qwen3" or fmt in HYBRID_QUALITY}
+# the hybrid: one layout of each producer family (AutoAWQ has no Qwen3.5 model map)
 TABLE = {**FIXTURES, **QUALITY}
 VERSIONS = {"main": ["nvidia-modelopt", "torch", "transformers"],
             "llmc": ["llmcompressor", "compressed-tensors", "torch", "transformers"],
@@ -180,13 +182,13 @@ def calib_ids(n: int = 8, seqlen: int = 64, seed: int = 1234):
 
 def calib_samples(arch: str, n: int = 8, seqlen: int = 64) -> list:
     """Calibration token ids, one [1, L] tensor each: the job's texts tokenized by the source model's tokenizer
-    (at most 512 tokens each), or the fixtures' seeded random bytes."""
+    (at most 256 tokens each), or the fixtures' seeded random bytes."""
     import torch
     if not JOB.get("calib_texts"):
         return [row[None] for row in calib_ids(n, seqlen)]
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(base_dir(arch))
-    return [torch.tensor([tok.encode(t)[:512]]) for t in JOB["calib_texts"]]
+    return [torch.tensor([tok.encode(t)[:256]]) for t in JOB["calib_texts"]]
 
 
 def base_dir(arch: str) -> str:
@@ -278,7 +280,7 @@ def produce_autoawq(arch, out, **quant_config):
     m = AutoAWQForCausalLM.from_pretrained(base_dir(arch), device_map="cpu", dtype=torch.float16)
     texts = calib_texts(tok)
     m.quantize(tok, quant_config=quant_config, calib_data=texts, max_calib_samples=len(texts),
-               max_calib_seq_len=512 if JOB.get("calib_texts") else 64)
+               max_calib_seq_len=256 if JOB.get("calib_texts") else 64)
     m.save_quantized(out)
     copy_tokenizer(out, arch)
 

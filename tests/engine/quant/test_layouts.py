@@ -85,3 +85,39 @@ def test_graphed_rounds_equal_eager_with_mtp(name, head):
         runner.graphs = StandInRounds(ex, runner, [1, 2, 4])
     assert [o.token_ids for o in two.generate(prompts, greedy)] == want
     assert ex.runners[0].graphs.launches > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_act_order_on_the_hybrid(tmp_path, dequantized, tp):
+    """gptqmodel's Qwen3.5 checkpoint read as desc_act: every fused input projection of a layer (in_proj_qkv and
+    in_proj_z of the Gated DeltaNet, q/k/v, gate/up) takes one permuted g_idx, as GPTQ's act order gives the
+    projections of one input; the engine's logits equal the reference dequantized with those groups."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    src = ql.FIXTURES / "gptq_int4_sym/qwen3_5"
+    dst = tmp_path / "descact"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["desc_act"] = True
+    (dst / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    perms = {}
+    for name in sorted(n for n in t if n.endswith(".g_idx")):
+        module = name[:-len(".g_idx")]
+        shared_input = module.rsplit(".", 1)[0] + ("/mlp_in" if module.endswith(("gate_proj", "up_proj")) else "/in")
+        if module.endswith(("down_proj", "o_proj", "out_proj")):
+            shared_input = module
+        if shared_input not in perms:
+            n = t[name].numel()
+            perms[shared_input] = (torch.randperm(n, generator=gen) // 128).int()
+        t[name] = perms[shared_input].clone()
+    save_file(t, str(dst / "model.safetensors"))
+    ref = ql.dequantized_dir(dst, tmp_path / "ref")
+    quant = make_llm(str(dst), kv_capacity=1024, tensor_parallel_size=tp)
+    plain = make_llm(str(ref), kv_capacity=1024)
+    assert quant.engine.executor.driver.model.model.layers[0].linear_attn.in_proj.g_idx is not None
+    for prompt in PROMPTS:
+        assert rel_diff(quant.prompt_logits(prompt), plain.prompt_logits(prompt)) < 1e-5
