@@ -131,6 +131,7 @@ class EngineConfig:
     """Everything the engine needs besides the weights. Field names follow vLLM's flags."""
 
     model: str | None = None                # HF directory; None = the embedded default model
+    served_model_name: str | None = None    # the name clients see and ask for; None = the model directory's name
     device: str = "auto"                    # "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]"
     dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
     kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
@@ -153,6 +154,8 @@ class EngineConfig:
     draft_vocab: int = 0                    # draft over the first N token ids only; 0 = full
     stats_interval_s: float = 1.0           # width of one `history` interval in the snapshot
     lease_seconds: float = 60.0             # how long a prefilled (parked) request keeps its KV for a decode
+    handoff_timeout_seconds: float = 5.0    # a parked handle older than this gives its room to a queued request
+    seat_timeout_seconds: float = 60.0      # an attached request waits this long for a decode seat at most; 0 = no bound
     quantization: str | None = None         # "fp8" / "ptpc_fp8": an unquantized checkpoint's linears in FP8 at load
     speculative_model: str | None = None    # a checkpoint whose mtp.* head drafts (when the model's has none)
     # vLLM's spelling: {"model": DIR, "num_speculative_tokens": k, "method": "mtp"} sets the two fields above
@@ -189,6 +192,9 @@ class EngineConfig:
             _require_int("kv_capacity", self.kv_capacity, 1, 1 << 40)
         if self.max_model_len is not None:
             _require_int("max_model_len", self.max_model_len, 1, 1 << 40)
+        if self.served_model_name is not None and (not isinstance(self.served_model_name, str)
+                                                   or not self.served_model_name.strip()):
+            raise InvalidArgumentError("served_model_name", f"must be a non-empty name, got {self.served_model_name!r}")
         if not (0.0 < self.memory_utilization <= 1.0):
             raise InvalidArgumentError("memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
         if not (self.stats_interval_s > 0 and math.isfinite(self.stats_interval_s)):
@@ -196,6 +202,10 @@ class EngineConfig:
         if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
                 or not (0 < self.lease_seconds <= 86_400 and math.isfinite(self.lease_seconds)):
             raise InvalidArgumentError("lease_seconds", f"must be in (0, 86400] seconds, got {self.lease_seconds!r}")
+        for name in ("handoff_timeout_seconds", "seat_timeout_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= 86_400):
+                raise InvalidArgumentError(name, f"must be in [0, 86400] seconds, got {value!r}")
 
         if self.quantization is not None and self.quantization not in ("fp8", "ptpc_fp8"):
             raise InvalidArgumentError("quantization", f"must be fp8 or ptpc_fp8, got {self.quantization!r}")

@@ -3,7 +3,9 @@ drives it from its own thread, `LLM.generate` from the caller's."""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
+import sys
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -15,7 +17,7 @@ import torch
 from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
-from engine.errors import InvalidArgumentError
+from engine.errors import InvalidArgumentError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
 from engine.engine_info import EngineInfo, WarmupReport
@@ -25,13 +27,15 @@ from engine.loading.presets import PREFIX as PRESET_PREFIX, preset
 from engine.sched.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.distributed.executor import Executor
 from engine.sampling_params import SamplingParams
+from engine.admission import admit_options
 from engine.worker.async_rounds import InflightRound, TokenReadback, plan_ahead, why_synchronous
 from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
+from engine.logprobs import TokenLogprob
 from engine.request_stats import FinishReason, RequestStats
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +62,8 @@ def _quantize_at_load(config: EngineConfig, model_config, weights):
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request."""
+    """What one step produced for one sequence of a request (`index` among its n; 0 when n = 1).
+    `finished`: this sequence finished; the request is done once all n have."""
 
     request_id: str
     new_token_ids: list[int]
@@ -68,10 +73,32 @@ class RequestOutput:
     # figures of its prefill phase, taken on the engine thread in the step that parked it).
     stats: RequestStats | None = None
     text: str | None = None                      # final text when a stop string ended it
+    logprobs: list[TokenLogprob] | None = None   # one per new token (SamplingParams.logprobs set)
+    # with the request's first output (SamplingParams.prompt_logprobs set): one per prompt token,
+    # None for the first (nothing precedes it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence `index` of an n > 1 request: sequence 0 keeps the request's, the others a
+    fixed function of (seed, index), so every sequence has its own stream and a seeded request replays."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def logs_to_stderr() -> None:
+    """structlog prints to stdout unless configured: where no entry point configured it (the Python
+    API, a script), the engine's logs go to stderr, leaving the user's stdout to the user."""
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, clock=time.monotonic):
+        logs_to_stderr()
         self.config = config
         self.clock = clock
         if config.speculative_model is not None and (config.model is None or config.model.startswith(PRESET_PREFIX)):
@@ -125,6 +152,14 @@ class EngineCore:
         if model_config.quant is None and hasattr(weights, "dtypes"):
             check_dtypes(weights.dtypes(), self.model_name)
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            # the RoPE of these checkpoints is unscaled (ModelConfig.from_hf refuses a scaled one): a
+            # longer context would run positions the model never saw
+            raise InvalidArgumentError(
+                "max_model_len", f"{self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{model_config.max_position_embeddings} (its config has no RoPE scaling that would allow it)")
+        if config.served_model_name:
+            self.model_name = config.served_model_name
         if config.draft_vocab > model_config.vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
         self.memory = plan_memory(config, model_config, k, self.max_model_len)
@@ -143,7 +178,8 @@ class EngineCore:
             max_batch=config.max_batch, max_pending=config.max_pending,
             pending_timeout_s=config.pending_timeout_ms / 1000.0, prefill_chunk=config.prefill_chunk,
             draft_tokens=k, max_model_len=self.max_model_len,
-            lease_s=config.lease_seconds, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
+            lease_s=config.lease_seconds, handoff_timeout_s=config.handoff_timeout_seconds,
+            seat_timeout_s=config.seat_timeout_seconds or None, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
             states=self.states, snapshots=self.snapshots)
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
@@ -156,6 +192,8 @@ class EngineCore:
         log.info("scheduling", overlapped=self.async_scheduling, why_synchronous=self.sync_reason or None)
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
+        # n > 1: request id -> the ids of its sequences (0 first), until every one has finished
+        self._groups: dict[str, list[str]] = {}
 
     def warmup(self) -> WarmupReport:
         """What every entry point runs before it serves: one short request through the split path
@@ -166,7 +204,7 @@ class EngineCore:
         if self.has_work:
             raise RuntimeError("warm up before serving requests")
         prompt = list(range(1, min(self.max_model_len - 8, 2 * self.config.block_size + 3) + 1))
-        req = self.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True),
+        req = self.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                                request_id=f"warmup-{uuid.uuid4().hex}", park_after_prefill=True)
         while req.status is not RequestStatus.PARKED and not req.finished:
             self.step()
@@ -200,7 +238,10 @@ class EngineCore:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     park_after_prefill: bool = False, arrival: float | None = None,
-                    prefix_cache: bool = True) -> Request:
+                    prefix_cache: bool = True, output_token_ids: list[int] | None = None) -> Request:
+        """`output_token_ids`: a request resumed from another engine (a migrated stream): the tokens it
+        generated there. Its prefill covers prompt + those and samples nothing; decoding continues
+        after them with the same seed and output counters (engine.sched.scheduler: resumed requests)."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgumentError("prompt", "must not be empty")
@@ -208,6 +249,19 @@ class EngineCore:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise InvalidArgumentError("prompt_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        resumed = list(output_token_ids or ())
+        if resumed:
+            bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgumentError("output_token_ids", f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+            if len(resumed) >= params.max_tokens:
+                raise InvalidArgumentError("output_token_ids", f"{len(resumed)} tokens already generated leave "
+                                           f"nothing to do under max_tokens={params.max_tokens}")
+            if params.n > 1:
+                raise InvalidArgumentError("output_token_ids", "a resumed request continues one sequence (n = 1)")
+        checked = admit_options(params, vocab, self.tokenizer, self.config.max_batch, self.max_model_len)
+        if checked.truncate_to is not None:
+            ids = ids[-checked.truncate_to:]
         k_r = self.draft_tokens if params.draft_tokens is None else min(params.draft_tokens, self.draft_tokens)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -218,18 +272,51 @@ class EngineCore:
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids), prefix_cache=prefix_cache)
+            stop_token_ids=frozenset(stop_ids),
+            # prompt logprobs need every prompt position computed: a cached prefix would skip some
+            prefix_cache=prefix_cache and params.prompt_logprobs is None,
+            bad_words_token_ids=checked.bad_words_token_ids, output_token_ids=resumed, resuming=bool(resumed))
+        req.forks = [replace(req, request_id=f"{req.request_id}#{i}", seed=sequence_seed(req.seed, i), index=i,
+                             times=PhaseTimes(arrival=req.times.arrival), output_token_ids=[], block_ids=[],
+                             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
+                             prompt_logprobs=[], forks=[]) for i in range(1, params.n)]
         self.scheduler.add_request(req)
+        members = [req, *req.forks]
+        if params.n > 1:
+            self._groups[req.request_id] = [m.request_id for m in members]
         if params.stop:
-            self._stops[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids)
+            for m in members:
+                detok = self._stops[m.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens)
+                if resumed:
+                    detok.push(resumed)      # a stop string may span the tokens sent before the migration
+                    detok.flush()
         return req
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
-        req = self.scheduler.finish(request_id, reason)
-        return self._finished_output(req, [])
+        """End a request (every sequence of it); -> sequence 0's final output (`abort_all`: every one)."""
+        return self.abort_all(request_id, reason)[0]
+
+    def abort_all(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[RequestOutput]:
+        """End every unfinished sequence of a request; -> their final outputs (sequence order)."""
+        members = [rid for rid in self._groups.get(request_id, [request_id]) if rid in self.scheduler.requests]
+        if not members:
+            raise RequestNotFoundError(f"no request {request_id!r}")
+        finished = [self.scheduler.finish(rid, reason) for rid in members if rid in self.scheduler.requests]
+        finished += self.scheduler.take_cascaded()
+        return [self._finished_output(req, []) for req in sorted(finished, key=lambda r: r.index)]
 
     def resume(self, request_id: str) -> Request:
-        return self.scheduler.resume(request_id)
+        """Attach a decode to a parked request: every parked sequence of it joins the decode batch."""
+        members = self._groups.get(request_id, [request_id])
+        parked = [rid for rid in members if self.scheduler.is_parked(rid)]
+        if not parked:
+            return self.scheduler.resume(request_id)             # RequestNotFoundError, as before
+        return [self.scheduler.resume(rid) for rid in parked][0]
+
+    def is_unclaimed(self, request_id: str) -> bool:
+        """A split request no decode has attached to (see Scheduler.is_unclaimed), by its sequence 0."""
+        return self.scheduler.is_unclaimed(request_id)
 
     @property
     def has_work(self) -> bool:
@@ -240,6 +327,9 @@ class EngineCore:
     def expire(self) -> list[RequestOutput]:
         """Finish requests past the pending timeout or their lease (also called by an idle loop)."""
         return [self._finished_output(r, []) for r in self.scheduler.expire()]
+
+    def num_sequences(self, request_id: str) -> int:
+        return len(self._groups.get(request_id, (request_id,)))
 
     def step(self) -> list[RequestOutput]:
         """One round. With async scheduling a decode round is enqueued here and its tokens come out of
@@ -278,28 +368,39 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         for ev in events:                # tokens past a stop string are neither delivered nor counted
             ev.new_token_ids = self._apply_stop_strings(ev.request, ev.new_token_ids)
+            if ev.logprobs is not None:
+                ev.logprobs = ev.logprobs[:len(ev.new_token_ids)]
         self._record(sched, prefilling, events)
         for ev in events:
             req = ev.request
             if req.finished:
-                outputs.append(self._finished_output(req, ev.new_token_ids))
+                out = self._finished_output(req, ev.new_token_ids)
             else:
                 parked = req.status is RequestStatus.PARKED
-                outputs.append(RequestOutput(req.request_id, ev.new_token_ids, False, stats=(
-                    req.stats(self.config.prefill_chunk) if parked else None)))
+                out = RequestOutput(req.group_id, ev.new_token_ids, False, stats=(
+                    req.stats(self.config.prefill_chunk) if parked else None), index=req.index)
+            out.logprobs = ev.logprobs
+            if req.sampling.prompt_logprobs is not None and req.index == 0 and not req.prompt_logprobs_sent:
+                out.prompt_logprobs = [None, *req.prompt_logprobs]
+                req.prompt_logprobs_sent = True
+            outputs.append(out)
         return outputs
 
     def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:
         detok = self._stops.get(req.request_id)
         if detok is None or not tokens:
             return tokens
+        params = req.sampling
+        first = len(req.output_token_ids) - len(tokens)          # output index of tokens[0]
         for i, tok in enumerate(tokens):
             before = len(detok.text)
             detok.push([tok])
-            cut = find_stop(detok.text, req.sampling.stop, before)
+            if first + i + 1 <= params.min_tokens:               # stop strings count after min_tokens (vLLM)
+                continue
+            cut = stop_cut(detok.text, params.stop, before, params.include_stop_str_in_output)
             if cut is not None:
                 kept = tokens[:i + 1]
-                del req.output_token_ids[len(req.output_token_ids) - len(tokens) + i + 1:]
+                del req.output_token_ids[first + i + 1:]
                 self._stop_text[req.request_id] = detok.text[:cut]
                 if not req.finished:
                     self.scheduler.finish(req.request_id, FinishReason.STOP)
@@ -312,8 +413,11 @@ class EngineCore:
         self._stops.pop(req.request_id, None)
         stats = req.stats(self.config.prefill_chunk)
         self.metrics.record_request(stats)
-        return RequestOutput(req.request_id, tokens, True, req.finish_reason, stats,
-                             self._stop_text.pop(req.request_id, None))
+        group = self._groups.get(req.group_id)
+        if group is not None and all(rid not in self.scheduler.requests for rid in group):
+            del self._groups[req.group_id]
+        return RequestOutput(req.group_id, tokens, True, req.finish_reason, stats,
+                             self._stop_text.pop(req.request_id, None), index=req.index)
 
     def _record(self, sched, prefilling: list[Request], events) -> None:
         prefill = sum(len(p.token_ids) for p in sched.prefills)
@@ -334,10 +438,13 @@ class EngineCore:
         kv = {"num_blocks": self.kv.num_blocks, "free_blocks": self.kv.num_free_blocks,
               "block_size": self.kv.block_size, "capacity_tokens": self.kv.capacity_tokens,
               "usage": self.kv.usage, "refs_taken": self.kv.refs_taken, "refs_dropped": self.kv.refs_dropped}
+        if self.states is not None:                  # hybrids: one linear-attention state per admitted request
+            kv["state_slots"] = self.states.num_slots
+            kv["state_slots_used"] = self.states.num_slots - self.states.num_free
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees
-                 "parked": len(s.parked)}
+                 "parked": len(s.parked), "awaiting_seat": len(s.attached), **s.waits()}
         return self.metrics.snapshot(self.clock(), kv, queue)
 
     def info(self) -> EngineInfo:
@@ -348,13 +455,13 @@ class EngineCore:
             draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
-            warmup=self.warmup_report)
+            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill.
         The prefix cache is not used: a cached prefix would skip the logits of its positions."""
-        req = self.add_request(prompt, SamplingParams(max_tokens=1), prefix_cache=False)
+        req = self.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), prefix_cache=False)
         with self.executor.collect_prompt_logits(req.request_id) as chunks:
             while not req.finished:
                 self.step()

@@ -42,6 +42,8 @@ class EngineInfo:
     tensor_parallel_size: int
     lease_seconds: float
     warmup: WarmupReport
+    max_num_seqs: int = 0                    # the decode batch (--max-num-seqs)
+    max_pending: int = 0                     # the queue (--max-pending)
 
     def log_fields(self) -> dict[str, Any]:
         """Everything but the tokenizer, for a log line."""

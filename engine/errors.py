@@ -1,4 +1,4 @@
-"""The engine's error types. Each maps to one gRPC status in services/ (see DESIGN.md)."""
+"""The engine's error types. Each maps to one gRPC status in services/ (docs/architecture.md, "Error model")."""
 
 from __future__ import annotations
 

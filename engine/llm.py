@@ -6,24 +6,57 @@ compiled, CUDA graphs captured), so that what this API measures is what `ninfer 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestOutput
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, RequestStats
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's shape of one alternative at one position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# one position: token id -> its Logprob (the chosen token, then the top-N), as vLLM's `outputs[j].logprobs[i]`
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class SequenceOutput:
+    """One generated sequence (vLLM's `CompletionOutput`): `index` among the request's n."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[PositionLogprobs] | None = None      # one per token (SamplingParams.logprobs set)
+    cumulative_logprob: float | None = None
+    stats: RequestStats | None = None
+
+
 @dataclass
 class CompletionOutput:
+    """One request's result: vLLM's shape (`outputs[j].text`, `.token_ids`, `.logprobs`,
+    `prompt_logprobs`) and ninfer's flat fields of its first sequence (`token_ids`, `text`, `stats`)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]            # generated ids only
+    token_ids: list[int]            # generated ids only (sequence 0)
     text: str
     finish_reason: FinishReason
     stats: RequestStats
+    outputs: list[SequenceOutput] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    finished: bool = True
 
 
 class LLM:
@@ -47,19 +80,62 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
         reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(reqs):
+        sequences = {(req.request_id, i): _Collected() for req in reqs for i in range(req.sampling.n)}
+        remaining = len(sequences)
+        while remaining:
             for out in self.engine.step():
-                if out.finished:
-                    results[out.request_id] = out
+                seq = sequences.get((out.request_id, out.index))
+                if seq is None:
+                    continue
+                seq.add(out)
+                remaining -= out.finished
+        return [self._result(req, [sequences[(req.request_id, i)] for i in range(req.sampling.n)]) for req in reqs]
+
+    def _result(self, req, collected: list["_Collected"]) -> CompletionOutput:
+        p = req.sampling
         outputs = []
-        for req in reqs:
-            out = results[req.request_id]
-            text = out.text if out.text is not None else self.tokenizer.decode(req.output_token_ids)
-            outputs.append(CompletionOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids),
-                                            text, out.finish_reason, out.stats))
-        return outputs
+        for i, seq in enumerate(collected):
+            text = seq.text if seq.text is not None else self.tokenizer.decode(
+                seq.token_ids, p.skip_special_tokens, p.spaces_between_special_tokens)
+            logprobs = [self._position(lp) for lp in seq.logprobs] if p.logprobs is not None else None
+            outputs.append(SequenceOutput(i, text, seq.token_ids, seq.finish_reason, logprobs,
+                                          sum(lp.logprob for lp in seq.logprobs) if p.logprobs is not None else None,
+                                          seq.stats))
+        first = collected[0]
+        prompt_lp = ([None if lp is None else self._position(lp) for lp in first.prompt_logprobs]
+                     if first.prompt_logprobs is not None else None)
+        return CompletionOutput(req.request_id, req.prompt_token_ids, first.token_ids, outputs[0].text,
+                                first.finish_reason, first.stats, outputs=outputs, prompt_logprobs=prompt_lp)
+
+    def _position(self, lp: TokenLogprob) -> PositionLogprobs:
+        """vLLM's dict for one position: the chosen token first, then the top-N (ranks 1..N)."""
+        decode = lambda t: self.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+        for rank, (tid, value) in enumerate(lp.top, start=1):
+            out.setdefault(tid, Logprob(value, rank, decode(tid)))
+        return out
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill."""
         return self.engine.prompt_logits(prompt)
+
+
+@dataclass
+class _Collected:
+    """One sequence's outputs as the steps deliver them."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    text: str | None = None
+    finish_reason: FinishReason | None = None
+    stats: RequestStats | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.finished:
+            self.text, self.finish_reason, self.stats = out.text, out.finish_reason, out.stats

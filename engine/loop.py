@@ -11,14 +11,19 @@ behind it: every method runs its work on the engine thread, between steps.
 A prefill/decode split: `submit(..., park_after_prefill=True)`; its first output carries the first
 token and the prefill's stats (taken on the engine thread when it parked); later `resume(request_id)`
 returns the same stream, now decoding, or `release(request_id)` drops it.
+
+asyncio callers (the grpc.aio servers) use the `*_async` twins and `await stream.next_async()`:
+nothing blocks their event loop. The engine thread wakes each event loop once per step for all of
+that loop's streams that got an output (one `call_soon_threadsafe`, not one per stream).
 """
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -35,34 +40,77 @@ IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked req
 
 
 class RequestStream:
-    """Outputs of one request, in order. Iterating blocks; the final output has `finished` set."""
+    """Outputs of one request, in order. Iterating blocks. With n sequences, outputs carry their
+    `index` and each sequence's last has `finished` set; the stream ends after n of those."""
 
-    def __init__(self, request_id: str, loop: "EngineLoop"):
+    def __init__(self, request_id: str, loop: "EngineLoop", n: int = 1):
         self.request_id = request_id
+        self.n = n
         self._loop = loop
         self._outputs: queue.SimpleQueue[RequestOutput | BaseException] = queue.SimpleQueue()
+        self._unfinished = n
         self.finished = False
+        self.attached = False                            # resumed (a decode attached to it)
+        self.seed = 0                                    # the request's seed (the caller's or a drawn one)
+        self._waiter: asyncio.Future | None = None       # an asyncio reader waiting for the next output
+        self._waiter_lock = threading.Lock()
+        self.delivered_finals = 0         # the loop's count (its thread), apart from the reader's
 
     def _put(self, item: RequestOutput | BaseException) -> None:
+        """On the engine thread: queue an output and wake an asyncio reader waiting for it."""
         self._outputs.put(item)
+        with self._waiter_lock:
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            self._loop._wake(waiter)
 
     def next(self, timeout: float | None = None) -> RequestOutput:
         """The next output; raises `queue.Empty` after `timeout`, the engine's error if it died,
         `QueueTimeoutError` if the request timed out in the queue."""
-        item = self._outputs.get(timeout=timeout)
+        return self._unwrap(self._outputs.get(timeout=timeout))
+
+    async def next_async(self) -> RequestOutput:
+        """`next()` for an asyncio caller: waits without blocking the event loop (cancel it freely)."""
+        while True:
+            try:
+                return self._unwrap(self._outputs.get_nowait())
+            except queue.Empty:
+                pass
+            waiter = asyncio.get_running_loop().create_future()
+            with self._waiter_lock:
+                if not self._outputs.empty():       # an output came in between: no wait
+                    continue
+                self._waiter = waiter
+            try:
+                await waiter
+            finally:
+                with self._waiter_lock:
+                    if self._waiter is waiter:
+                        self._waiter = None
+
+    def _unwrap(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
         if item.finished:
-            self.finished = True
-            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:
-                raise QueueTimeoutError(
-                    f"request waited longer than pending_timeout_ms={self._loop.core.config.pending_timeout_ms}")
+            self._unfinished -= 1
+            self.finished = self._unfinished == 0
+            if item.finish_reason is FinishReason.QUEUE_TIMEOUT:       # the request never started: all n end so
+                self.finished = True
+                config = self._loop.core.config
+                if self.attached:             # prefilled and attached: it waited for a decode seat
+                    raise QueueTimeoutError(f"no decode seat within seat_timeout_seconds="
+                                            f"{config.seat_timeout_seconds:g} (the decode batch stayed full)")
+                raise QueueTimeoutError(f"request waited longer than pending_timeout_ms={config.pending_timeout_ms}")
         return item
 
     def __iter__(self) -> Iterator[RequestOutput]:
         while not self.finished:
             yield self.next()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.next_async()
 
     def abort(self) -> None:
         self._loop.abort(self.request_id)
@@ -79,6 +127,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self.dead: BaseException | None = None
         self.steps = 0
+        self._wakes: list[asyncio.Future] = []            # asyncio readers to wake after this step (engine thread)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -104,19 +153,35 @@ class EngineLoop:
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                park_after_prefill: bool = False) -> RequestStream:
         """Admit a request; raises the engine's validation and queue errors synchronously."""
+        return self._call(self._add(prompt, params, request_id, park_after_prefill))
+
+    async def submit_async(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                           park_after_prefill: bool = False,
+                           output_token_ids: list[int] | None = None) -> RequestStream:
+        """`submit` for an asyncio caller; a caller cancelled while the request is being admitted leaves
+        nothing behind (the request is aborted once admitted). `output_token_ids`: a resumed stream
+        (EngineCore.add_request)."""
+        return await self._call_async(self._add(prompt, params, request_id, park_after_prefill, output_token_ids),
+                                      orphaned=lambda stream: self.abort(stream.request_id))
+
+    def _add(self, prompt, params: SamplingParams, request_id: str | None, park_after_prefill: bool,
+             output_token_ids: list[int] | None = None) -> Callable[[], RequestStream]:
         arrival = self.clock()
 
         def add() -> RequestStream:
-            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival)
-            stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
+            req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival,
+                                        output_token_ids=output_token_ids)
+            stream = self._streams[req.request_id] = RequestStream(req.request_id, self, params.n)
+            stream.seed = req.seed
             return stream
-        return self._call(add)
+        return add
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """End a request wherever it is; its stream gets a final output. Unknown ids are ignored."""
         def do() -> None:
             try:
-                self._deliver(self.core.abort(request_id, reason))
+                for out in self.core.abort_all(request_id, reason):
+                    self._deliver(out)
             except RequestNotFoundError:
                 pass
         self._commands.put((do, None))
@@ -127,11 +192,20 @@ class EngineLoop:
 
     def resume_all(self, request_ids: list[str]) -> list[RequestStream]:
         """Attach several parked requests in one command: they join the decode batch in the same step."""
+        return self._call(self._resume(request_ids))
+
+    async def resume_async(self, request_id: str) -> RequestStream:
+        """`resume` for an asyncio caller; a caller cancelled while attaching aborts the request."""
+        return (await self._call_async(self._resume([request_id]),
+                                       orphaned=lambda streams: self.abort(request_id)))[0]
+
+    def _resume(self, request_ids: list[str]) -> Callable[[], list[RequestStream]]:
         def do() -> list[RequestStream]:
             for rid in request_ids:
                 self.core.resume(rid)
+                self._streams[rid].attached = True
             return [self._streams[rid] for rid in request_ids]
-        return self._call(do)
+        return do
 
     @property
     def tokenizer(self):
@@ -141,11 +215,18 @@ class EngineLoop:
     def release(self, request_id: str) -> None:
         """Drop a split request no decode attached to (parked, or still on its way to park) and its KV,
         before the next step; NOT_FOUND when there is none (unknown, attached, expired or finished)."""
+        self._call(self._release(request_id))
+
+    async def release_async(self, request_id: str) -> None:
+        await self._call_async(self._release(request_id))
+
+    def _release(self, request_id: str) -> Callable[[], None]:
         def do() -> None:
-            if not self.core.scheduler.is_unclaimed(request_id):
+            if not self.core.is_unclaimed(request_id):
                 raise RequestNotFoundError(f"no prefilled handle {request_id!r} (unknown, attached, expired or finished)")
-            self._deliver(self.core.abort(request_id, FinishReason.ABORT))
-        self._call(do)
+            for out in self.core.abort_all(request_id, FinishReason.ABORT):
+                self._deliver(out)
+        return do
 
     def warmup(self) -> WarmupReport:
         """Compile every kernel a request takes and capture the CUDA graphs (see `EngineCore.warmup`)."""
@@ -157,6 +238,9 @@ class EngineLoop:
     def metrics(self) -> dict[str, Any]:
         """The metrics snapshot: history / last / performance, KV (block reference counters too), queue."""
         return self._call(self.core.snapshot)
+
+    async def metrics_async(self) -> dict[str, Any]:
+        return await self._call_async(self.core.snapshot)
 
     def num_unfinished(self) -> int:
         """Requests admitted and not finished (queued, prefilling, parked or decoding)."""
@@ -177,11 +261,28 @@ class EngineLoop:
         return self._call(lambda: fn(self.core))
 
     def _call(self, fn: Callable[[], Any]) -> Any:
+        return self._post(fn).result()
+
+    async def _call_async(self, fn: Callable[[], Any], orphaned: Callable[[Any], None] | None = None) -> Any:
+        """Run `fn` on the engine thread. Cancelled before it runs: it never runs. Cancelled while it
+        runs: `orphaned(result)` is called with what it returned (the caller will not see it)."""
+        done = self._post(fn)
+        try:
+            return await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            if orphaned is not None:
+                def settle(f: Future) -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        orphaned(f.result())
+                done.add_done_callback(settle)
+            raise
+
+    def _post(self, fn: Callable[[], Any]) -> Future:
         if not self.alive:
             raise EngineDeadError(f"the engine loop is not running ({self.dead or 'stopped'})")
         done: Future = Future()
         self._commands.put((fn, done))
-        return done.result()
+        return done
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -195,13 +296,33 @@ class EngineLoop:
                     for out in self.core.step():
                         self._deliver(out)
                     self.steps += 1
+                self._flush_wakes()
         except BaseException as e:  # noqa: BLE001 - the engine is dead; every stream learns why
             log.exception("engine_loop_died")
             self.dead = e
             for stream in list(self._streams.values()):
                 stream._put(EngineDeadError(f"engine stopped: {e!r}"))
             self._streams.clear()
+            self._flush_wakes()
             self._fail_pending_commands(e)
+
+    def _wake(self, waiter: asyncio.Future) -> None:
+        """Engine thread: wake this asyncio reader once the step's outputs are all queued."""
+        self._wakes.append(waiter)
+
+    def _flush_wakes(self) -> None:
+        """One call_soon_threadsafe per event loop for every reader that got an output this step."""
+        if not self._wakes:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+        for waiter in self._wakes:
+            by_loop.setdefault(waiter.get_loop(), []).append(waiter)
+        self._wakes = []
+        for event_loop, waiters in by_loop.items():
+            try:
+                event_loop.call_soon_threadsafe(_resolve_all, waiters)
+            except RuntimeError:             # that loop is closed: no reader is left on it
+                pass
 
     def _drain(self, block: bool) -> None:
         timeout = IDLE_TICK_S if self.core.scheduler.has_timeouts else 0.5
@@ -214,6 +335,11 @@ class EngineLoop:
             return
         while True:
             fn, done = item
+            if done is not None and not done.set_running_or_notify_cancel():
+                item = self._next_command()        # its caller gave up before it ran: it never happens
+                if item is None:
+                    return
+                continue
             try:
                 result = fn()
                 if done is not None:
@@ -222,10 +348,15 @@ class EngineLoop:
                 if done is None:
                     raise
                 done.set_exception(e)
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
+            item = self._next_command()
+            if item is None:
                 return
+
+    def _next_command(self):
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
 
     def _deliver(self, out: RequestOutput) -> None:
         if out.finish_reason is FinishReason.LEASE_EXPIRED:        # a handle no decode came for
@@ -236,7 +367,9 @@ class EngineLoop:
             return
         stream._put(out)
         if out.finished:
-            del self._streams[out.request_id]
+            stream.delivered_finals += 1
+            if stream.delivered_finals == stream.n:
+                del self._streams[out.request_id]
 
     def _fail_pending_commands(self, error: BaseException) -> None:
         while True:
@@ -244,5 +377,11 @@ class EngineLoop:
                 _, done = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if done is not None:
+            if done is not None and done.set_running_or_notify_cancel():
                 done.set_exception(EngineDeadError(f"engine stopped: {error!r}"))
+
+
+def _resolve_all(waiters: list[asyncio.Future]) -> None:
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)

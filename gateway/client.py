@@ -25,12 +25,13 @@ class GatewayClient(ServerClient):
     def generate(self, prompt: str | None = None, *, messages: list[tuple[str, str]] | None = None,
                  prompt_token_ids: list[int] | None = None, sampling: common_pb2.SamplingParams | None = None,
                  include_token_ids: bool = False, continuous_usage_stats: bool = False,
-                 timeout: float | None = None, model: str = "") -> Iterator[gateway_pb2.GenerateResponse]:
+                 timeout: float | None = None, model: str = "",
+                 parse_special_tokens: bool = False) -> Iterator[gateway_pb2.GenerateResponse]:
         """The response stream (a grpc call: `.cancel()` ends it); raises grpc.RpcError on failure."""
-        return self.stub.Generate(
-            generate_request(prompt, messages, prompt_token_ids, sampling, include_token_ids,
-                             continuous_usage_stats, model),
-            timeout=timeout, metadata=self.metadata)
+        request = generate_request(prompt, messages, prompt_token_ids, sampling, include_token_ids,
+                                   continuous_usage_stats, model)
+        request.parse_special_tokens = parse_special_tokens
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
 
 def generate_request(prompt: str | None = None, messages: list[tuple[str, str]] | None = None,

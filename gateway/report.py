@@ -32,8 +32,10 @@ class RequestRecord:
     completion_tokens: int = 0                           # tokens sent so far
     tokenize_s: float = 0.0
     prefill_call_s: float = 0.0
+    migrations: int = 0                                  # times the stream moved to another engine
     first_token_at: float | None = None
     last_token_at: float | None = None
+    first_message_sent: bool = False                     # the client has had a message
     stats: RequestStats | None = None                    # the engine's final stats
     result: gateway_pb2.GenerateResult | None = field(default=None, repr=False)
 
@@ -66,6 +68,7 @@ class RequestRecord:
             "rpc.grpc.status_code": self.status.value[0],
             "ninfer.status": self.status.name,
             "ninfer.engine": self.engine,
+            "ninfer.migrations": self.migrations,
             "gen_ai.usage.input_tokens": self.prompt_tokens,
         }
         s = self.sampling

@@ -9,11 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidArgumentError
-from engine.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
-
-DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
+from engine.logprobs import TokenLogprob
+from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                    SamplingParams, StructuredOutput)
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage
 from ninfer.v1 import common_pb2, engine_info_pb2
+
+# ninfer.v1's own defaults for unset fields (common.proto documents them): greedy, 64 tokens
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_TEMPERATURE = 0.0
 
 _FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -37,24 +41,84 @@ def finish_reason_from_proto(value: int) -> FinishReason | None:
 # -- sampling ---------------------------------------------------------------------------------------
 
 def sampling_from_proto(p: common_pb2.SamplingParams, room: int | None = None) -> SamplingParams:
-    """Validated engine params; unset optional fields keep the engine's defaults, except that an unset
-    max_tokens is clamped to `room` (the tokens the context leaves after the prompt), so that a long
-    prompt is not refused for a field its caller never set. Raises InvalidArgumentError naming the field."""
-    if len(p.stop) > MAX_STOP_STRINGS:              # before copying a field that may hold millions
-        raise InvalidArgumentError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
-    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidArgumentError("stop_token_ids",
-                                   f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(p.stop_token_ids)}")
+    """Validated engine params; unset optional fields keep this protocol's defaults (greedy, 64
+    tokens), except that an unset max_tokens is clamped to `room` (the tokens the context leaves after
+    the prompt), so that a long prompt is not refused for a field its caller never set. Raises
+    InvalidArgumentError naming the field."""
+    # sizes first, before copying a field that may hold millions
+    for name, limit, what in (("stop", MAX_STOP_STRINGS, "stop strings"), ("stop_token_ids", MAX_STOP_TOKEN_IDS,
+                              "stop token ids"), ("logit_bias", MAX_LOGIT_BIAS, "entries"), ("bad_words", MAX_BAD_WORDS, "words")):
+        if len(getattr(p, name)) > limit:
+            raise InvalidArgumentError(name, f"at most {limit} {what}, got {len(getattr(p, name))}")
     kwargs: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "seed", "draft_tokens"):
+    for name in ("max_tokens", "temperature", "top_p", "seed", "draft_tokens", "repetition_penalty", "logprobs",
+                 "prompt_logprobs", "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens"):
         if p.HasField(name):
             kwargs[name] = getattr(p, name)
-    if room is not None and "max_tokens" not in kwargs:
-        if room < 1:
+    kwargs.setdefault("temperature", DEFAULT_TEMPERATURE)
+    if "max_tokens" not in kwargs:
+        if room is not None and room < 1:
             raise InvalidArgumentError("prompt", "the prompt leaves no room for a token under the context limit")
-        kwargs["max_tokens"] = min(DEFAULT_MAX_TOKENS, room)
-    return SamplingParams(top_k=p.top_k, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                          ignore_eos=p.ignore_eos, **kwargs)
+        kwargs["max_tokens"] = DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+    return SamplingParams(
+        top_k=p.top_k, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        n=p.n or 1, min_p=p.min_p, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias) or None, bad_words=list(p.bad_words) or None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        structured_output=structured_output_from_proto(p.structured_output) if p.HasField("structured_output") else None,
+        **kwargs)
+
+
+def structured_output_from_proto(p: common_pb2.StructuredOutput) -> StructuredOutput:
+    if len(p.choice) > MAX_CHOICES:
+        raise InvalidArgumentError("structured_output.choice", f"at most {MAX_CHOICES} choices, got {len(p.choice)}")
+    return StructuredOutput(
+        json_schema=p.json_schema if p.HasField("json_schema") else None, json_object=p.json_object,
+        regex=p.regex if p.HasField("regex") else None, grammar=p.grammar if p.HasField("grammar") else None,
+        choice=tuple(p.choice) or None, structural_tag=p.structural_tag if p.HasField("structural_tag") else None)
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """The engine params as ninfer.v1 sends them (every field set explicitly)."""
+    p = common_pb2.SamplingParams(
+        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        stop=params.stop, stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, n=params.n,
+        min_p=params.min_p, presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty, min_tokens=params.min_tokens,
+        logit_bias=params.logit_bias or {}, bad_words=params.bad_words or [],
+        include_stop_str_in_output=params.include_stop_str_in_output, skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens)
+    for name in ("seed", "draft_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+        if getattr(params, name) is not None:
+            setattr(p, name, getattr(params, name))
+    so = params.structured_output
+    if so is not None:
+        p.structured_output.CopyFrom(common_pb2.StructuredOutput(
+            json_schema=so.json_schema, json_object=so.json_object, regex=so.regex, grammar=so.grammar,
+            choice=so.choice or (), structural_tag=so.structural_tag))
+    return p
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+
+def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[common_pb2.TokenLogprob]:
+    return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
+                                    top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in logprobs or ()]
+
+
+def logprobs_from_proto(items) -> list[TokenLogprob]:
+    return [TokenLogprob(lp.token_id, lp.logprob, lp.rank, tuple((t.token_id, t.logprob) for t in lp.top))
+            for lp in items]
+
+
+def sequence_output_to_proto(out) -> common_pb2.SequenceOutput:
+    """One output of a request stream (`engine.loop.RequestStream`) as a SequenceOutput."""
+    msg = common_pb2.SequenceOutput(index=out.index, token_ids=out.new_token_ids, finished=out.finished,
+                                    logprobs=logprobs_to_proto(out.logprobs))
+    if out.stats is not None:
+        msg.stats.CopyFrom(stats_to_proto(out.stats))
+    return msg
 
 
 def token_ids_from_proto(ids, field: str, vocab_size: int) -> list[int]:

@@ -22,6 +22,7 @@ def model_info_to_proto(info: EngineInfo) -> engine_info_pb2.ModelInfo:
         tokenizer_sha256=hashlib.sha256(info.tokenizer_json.encode()).hexdigest(),
         device=info.device, dtype=info.dtype, kv_dtype=info.kv_dtype,
         tensor_parallel_size=info.tensor_parallel_size, lease_seconds=info.lease_seconds,
+        max_num_seqs=info.max_num_seqs, max_pending=info.max_pending,
         warmup=engine_info_pb2.Warmup(done=w.done, seconds=w.seconds, cuda_graphs=w.cuda_graphs,
                                       graph_buckets=list(w.graph_buckets),
                                       graph_capture_seconds=w.graph_capture_seconds,
@@ -33,12 +34,12 @@ class EngineInfoServicer(engine_info_pb2_grpc.EngineInfoServiceServicer):
         self.ctx = engine
         self._model_info: engine_info_pb2.ModelInfo | None = None
 
-    def GetModelInfo(self, request, context: grpc.ServicerContext):
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             if self._model_info is None:              # built once: the tokenizer is large
                 self._model_info = model_info_to_proto(self.ctx.info)
             return self._model_info
 
-    def GetMetrics(self, request, context: grpc.ServicerContext):
+    async def GetMetrics(self, request, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
-            return metrics_to_proto(self.ctx.engine.metrics())
+            return metrics_to_proto(await self.ctx.engine.metrics_async())

@@ -18,7 +18,7 @@ from structlog.contextvars import bound_contextvars
 from engine.loop import EngineLoop
 from engine.request_stats import FinishReason
 from ninfer.v1 import prefill_pb2, prefill_pb2_grpc
-from services.convert import sampling_from_proto, stats_to_proto
+from services.convert import logprobs_to_proto, sampling_from_proto, sequence_output_to_proto, stats_to_proto
 from services.engine_context import EngineContext
 from services.server.errors import SHUT_DOWN_DETAILS, RpcAbort
 from services.server.telemetry import prefill_attributes, stats_attributes
@@ -26,27 +26,21 @@ from services.server.telemetry import prefill_attributes, stats_attributes
 log = structlog.get_logger(__name__)
 
 
-def call_failed(context: grpc.ServicerContext) -> bool:
-    """In a termination callback: whether the call ended cancelled (by the client, its deadline or the
-    transport) rather than with its status sent. grpc's sync server has no public accessor for this;
-    it is the call state's `client` field ("cancelled"). Unknown: False (the lease still frees it)."""
-    state = getattr(context, "_state", None)
-    return getattr(state, "client", None) == "cancelled"
-
-
 class AbortOnTermination:
-    """gRPC termination callback: abort the engine request unless it was handed off (disarmed).
-    `hand_off()`: the response is on its way; the request is aborted still if the call then fails."""
+    """Done callback of a call (and the drain's cutter): abort the engine request unless it was handed
+    off or disarmed. `hand_off()`: the response is on its way; the request is aborted still if the
+    call then ends cancelled (the client never got it)."""
 
-    def __init__(self, loop: EngineLoop, request_id: str, context: grpc.ServicerContext | None = None):
-        self._loop, self._request_id, self._context = loop, request_id, context
+    def __init__(self, loop: EngineLoop, request_id: str):
+        self._loop, self._request_id = loop, request_id
         self._armed = True
         self._handed_off = False
         self._lock = threading.Lock()
 
-    def __call__(self) -> None:
+    def __call__(self, context: grpc.aio.ServicerContext | None = None) -> None:
+        failed = context is not None and context.cancelled()
         with self._lock:
-            fire = self._armed and (not self._handed_off or call_failed(self._context))
+            fire = self._armed and (not self._handed_off or failed)
             self._armed = False
         if fire:
             self._loop.abort(self._request_id)
@@ -60,10 +54,12 @@ class AbortOnTermination:
             self._handed_off = True
 
     @classmethod
-    def register(cls, context: grpc.ServicerContext, loop: EngineLoop, request_id: str) -> "AbortOnTermination":
-        guard = cls(loop, request_id, context)
-        if not context.add_callback(guard):        # the call has ended already
-            guard()
+    def register(cls, context: grpc.aio.ServicerContext, loop: EngineLoop, request_id: str) -> "AbortOnTermination":
+        guard = cls(loop, request_id)
+        if context.done():                         # the call has ended already
+            guard(context)
+        else:
+            context.add_done_callback(guard)
         return guard
 
 
@@ -71,7 +67,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
     def __init__(self, engine: EngineContext):
         self.ctx = engine
 
-    def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.ServicerContext):
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         ctx = self.ctx
         with ctx.state.admit(), bound_contextvars(request_id=request.request_id or None), \
                 ctx.tracer.start_as_current_span("prefill") as span:
@@ -79,14 +75,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             info = ctx.info
             room = min(info.max_model_len, info.kv_capacity_tokens - info.draft_tokens) - len(request.prompt_token_ids)
             params = sampling_from_proto(request.sampling, room=room)
-            stream = loop.submit(list(request.prompt_token_ids), params, request.request_id or None,
-                                 park_after_prefill=True)
+            stream = await loop.submit_async(list(request.prompt_token_ids), params, request.request_id or None,
+                                             park_after_prefill=True,
+                                             output_token_ids=list(request.output_token_ids) or None)
             guard = AbortOnTermination.register(context, loop, stream.request_id)
             with ctx.state.on_cut(guard):
-                first = stream.next()                 # QueueTimeoutError: RESOURCE_EXHAUSTED
+                try:
+                    # every sequence's first output comes in the step that ends the prefill (n > 1: forked)
+                    firsts = sorted([await stream.next_async() for _ in range(params.n)], key=lambda o: o.index)
+                except BaseException:                    # cancelled (client, deadline): abort it now
+                    guard()
+                    raise
             guard.hand_off()                          # armed until the response has gone out
+            first = firsts[0]
             stats = first.stats                       # the prefill's figures, or the finished request's
-            if first.finished:
+            if all(o.finished for o in firsts):
                 if first.finish_reason is FinishReason.ABORT:
                     if ctx.state.shut_down:
                         raise RpcAbort(grpc.StatusCode.UNAVAILABLE, SHUT_DOWN_DETAILS)
@@ -100,10 +103,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
                 ctx.metrics.observe_prefill(stats)
             span.set_attribute("ninfer.request_id", stream.request_id)
             return prefill_pb2.PrefillResponse(
-                handle=stream.request_id, token_ids=first.new_token_ids, finished=first.finished,
-                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds)
+                handle=stream.request_id, token_ids=first.new_token_ids, finished=all(o.finished for o in firsts),
+                stats=stats_to_proto(stats), lease_seconds=ctx.info.lease_seconds, seed=stream.seed,
+                logprobs=logprobs_to_proto(first.logprobs),
+                prompt_logprobs=logprobs_to_proto((first.prompt_logprobs or [None])[1:]),
+                sequences=[sequence_output_to_proto(o) for o in firsts] if params.n > 1 else [])
 
-    def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.ServicerContext):
+    async def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True), bound_contextvars(request_id=request.handle):
-            self.ctx.engine.release(request.handle)         # RequestNotFoundError: NOT_FOUND
+            await self.ctx.engine.release_async(request.handle)     # RequestNotFoundError: NOT_FOUND
             return prefill_pb2.ReleaseResponse()

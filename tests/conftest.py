@@ -19,7 +19,7 @@ from engine.sched.scheduler import ModelOutput
 if "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
-# The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (DESIGN.md).
+# The trained test model lives beside the checkout: ../shared/models/tiny-qwen3-mtp (docs/development.md).
 SHARED_MODEL = Path(__file__).resolve().parents[2] / "shared/models/tiny-qwen3-mtp"
 SKIP_REASON = (f"the trained test model is not at {SHARED_MODEL} (a checkout outside the ninfer workplace); "
                "tests that need real text behaviour run only beside ../shared/models/tiny-qwen3-mtp")
@@ -166,6 +166,7 @@ def make_request(prompt: int | list[int] = 8, max_tokens: int = 4, request_id: s
     from engine.sampling_params import SamplingParams
     n = next(_ids)
     ids = list(prompt) if isinstance(prompt, list) else [(n * 7919 + i) % 30000 + 1 for i in range(prompt)]
+    sampling.setdefault("temperature", 0.0)
     params = SamplingParams(max_tokens=max_tokens, **sampling)
     return Request(request_id=request_id or f"req-{n}", prompt_token_ids=ids, sampling=params, seed=n,
                    times=PhaseTimes(arrival=arrival), draft_tokens=draft_tokens,

@@ -51,3 +51,30 @@ def test_every_documented_command_parses():
     assert {c[0] for c in commands} >= {"serve", "engine", "gateway", "generate"}
     for c in commands:
         build_parser().parse_args(c)           # argparse exits on an unknown subcommand or flag
+
+
+
+def test_the_first_command_passes_the_cpu_index_to_pip_only_when_it_answers(monkeypatch, capsys):
+    """Where download.pytorch.org cannot be reached (a machine behind a package mirror), pip retried it for
+    every package: over six minutes and hundreds of warnings. The first command probes it and hands pip
+    what the probe prints; .ci/run probes it the same way."""
+    import socket
+    first = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    probe = re.search(r'(\w+)=\$\(python3 -c "(.*?)" 2>/dev/null \|\| true\)', first)
+    assert probe, "the first command probes the index in a python3 -c whose output it keeps"
+    variable, code = probe.groups()
+    pip = next(part for part in first.split("&&") if "pip install" in part)
+    assert f"${variable}" in pip and "download.pytorch.org" not in pip
+    for reachable, expected in ((True, "--extra-index-url=https://download.pytorch.org/whl/cpu"), (False, "")):
+        def connect(address, timeout=None, reachable=reachable):
+            if not reachable:
+                raise OSError("unreachable")
+            assert address == ("download.pytorch.org", 443) and timeout
+            return None
+        monkeypatch.setattr(socket, "create_connection", connect)
+        try:
+            exec(code, {})
+        except OSError:
+            pass                                   # the shell drops the probe's error (2>/dev/null || true)
+        assert capsys.readouterr().out.strip() == expected
+    assert "create_connection(('download.pytorch.org', 443)" in (README.parent / ".ci" / "run").read_text()

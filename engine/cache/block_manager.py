@@ -174,6 +174,21 @@ class KVCacheManager:
             req.block_ids.append(block_id)
         return True
 
+    def fork(self, parent: KVRequest, child: KVRequest, shared_blocks: int, num_slots: int) -> bool:
+        """Give `child` the parent's first `shared_blocks` blocks (one more reference each) and fresh
+        blocks up to `num_slots` slots; all or nothing. (n > 1: the sequences of one prompt.)"""
+        if child.block_ids:
+            raise RuntimeError(f"request {child.request_id} already holds blocks")
+        if self.blocks_for(num_slots) - shared_blocks > len(self._free):
+            return False
+        for block_id in parent.block_ids[:shared_blocks]:
+            self._ref(block_id)
+            child.block_ids.append(block_id)
+        return self.allocate(child, num_slots)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
     def free(self, req: KVRequest) -> None:
         """Drop every block reference the request holds, exactly once (idempotent per request)."""
         # Free the tail first so that the blocks of a shared prefix are evicted last.

@@ -28,7 +28,8 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.distributed.tp_group import SINGLE_RANK, LocalCommunicator, TPGroup
 from engine.worker.decode_round import sampling_variant
-from engine.worker.model_runner import ModelRunner, PromptLogits, read_tokens
+from engine.worker.decode_round import RoundOutput, read_round
+from engine.worker.model_runner import ModelRunner, PromptLogits
 from engine.sched.scheduler import ModelOutput, SchedulerOutput
 
 log = structlog.get_logger(__name__)
@@ -106,35 +107,36 @@ class Executor:
         else:
             result = self.run_all(lambda runner: runner.execute(out, with_decode=not lockstep))[0]
         if lockstep:
-            read_tokens(out.decode, self._launch_lockstep(out.decode), result)
+            read_round(out.decode, self._launch_lockstep(out.decode), result)
         return result
 
-    def launch(self, out: SchedulerOutput) -> torch.Tensor:
+    def launch(self, out: SchedulerOutput) -> RoundOutput:
         """Enqueue a decode-only round on every rank without reading it (async scheduling).
-        -> rank 0's tokens [len(out.decode), drafts+1] on its device."""
+        -> rank 0's outputs (its rows :len(out.decode)) on its device."""
         if out.prefills:
             raise RuntimeError("only a decode round is launched without a read")
         for runner in self.runners:
             runner.release_rows(out.finished_request_ids)
         if self._lockstep(out):
-            tokens = self._launch_lockstep(out.decode)
+            round_out = self._launch_lockstep(out.decode)
         else:                      # eager rounds: each rank's thread enqueues its own (they meet in collectives)
-            tokens = self.run_all(lambda runner: runner.launch_decode(out.decode))[0]
-        return tokens[:len(out.decode)]
+            round_out = self.run_all(lambda runner: runner.launch_decode(out.decode))[0]
+        return round_out.rows(len(out.decode))
 
     def _lockstep(self, out: SchedulerOutput) -> bool:
         return bool(self._workers and out.decode and self.driver.graphed(out.decode))
 
     @torch.inference_mode()
-    def _launch_lockstep(self, works) -> torch.Tensor:
+    def _launch_lockstep(self, works) -> RoundOutput:
         """Pack once, copy rank 0's staging arrays to every rank, replay every rank's graph.
-        -> rank 0's tokens [bucket, drafts+1] on its device, not read."""
+        -> rank 0's outputs (tokens [bucket, drafts+1], ...) on its device, not read."""
         driver = self.driver
-        rows = driver.round_setup.pool_rows
+        rows, slots = driver.round_setup.pool_rows, driver.options.slots
         for runner in self.runners[1:]:
-            if runner.round_setup.pool_rows != rows:      # every rank assigns rows in the same order
-                raise RuntimeError("hidden-pool rows differ between ranks")
-        cap, key = driver.graphs.select(works, *sampling_variant(works))
+            # every rank assigns hidden-pool rows and option slots in the same order
+            if runner.round_setup.pool_rows != rows or runner.options.slots != slots:
+                raise RuntimeError("hidden-pool rows or option slots differ between ranks")
+        cap, key = driver.graphs.select(works, sampling_variant(works))
         cap.pack(works)              # once every rank's copy out of this turn's staging arrays is done
         caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):

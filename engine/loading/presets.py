@@ -1,4 +1,4 @@
-"""Reference shapes (BENCH.md) that the benchmark builds with random weights: `model="preset:NAME"`."""
+"""Reference shapes (docs/performance.md) that the benchmark builds with random weights: `model="preset:NAME"`."""
 
 from __future__ import annotations
 

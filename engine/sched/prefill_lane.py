@@ -25,13 +25,37 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.cache.block_manager import KVCacheManager
 from engine.sched.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
+
+
+@dataclass(frozen=True)
+class SampleHistory:
+    """What a prefill's sample needs of its request when its logit options read the history: the
+    prompt and the outputs so far (after a preemption), its stop token ids and bad words."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: frozenset[int]
+    bad_words_token_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ForkWork:
+    """Sequence `index` > 0 of an n > 1 request, forked by its sequence 0's sampling chunk: the same
+    last hidden state, sampled with its own seed; KV of the shared prompt blocks by reference, the
+    prompt's partial last block copied into its own."""
+
+    request_id: str
+    seed: int
+    block_ids: list[int]
+    copy_block: tuple[int, int] | None      # (sequence 0's partial last prompt block, this one's copy)
+    state_slot: int = -1                    # hybrids: its linear-attention slot (a copy of sequence 0's)
 
 
 @dataclass
@@ -54,6 +78,13 @@ class PrefillWork:
     restore_slot: int = -1
     # hybrids: the chunk ends on a block boundary; copy the state there into this snapshot slot
     snapshot_slot: int = -1
+    # the sampling chunk of a request with logit options (engine.worker.logit_options): its history
+    history: SampleHistory | None = None
+    # score the prompt tokens after this chunk's positions, with this many alternatives (prompt_logprobs)
+    prompt_logprobs: int | None = None
+    # n > 1: the sequences this sampling chunk forks (engine.sched.scheduler.Scheduler._fork)
+    forks: list[ForkWork] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)    # sequences that found no KV: queued to prefill alone
 
 
 class PrefillLane:
@@ -154,9 +185,13 @@ class PrefillLane:
                 snapshot_slot = self.snapshots.reserve()
         tokens = req.all_token_ids
         sample = end == req.num_prefill_tokens
+        history = (SampleHistory(req.prompt_token_ids, list(req.output_token_ids), req.stop_token_ids,
+                                 req.bad_words_token_ids) if sample and req.sampling.adjusts_logits else None)
         return PrefillWork(
             request_id=req.request_id, token_ids=tokens[start:end], start=start,
             next_token_ids=tokens[start + 1:end + (0 if sample else 1)], block_ids=list(req.block_ids),
             sample=sample, output_index=req.num_output_tokens, sampling=req.sampling, seed=req.seed,
             state_slot=req.state_slot, restore_slot=self._restore.pop(req.request_id, -1),
-            snapshot_slot=snapshot_slot)
+            snapshot_slot=snapshot_slot, history=history,
+            # the first prefill only (a recompute after preemption covers outputs too, scored already)
+            prompt_logprobs=req.sampling.prompt_logprobs if req.num_preemptions == 0 else None)

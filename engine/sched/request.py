@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage, rate
 
@@ -12,6 +13,7 @@ __all__ = ["FinishReason", "PhaseTimes", "Request", "RequestStatus", "SpecStats"
 
 
 class RequestStatus(enum.Enum):
+    FORKING = "forking"          # sequence i > 0 of an n > 1 request, until the prefill of sequence 0 forks it
     WAITING = "waiting"          # in the FIFO pending queue
     PREFILLING = "prefilling"    # in the prefill lane
     PARKED = "parked"            # prefilled; KV held under a handle until a decode attaches
@@ -66,6 +68,22 @@ class Request:
     spec: SpecStats = field(default_factory=SpecStats)
     stop_token_ids: frozenset[int] = frozenset()
     prefix_cache: bool = True                # may take cached prefix blocks (off when scoring every position)
+    # Resumed from another engine (a migrated stream) with output_token_ids already generated: its
+    # first prefill covers all but the last of them and samples nothing (scheduler.update).
+    resuming: bool = False
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # engine.admission.bad_words_token_ids
+    # prompt_logprobs: one per prompt token after the first, filled as the prefill's chunks score them
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    # n > 1: the request's sequences are requests of their own. Sequence 0 prefills; its last prefill
+    # chunk forks the others (`forks`, FORKING until then), which share its prompt's KV blocks.
+    group_id: str = ""                       # the id the caller knows (this request's own when n = 1)
+    index: int = 0                           # which of the n sequences
+    forks: list["Request"] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.request_id
 
     @property
     def all_token_ids(self) -> list[int]:

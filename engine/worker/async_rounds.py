@@ -39,6 +39,8 @@ import torch
 from engine.config import EngineConfig
 from engine.sched.request import Request
 from engine.sched.scheduler import DecodeWork, ModelOutput, Scheduler, SchedulerOutput
+from engine.worker.decode_round import RoundOutput, read_round
+from engine.worker.logprobs import RoundLogprobs
 
 
 def why_synchronous(config: EngineConfig) -> str:
@@ -49,21 +51,36 @@ def why_synchronous(config: EngineConfig) -> str:
 
 
 class TokenReadback:
-    """Two pinned host buffers, used in turn, that a round's tokens are copied into without waiting."""
+    """Pinned host buffers, used in turns of two, that a round's outputs are copied into without waiting."""
 
     def __init__(self, max_batch: int, width: int, device: torch.device):
         self._cuda = device.type == "cuda"
         self._buffers = [torch.empty(max_batch * width, dtype=torch.int64, pin_memory=self._cuda)
                          for _ in range(2)]
+        self._logprob_buffers: dict[tuple[int, int], torch.Tensor] = {}     # (turn, part) -> flat buffer
         self._turn = 0
 
-    def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """tokens [n, w] (device) -> (their host copy [n, w], an event set once it arrived)."""
+    def start(self, out: RoundOutput) -> tuple[RoundOutput, torch.cuda.Event | None]:
+        """A round's outputs (device) -> (their host copy, an event set once it arrived)."""
         self._turn ^= 1
+        tokens = out.tokens
         n, w = tokens.shape
         host = self._buffers[self._turn][:n * w].view(n, w)
         host.copy_(tokens, non_blocking=self._cuda)       # on the current stream of the tokens' device
-        return host, (torch.cuda.current_stream(tokens.device).record_event() if self._cuda else None)
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = RoundLogprobs(*(self._copy(i, t) for i, t in enumerate(out.logprobs.tensors())))
+        arrived = torch.cuda.current_stream(tokens.device).record_event() if self._cuda else None
+        return RoundOutput(host, out.num_accepted, logprobs), arrived
+
+    def _copy(self, part: int, t: torch.Tensor) -> torch.Tensor:
+        buf = self._logprob_buffers.get((self._turn, part))
+        if buf is None or buf.numel() < t.numel() or buf.dtype != t.dtype:
+            buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self._cuda)
+            self._logprob_buffers[(self._turn, part)] = buf
+        host = buf[:t.numel()].view(t.shape)
+        host.copy_(t, non_blocking=self._cuda)
+        return host
 
 
 @dataclass
@@ -72,16 +89,15 @@ class InflightRound:
 
     sched: SchedulerOutput
     requests: list[Request]          # each row's request, as planned (an id may be reused after an abort)
-    host_tokens: torch.Tensor        # [rows, drafts+1] int64: where its tokens arrive
+    host: RoundOutput                # where its outputs arrive: tokens [rows, drafts+1] int64, logprobs
     arrived: torch.cuda.Event | None
 
     def result(self) -> ModelOutput:
-        """Wait for the round's tokens. -> the sampled tokens of every row."""
+        """Wait for the round's outputs. -> the sampled tokens (and logprobs) of every row."""
         if self.arrived is not None:
             self.arrived.synchronize()
         out = ModelOutput()
-        for w, row in zip(self.sched.decode, self.host_tokens.tolist()):
-            out.sampled[w.request_id] = [t for t in row if t >= 0]
+        read_round(self.sched.decode, self.host, out)
         return out
 
     def live(self, scheduler: Scheduler) -> SchedulerOutput:

@@ -17,12 +17,16 @@ import numpy as np
 import structlog
 import torch
 
-from engine.worker.decode_round import ROWS, RoundInputs, RoundSetup, pack_round, round_drafts, run_round
+from engine.worker.decode_round import (FLOAT_ROWS, ROWS, RoundInputs, RoundOutput, RoundSetup, pack_round,
+                                        round_drafts, run_round)
+from engine.worker.sampler import SamplingVariant
 
 log = structlog.get_logger(__name__)
 
-# (all_greedy, any_filter)
-VARIANTS = ((True, False), (False, False), (False, True))
+# Every sampling variant a round may need, each captured: greedy, sampled, sampled with filters, and
+# each of those with logit options (penalties, bias, bad words, min_tokens) and with logprobs.
+VARIANTS = tuple(SamplingVariant(greedy, filt, opts, lp) for lp in (False, True) for opts in (False, True)
+                 for greedy, filt in ((True, False), (False, False), (False, True)))
 # upper bounds of a round's longest context (positions, drafts included); the last is the limit
 CONTEXT_CLASSES = (2048, 16384)
 
@@ -44,15 +48,15 @@ class _Captured:
         # Two sets of pinned staging arrays, used in turn: with async scheduling the host packs the
         # next round while this one's copies may still wait in the stream behind the round before.
         self._staging = [(torch.zeros(ROWS * batch + batch * (k + 1), dtype=torch.int64, **pin).numpy(),
-                          torch.zeros(2 * batch, dtype=torch.float32, **pin).numpy(),
+                          torch.zeros(FLOAT_ROWS * batch, dtype=torch.float32, **pin).numpy(),
                           torch.zeros(batch, setup.max_blocks, dtype=torch.int32, **pin).numpy())
                          for _ in range(2)]
         self._copied: list[list[torch.cuda.Event]] = [[], []]    # each set's last uploads (every rank's)
         self._turn = 0
         self.device = tuple(torch.from_numpy(h).to(dev) for h in self.host)
         self.inputs = RoundInputs.from_packed(*self.device, k=k)
-        # (context class, variant, draft steps) -> (graph, its output tokens)
-        self.graphs: dict[tuple[int, tuple[bool, bool], int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (context class, variant, draft steps) -> (graph, its outputs)
+        self.graphs: dict[tuple[int, SamplingVariant, int], tuple[torch.cuda.CUDAGraph, RoundOutput]] = {}
 
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -124,7 +128,7 @@ class GraphedRounds:
             cap.pack([])                                         # all rows padding
             cap.upload()
             for cls, variant, drafts in ((c, v, d) for c in self.classes for v in VARIANTS for d in self.draft_counts):
-                args = (setup, cap.inputs, cls, *variant, drafts)
+                args = (setup, cap.inputs, cls, variant, drafts)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
@@ -133,8 +137,8 @@ class GraphedRounds:
                 graph = torch.cuda.CUDAGraph()
                 # the ranks of a TP group capture at the same time, each on its own thread: NCCL
                 # may talk to its peers while a collective is captured
-                tokens, _ = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
-                cap.graphs[(cls, variant, drafts)] = (graph, tokens)
+                out = capture_graph(graph, lambda a=args: run_round(*a), pool, self.capture_mode, side)
+                cap.graphs[(cls, variant, drafts)] = (graph, out)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
@@ -145,22 +149,22 @@ class GraphedRounds:
         """The captured bucket of exactly this batch size (every rank captures the same buckets)."""
         return self._by_batch[batch]
 
-    def select(self, works, all_greedy: bool, any_filter: bool) -> tuple[_Captured, tuple]:
+    def select(self, works, variant: SamplingVariant) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
         cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
         longest = max(w.max_num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
-        return cap, (cls, (True, False) if all_greedy else (False, any_filter), round_drafts(self.setup, works))
+        return cap, (cls, variant, round_drafts(self.setup, works))
 
     @staticmethod
-    def launch(cap: _Captured, key: tuple) -> torch.Tensor:
-        """Replay (inputs uploaded). -> the graph's output tokens [bucket, k+1] (device)."""
-        graph, tokens = cap.graphs[key]
+    def launch(cap: _Captured, key: tuple) -> RoundOutput:
+        """Replay (inputs uploaded). -> the graph's outputs: tokens [bucket, k+1] (device), ..."""
+        graph, out = cap.graphs[key]
         graph.replay()
-        return tokens
+        return out
 
-    def replay(self, works, all_greedy: bool, any_filter: bool) -> torch.Tensor:
-        cap, key = self.select(works, all_greedy, any_filter)
+    def replay(self, works, variant: SamplingVariant) -> RoundOutput:
+        cap, key = self.select(works, variant)
         cap.pack(works)
         cap.upload()
         return self.launch(cap, key)

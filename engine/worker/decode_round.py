@@ -32,21 +32,41 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from engine.sched.scheduler import DecodeWork, ModelOutput
+from engine.worker import logprobs as engine_logprobs
+from engine.worker.logprobs import as_token_logprobs, rows_to_host
 from engine.worker import sampler
 from engine.worker.forward_context import ForwardContext, forward_context
+from engine.worker.logit_options import LogitOptionPool, LogitOptionRows
 from engine.worker.mtp_hidden_pool import HiddenStatePool
 from engine.models.qwen3 import Qwen3ForCausalLM
 
-# int64 rows per request at the head of a round's packed ints (RoundInputs.from_packed)
-ROWS = 11
+# int64 rows per request at the head of a round's packed ints, float32 rows (RoundInputs.from_packed)
+ROWS = 12
+FLOAT_ROWS = 3
 # the round's bookkeeping on CUDA in one launch each (engine.kernels.elementwise.round_prep); 0 = the torch ops
 FUSED_ROUND_PREP = os.environ.get("NINFER_FUSED_ROUND_PREP", "1") != "0"
 
 
-def sampling_variant(works: list) -> tuple[bool, bool]:
-    """(all_greedy, any_filter) of a round's requests: which sampling code its graph runs."""
-    return (all(w.sampling.greedy for w in works),
-            any(w.sampling.top_k > 0 or w.sampling.top_p < 1.0 for w in works))
+def sampling_variant(works: list) -> sampler.SamplingVariant:
+    """Which sampling code a round's graph runs, from its requests' settings."""
+    return sampler.SamplingVariant.of([w.sampling for w in works])
+
+
+@dataclass
+class RoundOutput:
+    """What a round leaves on the device: tokens [B, drafts+1] (accepted drafts, the bonus, then -1),
+    num_accepted [B], and with a logprobs variant the logprobs at each emitted position."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    logprobs: engine_logprobs.RoundLogprobs | None = None
+
+    def rows(self, n: int) -> "RoundOutput":
+        """The first n rows (a graph bucket's padding dropped)."""
+        lp = self.logprobs
+        return RoundOutput(self.tokens[:n], self.num_accepted[:n], None if lp is None else
+                           engine_logprobs.RoundLogprobs(*(t[:n] for t in lp.tensors())))
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,8 @@ class RoundSetup:
     # [max_batch, k+1] int64: the last round's tokens (-1 padded), read by the next round's carried
     # rows (carry_forward); None: no round carries (rows are packed from the host only)
     last_tokens: torch.Tensor | None = None
+    # per-request logit options (penalties, bias, bad words, min_tokens): the slots rounds read and advance
+    options: LogitOptionPool | None = None
 
     @property
     def pool_rows(self) -> dict[str, int]:
@@ -95,27 +117,32 @@ class RoundInputs:
     temperature: torch.Tensor     # [B] float32
     top_k: torch.Tensor           # [B] int64
     top_p: torch.Tensor           # [B] float32
+    min_p: torch.Tensor           # [B] float32
     seeds: torch.Tensor           # [B] int64
     output_index: torch.Tensor    # [B] int64: index of x_n among the request's outputs
     num_drafts: torch.Tensor      # [B] int64: each request's own k (<= k)
     state_slots: torch.Tensor     # [B] int64: linear-attention state slot (hybrids; scratch otherwise)
     carry_rows: torch.Tensor      # [B] int64: row of the last round this row continues; -1 = packed whole
+    option_slots: torch.Tensor    # [B] int64: the request's slot of logit options (the neutral scratch slot: none)
 
     @classmethod
     def from_packed(cls, ints: torch.Tensor, floats: torch.Tensor, tables: torch.Tensor, k: int) -> "RoundInputs":
         """Views into three flat buffers (one host-to-device copy each):
-        ints [ROWS * B + B * (k+1)] int64, floats [2 * B] float32, tables [B, W] int32."""
+        ints [ROWS * B + B * (k+1)] int64, floats [FLOAT_ROWS * B] float32, tables [B, W] int32."""
         bsz = tables.shape[0]
         i = ints[:ROWS * bsz].view(ROWS, bsz)
-        f = floats.view(2, bsz)
+        f = floats.view(FLOAT_ROWS, bsz)
         return cls(last_ids=i[0], num_tokens=i[1], mtp_start=i[2], mtp_counts=i[3],
                    mtp_ids=ints[ROWS * bsz:].view(bsz, k + 1), pool_rows=i[4], block_tables=tables,
-                   temperature=f[0], top_k=i[5], top_p=f[1], seeds=i[6], output_index=i[7], num_drafts=i[8],
-                   state_slots=i[9], carry_rows=i[10])
+                   temperature=f[0], top_k=i[5], top_p=f[1], min_p=f[2], seeds=i[6], output_index=i[7],
+                   num_drafts=i[8], state_slots=i[9], carry_rows=i[10], option_slots=i[11])
 
-    def sampling(self, all_greedy: bool, any_filter: bool) -> sampler.SamplingBatch:
+    def sampling(self, variant: sampler.SamplingVariant, options: LogitOptionPool | None) -> sampler.SamplingBatch:
+        rows = (LogitOptionRows.at_slots(options, self.option_slots)
+                if variant.any_options and options is not None else None)
         return sampler.SamplingBatch(self.temperature, self.top_k, self.top_p, self.seeds, self.output_index,
-                                     all_greedy=all_greedy, any_filter=any_filter)
+                                     all_greedy=variant.all_greedy, any_filter=variant.any_filter,
+                                     min_p=self.min_p, options=rows)
 
 
 def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Tensor, block_size: int,
@@ -153,9 +180,10 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
 
 
 @torch.inference_mode()
-def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
-              any_filter: bool, drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1) and num_accepted [B].
+def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sampler.SamplingVariant,
+              drafts: int | None = None) -> RoundOutput:
+    """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1), num_accepted [B] and (a logprobs
+    variant) each emitted token's raw logprob and the top alternatives at its position.
 
     `drafts` (default k) is the round's number of draft steps (an adaptive draft length runs fewer).
     Step 1 still recomputes a window of k + 1 MTP entries (the previous round may have accepted k),
@@ -165,25 +193,29 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy:
     states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
     if setup.last_tokens is not None:
         inp = carry_forward(inp, setup.last_tokens)
-        tokens, num_accepted = _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)
-        keep_last_tokens(setup.last_tokens, tokens)
-        return tokens, num_accepted
-    return _run_round(setup, inp, max_seq_len, all_greedy, any_filter, drafts)
+    out = _run_round(setup, inp, max_seq_len, variant, drafts)
+    if setup.last_tokens is not None:
+        keep_last_tokens(setup.last_tokens, out.tokens)
+    if variant.any_options and setup.options is not None:
+        setup.options.advance(inp.option_slots, out.tokens)   # the next round's history includes these
+    return out
 
 
-def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy: bool,
-               any_filter: bool, drafts: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sampler.SamplingVariant,
+               drafts: int | None) -> RoundOutput:
     model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     hidden_pool = setup.hidden.states if setup.hidden is not None else None
     drafts = k if drafts is None else drafts
-    s = inp.sampling(all_greedy, any_filter)
+    all_greedy = variant.all_greedy
+    s = inp.sampling(variant, setup.options)
     tables = inp.block_tables
     if k == 0:
         positions, ctx = uniform_context(inp.num_tokens - 1, 1, tables, block_size, max_seq_len, inp.state_slots)
         with forward_context(ctx):
             logits = model.compute_logits(model(inp.last_ids, positions))
         tokens = sampler.sample(logits, s).unsqueeze(1)
-        return tokens, torch.zeros_like(inp.num_tokens)
+        return RoundOutput(tokens, torch.zeros_like(inp.num_tokens),
+                           engine_logprobs.compute(logits.unsqueeze(1), tokens) if variant.logprobs else None)
 
     bsz = inp.last_ids.shape[0]
     rows = torch.arange(bsz, device=inp.last_ids.device)
@@ -195,7 +227,8 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy
 
     draft_list, draft_probs = [], []
     for j in range(drafts):
-        d, q = sampler.draft(model.compute_logits(g, draft_vocab), s.shifted(j), vocab)
+        so_far = torch.stack(draft_list, dim=1) if draft_list else inp.mtp_ids[:, :0]      # [B, j]
+        d, q = sampler.draft(model.compute_logits(g, draft_vocab), s.shifted(j, so_far), vocab)
         draft_list.append(d)
         draft_probs.append(q)
         if j + 1 < drafts:
@@ -220,7 +253,9 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, all_greedy
         model.commit_linear_states(num_accepted + 1)
     # rows 0 .. drafts of each request's pool slot: the next round's step 1 reads accepted + 1 of them
     hidden_pool[inp.pool_rows, :width] = hidden.view(bsz, width, -1)
-    return tokens, num_accepted
+    # the verify pass's logits at position j are the target's after x_{n-1}, d_1 .. d_j: the same
+    # distribution k = 0 would report for the token emitted there
+    return RoundOutput(tokens, num_accepted, engine_logprobs.compute(logits, tokens) if variant.logprobs else None)
 
 
 def carry_forward(inp: RoundInputs, last_tokens: torch.Tensor) -> RoundInputs:
@@ -262,25 +297,43 @@ def pack_round(setup: RoundSetup, works: list, batch: int, width: int,
     the scratch block and the scratch pool row). `out` reuses (pinned) staging arrays."""
     k, null_block, scratch_row, pool_row = setup.k, setup.null_block, setup.max_batch, setup.pool_rows
     scratch_slot = setup.scratch_slot
+    options = setup.options
+    scratch_options = options.scratch if options is not None else 0
     ints, floats, tables = out if out is not None else (
-        np.zeros(ROWS * batch + batch * (k + 1), np.int64), np.zeros(2 * batch, np.float32),
+        np.zeros(ROWS * batch + batch * (k + 1), np.int64), np.zeros(FLOAT_ROWS * batch, np.float32),
         np.zeros((batch, width), np.int32))
     i = ints[:ROWS * batch].reshape(ROWS, batch)
     mtp = ints[ROWS * batch:].reshape(batch, k + 1)
-    f = floats.reshape(2, batch)
+    f = floats.reshape(FLOAT_ROWS, batch)
     i[:] = 0
     i[1], i[3], i[4] = 1, 1, scratch_row            # padding: n = 1, one MTP row, scratch pool row
     i[9] = scratch_slot                             # and the scratch state slot
     i[10] = -1                                      # nothing carried from the last round
+    i[11] = scratch_options                         # and the neutral option slot
     mtp[:] = 0
-    f[0], f[1] = 0.0, 1.0
+    f[0], f[1], f[2] = 0.0, 1.0, 0.0
     tables[:] = null_block
     for r, w in enumerate(works):
         i[:, r] = (w.last_token_id, w.num_tokens, w.num_mtp_computed, w.num_tokens - 1 - w.num_mtp_computed,
                    pool_row.get(w.request_id, scratch_row), w.sampling.top_k, w.seed, w.output_index,
-                   w.draft_tokens, w.state_slot if w.state_slot >= 0 else scratch_slot, w.carry_row)
-        f[:, r] = (w.sampling.temperature, w.sampling.top_p)
+                   w.draft_tokens, w.state_slot if w.state_slot >= 0 else scratch_slot, w.carry_row,
+                   options.slot_of(w.request_id) if options is not None else 0)
+        f[:, r] = (w.sampling.temperature, w.sampling.top_p, w.sampling.min_p)
         if k > 0:
             mtp[r, :len(w.mtp_token_ids)] = w.mtp_token_ids
         tables[r, :len(w.block_ids)] = w.block_ids
     return ints, floats, tables
+
+
+def read_round(works: list[DecodeWork], out: RoundOutput, result: ModelOutput) -> None:
+    """The round's device-to-host read: tokens [>= len(works), k+1] (-1 after the last kept), and the
+    logprobs of the rows that asked for them."""
+    wanted = [(r, w) for r, w in enumerate(works) if w.sampling.logprobs is not None]
+    for w, row in zip(works, out.tokens.tolist()):
+        result.sampled[w.request_id] = [t for t in row if t >= 0]
+    if wanted and out.logprobs is not None:
+        rows = rows_to_host(out.logprobs, [r for r, _ in wanted],
+                            [len(result.sampled[w.request_id]) for _, w in wanted],
+                            [w.sampling.logprobs for _, w in wanted])
+        for (_, w), host in zip(wanted, rows):
+            result.logprobs[w.request_id] = as_token_logprobs(result.sampled[w.request_id], host)

@@ -104,6 +104,9 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
     logit_rows = cfg.max_batch * (draft_tokens + 1)
     activations += logit_rows * model.vocab_size * 4 * (4 if draft_tokens else 2)
+    # per-request logit options (engine.worker.logit_options): counts and prompt masks of every seat
+    from engine.worker.logit_options import LogitOptionPool, option_slots
+    activations += LogitOptionPool.bytes_for(option_slots(cfg.max_batch), model.vocab_size)
     if cfg.device != "cpu" and model.head_dim in PREFILL_TMA_HEAD_DIMS:
         # the TMA prefill's gather of 16-bit K/V (int8 pages dequantized too), or a segment and its float32 state
         activations += PREFILL_GATHER_MAX_BYTES * 3 // 2

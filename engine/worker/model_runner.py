@@ -19,8 +19,12 @@ import torch
 
 from engine.worker import sampler
 from engine.config import EngineConfig, ModelConfig
-from engine.worker.decode_round import RoundInputs, RoundSetup, pack_round, round_drafts, run_round, sampling_variant
+from engine.worker.decode_round import (RoundInputs, RoundOutput, RoundSetup, pack_round, read_round, round_drafts,
+                                        run_round, sampling_variant)
+from engine.worker.logprobs import as_token_logprobs, prompt_logprobs, rows_to_host
+from engine.worker import logprobs as engine_logprobs
 from engine.worker.forward_context import build_forward_context, forward_context
+from engine.worker.logit_options import LogitOptionPool, LogitOptionRows, option_slots
 from engine.worker.mtp_hidden_pool import HiddenStatePool
 from engine.worker.async_rounds import why_synchronous
 from engine.worker.paged_kv import LayerKV
@@ -100,13 +104,16 @@ class ModelRunner:
         # rows beyond the batch: parked requests (the scheduler's max_parked = max_batch) and the prefill lane
         self.hidden = (HiddenStatePool(self.max_batch, draft_tokens, model_config.hidden_size, self.dtype,
                                        self.device, extra_rows=self.max_batch + 1) if draft_tokens > 0 else None)
+        # logit options of the requests that hold them: a slot per running or parked request, like the hidden pool
+        self.options = LogitOptionPool(option_slots(self.max_batch), model_config.vocab_size, self.device)
         self.round_setup = RoundSetup(
             model=self.model, hidden=self.hidden, k=draft_tokens, block_size=self.block_size,
             max_blocks=self.max_blocks, max_seq_len=self.max_seq_len, null_block=self.null_block,
             max_batch=self.max_batch, draft_vocab=self.draft_vocab, device=self.device,
             scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0,
             last_tokens=(torch.zeros(self.max_batch, draft_tokens + 1, dtype=torch.int64, device=self.device)
-                         if not why_synchronous(config) else None))
+                         if not why_synchronous(config) else None),
+            options=self.options)
         self.graphs = None                               # engine.worker.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
 
@@ -131,6 +138,7 @@ class ModelRunner:
     def release_rows(self, request_ids: list[str]) -> None:
         if self.hidden is not None:
             self.hidden.release(request_ids)
+        self.options.release(request_ids)
 
     def graphed(self, works: list[DecodeWork]) -> bool:
         return self.graphs is not None and self.graphs.fits(len(works))
@@ -167,41 +175,83 @@ class ModelRunner:
             if w.snapshot_slot >= 0:
                 self.states.copy(w.state_slot, w.snapshot_slot)
             collect = self.prompt_logits.get(w.request_id)
-            if collect is not None:
-                collect.chunks.append(self.model.compute_logits(hidden[end - n:end]).float().cpu())
+            if collect is not None or w.prompt_logprobs is not None:
+                chunk_logits = self.model.compute_logits(hidden[end - n:end])            # [n, V]
+                if collect is not None:
+                    collect.chunks.append(chunk_logits.float().cpu())
+                if w.prompt_logprobs is not None:       # each next prompt token, given what precedes it
+                    result.prompt_logprobs[w.request_id] = prompt_logprobs(
+                        chunk_logits, w.next_token_ids, w.prompt_logprobs)
         done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
         if not done:
             return
+        for w, _ in done:
+            self._fork(w)
+        # one row per sequence: a sampling piece, then the sequences it forks (the same hidden state and
+        # option slot -- their history is the prompt alone --, each with its own seed)
+        parent_slots = [self._fill_options(w) for w, _ in done]
+        rows = [(w.request_id, w, w.seed, i, parent_slots[i]) for i, (w, _) in enumerate(done)]
+        rows += [(f.request_id, w, f.seed, i, parent_slots[i]) for i, (w, _) in enumerate(done) for f in w.forks]
+        for rid, w, _, _, slot in rows:
+            if rid != w.request_id and slot != self.options.scratch:
+                self.options.copy(w.request_id, rid)
         last = hidden[[row for _, row in done]]                                          # [S, hidden]
-        s = sampler.SamplingBatch.build([w.sampling for w, _ in done], [w.seed for w, _ in done],
-                                        [w.output_index for w, _ in done], self.device)
-        tokens = sampler.sample(self.model.compute_logits(last), s).tolist()
-        for i, (w, _) in enumerate(done):
+        index = torch.tensor([i for _, _, _, i, _ in rows], dtype=torch.int64, device=self.device)
+        slots = torch.tensor([slot for *_, slot in rows], dtype=torch.int64, device=self.device)
+        s = sampler.SamplingBatch.build([w.sampling for _, w, *_ in rows], [seed for _, _, seed, *_ in rows],
+                                        [w.output_index for _, w, *_ in rows], self.device,
+                                        options=LogitOptionRows.at_slots(self.options, slots))
+        logits = self.model.compute_logits(last).index_select(0, index)                 # [R, V]
+        sampled = sampler.sample(logits, s)                                              # [R]
+        if s.options is not None:
+            own = torch.tensor([self.options.slot_of(rid) for rid, *_ in rows], dtype=torch.int64, device=self.device)
+            self.options.advance(own, sampled.unsqueeze(1))
+        tokens = sampled.tolist()
+        wanted = [r for r, (_, w, *_) in enumerate(rows) if w.sampling.logprobs is not None]
+        if wanted:
+            lp = engine_logprobs.compute(logits.unsqueeze(1), sampled.unsqueeze(1))
+            host = rows_to_host(lp, wanted, [1] * len(wanted), [rows[r][1].sampling.logprobs for r in wanted])
+            for r, row_lp in zip(wanted, host):
+                result.logprobs[rows[r][0]] = as_token_logprobs([tokens[r]], row_lp)
+        for r, (rid, _, _, i, _) in enumerate(rows):
             if self.hidden is not None:
-                self.hidden.states[self.hidden.row_for(w.request_id), 0] = last[i]
-            result.sampled[w.request_id] = [tokens[i]]
+                self.hidden.states[self.hidden.row_for(rid), 0] = last[i]
+            result.sampled[rid] = [tokens[r]]
+
+    def _fork(self, w: PrefillWork) -> None:
+        """Device state of the sequences a sampling piece forks: the prompt's partial last block and the
+        linear-attention state copied (the full blocks are shared by reference)."""
+        for f in w.forks:
+            if f.copy_block is not None:
+                src, dst = f.copy_block
+                for kv in self.kv:
+                    for pages in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+                        if pages is not None:
+                            pages[dst].copy_(pages[src])
+            if self.states is not None and f.state_slot >= 0:
+                self.states.copy(w.state_slot, f.state_slot)
+
+    def _fill_options(self, w: PrefillWork) -> int:
+        """The slot of a sampling piece's logit options, written from its history (scratch: none)."""
+        h = w.history
+        if h is None:
+            return self.options.scratch
+        return self.options.fill(w.request_id, h.prompt_token_ids, h.output_token_ids, w.sampling,
+                                 h.stop_token_ids, h.bad_words_token_ids)
 
     # -- decode ---------------------------------------------------------------------------------
 
     def _decode(self, works: list[DecodeWork], result: ModelOutput) -> None:
-        read_tokens(works, self.launch_decode(works), result)
+        read_round(works, self.launch_decode(works), result)
 
     @torch.inference_mode()
-    def launch_decode(self, works: list[DecodeWork]) -> torch.Tensor:
-        """Enqueue the round; no host read. -> its tokens [>= len(works), k+1] on the device."""
-        all_greedy, any_filter = sampling_variant(works)
+    def launch_decode(self, works: list[DecodeWork]) -> RoundOutput:
+        """Enqueue the round; no host read. -> its outputs on the device: tokens [>= len(works), k+1], ..."""
+        variant = sampling_variant(works)
         if self.graphed(works):
-            return self.graphs.replay(works, all_greedy, any_filter)
+            return self.graphs.replay(works, variant)
         width = max(len(w.block_ids) for w in works)
         packed = pack_round(self.round_setup, works, len(works), width)
         inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
         max_len = max(w.max_num_tokens for w in works) + self.k
-        tokens, _ = run_round(self.round_setup, inp, max_len, all_greedy, any_filter,
-                              round_drafts(self.round_setup, works))
-        return tokens
-
-
-def read_tokens(works: list[DecodeWork], tokens: torch.Tensor, result: ModelOutput) -> None:
-    """The round's one device-to-host read. tokens: [>= len(works), k+1], -1 after the last kept."""
-    for w, row in zip(works, tokens.tolist()):
-        result.sampled[w.request_id] = [t for t in row if t >= 0]
+        return run_round(self.round_setup, inp, max_len, variant, round_drafts(self.round_setup, works))

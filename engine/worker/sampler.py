@@ -12,9 +12,12 @@ greedy verification are the same code as sampling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
+
+from engine.worker import logit_options
+from engine.worker.logit_options import LogitOptionRows
 
 MASK32 = 0xFFFFFFFF
 # Purposes of a random draw; each gets an independent stream.
@@ -63,9 +66,32 @@ def race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.argmax(probs / exp_noise, dim=-1)
 
 
+@dataclass(frozen=True)
+class SamplingVariant:
+    """Which sampling code a round runs (its CUDA graph is captured per variant): the shape of the
+    work differs, never the values. `any_filter`: some row has top-k, top-p or min_p (the vocabulary
+    is sorted); `any_options`: some row has logit options (engine.worker.logit_options);
+    `logprobs`: the round also computes the logprobs of what it emits."""
+
+    all_greedy: bool = True
+    any_filter: bool = False
+    any_options: bool = False
+    logprobs: bool = False           # some row reports logprobs (engine.worker.logprobs)
+
+    @classmethod
+    def of(cls, params: list) -> "SamplingVariant":
+        greedy = all(p.greedy for p in params)
+        return cls(greedy, not greedy and any(p.filters for p in params), any(p.adjusts_logits for p in params),
+                   any(p.logprobs is not None for p in params))
+
+
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings on the device. Rows are requests (or request × draft position)."""
+    """Per-row sampling settings on the device. Rows are requests (or request x draft position).
+
+    The one structure a row's sampling reads: its temperature and filters, its random stream and, with
+    logit options, where its option state lives (`options`). Everything that changes the logits
+    before a token is picked is applied by `adjust_logits`."""
 
     temperature: torch.Tensor        # [N] float32; 0 = greedy
     top_k: torch.Tensor              # [N] int64; 0 = off
@@ -74,33 +100,51 @@ class SamplingBatch:
     output_index: torch.Tensor       # [N] int64: index of the row's next token among its outputs
     all_greedy: bool
     any_filter: bool
+    min_p: torch.Tensor | None = None            # [N] float32; 0 = off (None: every row off)
+    options: LogitOptionRows | None = None       # logit options; None: no row has any
 
     @classmethod
-    def build(cls, params: list, seeds: list[int], output_index: list[int], device) -> "SamplingBatch":
+    def build(cls, params: list, seeds: list[int], output_index: list[int], device,
+              options: LogitOptionRows | None = None) -> "SamplingBatch":
         t = [float(p.temperature) for p in params]
         k = [int(p.top_k) for p in params]
         p_ = [float(p.top_p) for p in params]
         mk = lambda v, dt: torch.tensor(v, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+        variant = SamplingVariant.of(params)
         return cls(mk(t, torch.float32), mk(k, torch.int64), mk(p_, torch.float32),
                    mk(seeds, torch.int64), mk(output_index, torch.int64),
-                   all_greedy=all(x == 0.0 for x in t),
-                   any_filter=any(kk > 0 for kk in k) or any(pp < 1.0 for pp in p_))
+                   all_greedy=variant.all_greedy, any_filter=variant.any_filter,
+                   min_p=mk([float(p.min_p) for p in params], torch.float32),
+                   options=options if variant.any_options else None)
 
-    def shifted(self, j: int) -> "SamplingBatch":
-        """The same rows for the token j places further on (draft position j)."""
-        return SamplingBatch(self.temperature, self.top_k, self.top_p, self.seeds, self.output_index + j,
-                             self.all_greedy, self.any_filter)
+    def shifted(self, j: int, drafts: torch.Tensor | None = None) -> "SamplingBatch":
+        """The same rows for the token j places further on (draft position j), after `drafts` [N, j]."""
+        options = self.options.with_drafts(drafts) if self.options is not None and drafts is not None else self.options
+        return replace(self, output_index=self.output_index + j, options=options)
 
-    def repeat(self, n: int) -> "SamplingBatch":
-        """Each row n times (row-major), output indices advancing by one: for [B, n] draft positions."""
-        rep = lambda x: x.repeat_interleave(n)  # noqa: E731
+    def repeat(self, n: int, drafts: torch.Tensor | None = None) -> "SamplingBatch":
+        """Each row n times (row-major), output indices advancing by one: for [B, n] verify positions,
+        position j after drafts[:, :j] (drafts [B, n-1])."""
+        rep = lambda x: None if x is None else x.repeat_interleave(n)  # noqa: E731
         steps = torch.arange(n, device=self.seeds.device).repeat(self.seeds.shape[0])
+        options = self.options.verify_positions(drafts) if self.options is not None else None
         return SamplingBatch(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.seeds),
-                             rep(self.output_index) + steps, self.all_greedy, self.any_filter)
+                             rep(self.output_index) + steps, self.all_greedy, self.any_filter,
+                             rep(self.min_p), options)
+
+
+def adjust_logits(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] -> the logits a token is picked from: every per-request change before
+    temperature and filters, in one place. Today: the logit options (penalties, bias, bad words,
+    min_tokens). A structured-output token bitmask belongs here too, after them."""
+    if s.options is not None:
+        logits = logit_options.apply(logits.float(), s.options, s.output_index)
+    return logits
 
 
 def probabilities(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] -> probs [N, V] after temperature, top-k then top-p; one-hot for greedy rows."""
+    """logits [N, V] (adjusted) -> probs [N, V] after temperature, min-p, top-k then top-p; one-hot for
+    greedy rows."""
     # one-hot of the argmax (scatter, not F.one_hot: that one validates its input on the host)
     greedy_rows = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(
         -1, logits.argmax(-1, keepdim=True), 1.0)
@@ -109,6 +153,10 @@ def probabilities(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     greedy = s.temperature == 0
     x = logits.float() / torch.where(greedy, 1.0, s.temperature).unsqueeze(1)
     if s.any_filter:
+        if s.min_p is not None:
+            # drop tokens less likely than min_p x the most likely one (vLLM: after temperature)
+            p = x.softmax(-1)
+            x = x.masked_fill(p < s.min_p.unsqueeze(1) * p.amax(-1, keepdim=True), float("-inf"))
         sorted_x, order = x.sort(dim=-1, descending=True)
         ranks = torch.arange(x.shape[-1], device=x.device).unsqueeze(0)
         beyond_k = (s.top_k.unsqueeze(1) > 0) & (ranks >= s.top_k.unsqueeze(1))
@@ -122,7 +170,8 @@ def probabilities(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] -> next tokens [N] int64."""
+    """logits [N, V] (raw) -> next tokens [N] int64."""
+    logits = adjust_logits(logits, s)
     if s.all_greedy:
         return logits.argmax(-1)
     keys = stream_keys(s.seeds, s.output_index, STREAM_TARGET)
@@ -134,6 +183,7 @@ def draft(logits: torch.Tensor, s: SamplingBatch, vocab_size: int) -> tuple[torc
 
     Returns tokens [N] and the draft distribution q over the full vocabulary [N, vocab_size]
     (None when every row is greedy: verification then needs only the tokens)."""
+    logits = adjust_logits(logits, s)
     if s.all_greedy:
         return logits.argmax(-1), None
     q = probabilities(logits, s)
@@ -146,7 +196,7 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
            num_drafts: torch.Tensor, s: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative verification by rejection sampling; lossless for any draft distribution.
 
-    Shapes: target_logits [B, k+1, V] (the target's logits after x_{n-1}, d_1, ..., d_k);
+    Shapes: target_logits [B, k+1, V] (the target's raw logits after x_{n-1}, d_1, ..., d_k);
     draft_tokens [B, k]; draft_probs [B, k, V] (q_i, None if every row is greedy); num_drafts [B],
     each row's own k_r <= k. `s` holds one row per request, its output_index that of x_n.
 
@@ -167,13 +217,15 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     k = k1 - 1
     rows = torch.arange(bsz, device=target_logits.device)
     positions = torch.arange(k, device=target_logits.device).unsqueeze(0)
+    flat = s.repeat(k1, draft_tokens) if s.options is not None or not s.all_greedy else None
+    if s.options is not None:           # each position's options see the history up to it
+        target_logits = adjust_logits(target_logits.reshape(bsz * k1, vocab), flat).view(bsz, k1, vocab)
     if s.all_greedy:
         target_top = target_logits.argmax(-1)                                     # [B, k+1]
         keep = (draft_tokens == target_top[:, :k]) & (positions < num_drafts.unsqueeze(1))
         num_accepted = keep.int().cumprod(-1).sum(-1)
         bonus = target_top[rows, num_accepted]
     else:
-        flat = s.repeat(k1)
         p = probabilities(target_logits.reshape(bsz * k1, vocab), flat).view(bsz, k1, vocab)
         if draft_probs is None:   # cannot happen with a sampled row; kept for type clarity
             raise ValueError("draft_probs is required when a row samples")

@@ -39,10 +39,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="Hugging Face model directory, or preset:NAME (random weights of a reference shape); "
                         "default: the embedded tiny model (random weights: it serves plumbing, not text)")
+    g.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients see and ask for (default: the model directory's name)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu or cuda[:N]")
     g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
-    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto",
-                   help="KV cache dtype: auto (= --dtype) or int8 (per token and head scales)")
+    g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", type=kv_cache_dtype_flag,
+                   help="KV cache dtype: auto (= --dtype), int8 (per token and head scales), or a float dtype")
     g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV page")
     g.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"].default,
                    help="tokens per prefill step of the one prefill lane")
@@ -78,8 +80,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    default=d["tensor_parallel_size"].default, help="GPUs to shard the model over (in one process)")
     g.add_argument("--tp-comm", default=d["tp_comm"].default, choices=("auto", "p2p", "nccl"),
                    help="TP all-reduce: one-shot peer-to-peer over NVLink, NCCL, or auto (p2p where it works)")
-    g.add_argument("--no-enable-prefix-caching", "--no-prefix-reuse", dest="prefix_reuse", action="store_false",
-                   help="never share KV blocks between requests with the same prefix")
+    g.add_argument("--enable-prefix-caching", dest="prefix_reuse", action=argparse.BooleanOptionalAction,
+                   default=d["prefix_reuse"].default,
+                   help="share KV blocks between requests with the same prefix (--no-enable-prefix-caching: never)")
+    g.add_argument("--no-prefix-reuse", dest="prefix_reuse", action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--state-snapshots", type=int, default=d["state_snapshots"].default,
                    help="hybrid models: linear-attention states kept at block boundaries for prefix reuse "
                         "(each costs one request's state)")
@@ -90,9 +94,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(--no-async-scheduling: every round waits for the last)")
     g.add_argument("--lease-seconds", type=float, default=d["lease_seconds"].default,
                    help="how long a prefilled handle keeps its KV without a decode attaching")
+    g.add_argument("--handoff-timeout", dest="handoff_timeout_seconds", type=float,
+                   default=d["handoff_timeout_seconds"].default, metavar="SECONDS",
+                   help="a prefilled handle no decode attached within this long gives its room to a queued "
+                        "request (it keeps --lease-seconds only while no one waits)")
+    g.add_argument("--seat-timeout", dest="seat_timeout_seconds", type=float,
+                   default=d["seat_timeout_seconds"].default, metavar="SECONDS",
+                   help="a prefilled request waits this long at most for a decode seat (then RESOURCE_EXHAUSTED "
+                        "with retry pushback); 0 = no bound")
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
+KV_CACHE_DTYPES = ("auto", "int8", "bfloat16", "float16", "float32")
+
+
+def kv_cache_dtype_flag(text: str) -> str:
+    if text in KV_CACHE_DTYPES:
+        return text
+    hint = (" (an FP8 KV cache is not implemented; int8 is the quantized KV cache)"
+            if text.lower().startswith("fp8") else "")
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(KV_CACHE_DTYPES)}{hint}")
 
 
 class AutoDraftTokens(int):
@@ -113,7 +134,7 @@ def draft_tokens_flag(text: str) -> int:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
+        model=args.model, served_model_name=args.served_model_name, device=args.device, dtype=args.dtype, kv_dtype=args.kv_dtype,
         block_size=args.block_size, prefill_chunk=args.prefill_chunk, kv_capacity=args.kv_capacity,
         memory_utilization=args.memory_utilization, draft_tokens=int(args.draft_tokens),
         adaptive_draft=args.adaptive_draft or isinstance(args.draft_tokens, AutoDraftTokens),
@@ -121,8 +142,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         pending_timeout_ms=args.pending_timeout_ms, max_model_len=args.max_model_len,
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
+        handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling, quantization=args.quantization,
         speculative_model=args.speculative_model, speculative_config=args.speculative_config)
+
+
+def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:
+    """The first option string of the flag whose value lands in `field` (an EngineConfig or
+    SamplingParams field), to name it in an error; None when no flag sets it."""
+    for action in parser._actions:
+        if action.dest == field and action.option_strings and action.help is not argparse.SUPPRESS:
+            return max(action.option_strings, key=len) if action.option_strings[0].startswith("-") else None
+    return None
 
 
 def engine_flags_given(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
@@ -157,6 +188,19 @@ def add_server_args(p: argparse.ArgumentParser, listen: str, metrics_listen: str
                    default=None, help="calls served at once; the next is refused at once (RESOURCE_EXHAUSTED "
                    "with retry pushback); health is exempt (default: what the engines admit, "
                    "2 x --max-num-seqs + --max-pending + 1 per engine)")
+    g.add_argument("--receive-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+                   help="a call's request message must arrive within this after its headers (else "
+                        "DEADLINE_EXCEEDED); a call waiting for its message holds no thread and no seat")
+    g.add_argument("--max-streams-per-connection", type=positive_int, default=None,
+                   help="HTTP/2 streams one connection may have open (default: --max-concurrent-rpcs + 32)")
+    g.add_argument("--max-connections", type=positive_int, default=1000,
+                   help="connections at once; a new one past it is closed when accepted")
+    g.add_argument("--connection-idle-timeout", type=nonnegative_float, default=300.0, metavar="SECONDS",
+                   help="close a connection with no call for this long (GOAWAY; clients reconnect); 0 = never")
+    g.add_argument("--max-connection-age", type=nonnegative_float, default=0.0, metavar="SECONDS",
+                   help="ask a connection this old to go away (no new calls on it); 0 = no age limit")
+    g.add_argument("--max-connection-age-grace", type=nonnegative_float, default=0.0, metavar="SECONDS",
+                   help="the calls on an aged connection get this long to finish; 0 = as long as they need")
     g.add_argument("--drain-timeout", type=nonnegative_float, default=30.0,
                    help="seconds from SIGTERM to exit, in total: streams still running shortly before it "
                         "end UNAVAILABLE")
@@ -186,6 +230,7 @@ def listen_address(args: argparse.Namespace) -> str:
 
 def server_options(args: argparse.Namespace, service_name: str):
     """Flags -> ServerOptions; reads OTEL_*, NINFER_API_KEY(_FILE) and the TLS files now, at startup."""
+    from services.server.connections import ConnectionLimits
     from services.server.grpc_server import ServerOptions
     from services.server.telemetry import build_tracer_provider
     from services.server.tls import ServerTLS, read_secret
@@ -202,7 +247,11 @@ def server_options(args: argparse.Namespace, service_name: str):
         api_key=read_secret(args.api_key, args.api_key_file, envs.API_KEY, envs.API_KEY_FILE, "--api-key"),
         enable_reflection=args.enable_reflection, max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_message_bytes=args.max_message_bytes, retry_pushback_ms=args.retry_pushback_ms,
-        drain_timeout_s=args.drain_timeout, tls=tls,
+        drain_timeout_s=args.drain_timeout, tls=tls, receive_timeout_s=args.receive_timeout,
+        connections=ConnectionLimits(
+            max_streams_per_connection=args.max_streams_per_connection, max_connections=args.max_connections,
+            idle_timeout_s=args.connection_idle_timeout, max_age_s=args.max_connection_age,
+            age_grace_s=args.max_connection_age_grace),
         tracer_provider=build_tracer_provider(service_name, args.otlp_endpoint))
 
 
@@ -232,6 +281,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def nonnegative_float(text: str) -> float:
     value = float(text)
     if not value >= 0 or value == float("inf"):
@@ -242,6 +298,7 @@ def nonnegative_float(text: str) -> float:
 # -- sampling -------------------------------------------------------------------------------------
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """`ninfer generate`'s sampling flags, vLLM's names. Its defaults are its own: greedy, 64 tokens."""
     d = SamplingParams.__dataclass_fields__
     g = p.add_argument_group("sampling")
     g.add_argument("--prompt", required=True, help="prompt text")
@@ -250,11 +307,49 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=d["top_p"].default, help="nucleus sampling: keep the smallest set "
                    "of tokens whose probability reaches this")
     g.add_argument("--top-k", type=int, default=d["top_k"].default, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--min-p", type=float, default=d["min_p"].default,
+                   help="drop tokens less likely than this times the most likely one (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--n", type=int, default=d["n"].default,
+                   help="sequences from the one prompt (one prefill, shared KV); each printed in turn")
+    g.add_argument("--presence-penalty", type=float, default=d["presence_penalty"].default,
+                   help="subtracted once from every token already generated, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=d["frequency_penalty"].default,
+                   help="subtracted per occurrence in the generated text, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"].default,
+                   help="prompt and output tokens: positive logits divided, negative multiplied (1 = off)")
+    g.add_argument("--min-tokens", type=int, default=d["min_tokens"].default,
+                   help="no EOS, stop token or stop string before this many tokens")
+    g.add_argument("--logit-bias", action="append", default=[], type=logit_bias_flag, metavar="TOKEN_ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to the token's logit (repeatable)")
+    g.add_argument("--bad-word", dest="bad_words", action="append", default=[],
+                   help="a word never to generate (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's logprob and the top N alternatives (N <= 20)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not part of the output")
+    g.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the output")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction,
+                   default=d["skip_special_tokens"].default, help="leave special tokens out of the text")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def logit_bias_flag(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"TOKEN_ID=BIAS, got {text!r}") from None
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The sampling flags as SamplingParams fields (the CLI's own defaults applied)."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, seed=args.seed, n=args.n, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                min_tokens=args.min_tokens, logit_bias=dict(args.logit_bias) or None, bad_words=args.bad_words or None,
+                logprobs=args.logprobs, stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output,
+                skip_special_tokens=args.skip_special_tokens, ignore_eos=args.ignore_eos)
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    return SamplingParams(**sampling_kwargs(args))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.errors import EngineError
+from engine.errors import EngineError, InvalidArgumentError
 from ninfer.cli import flags
 from ninfer.cli.logs import configure_logging
 
@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = command("gateway", "serve the public Gateway API in front of engine processes", _servers("cmd_gateway"))
     gateway.add_argument("--engine", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                          help="engine endpoints; each request goes to the least loaded one")
+    gateway.add_argument("--max-stream-migrations", type=int, default=2, metavar="N",
+                         help="times a stream may move to another engine when its engine dies or stops answering "
+                              "(0 = never)")
+    gateway.add_argument("--stream-stall-timeout", type=float, default=2.0, metavar="SECONDS",
+                         help="a stream with no message this long probes its engine's health; no answer within "
+                              "as long again: the engine is lost and the stream moves")
     gateway.add_argument("--engine-api-key", default=None,
                          help="bearer token the engines expect; visible in `ps`: prefer --engine-api-key-file "
                               "(default: $NINFER_ENGINE_API_KEY_FILE, then $NINFER_ENGINE_API_KEY)")
@@ -91,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(json_logs=getattr(args, "log_json", False), level=getattr(args, "log_level", "warning"))
     try:
         return args.func(args)
+    except InvalidArgumentError as e:
+        # name the flag the user typed, not the engine's field behind it
+        flag = flags.flag_of(args.parser, e.field)
+        message = str(e)[len(e.field) + 2:] if str(e).startswith(f"{e.field}: ") else str(e)
+        print(f"ninfer: {flag or e.field}: {message}", file=sys.stderr)
+        return 2
     except (EngineError, OSError) as e:
         print(f"ninfer: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from gateway.migration import MigrationPolicy
     from gateway.server import GatewayServer
     from services.server.tls import read_secret
     engines = [e.strip() for e in args.engine.split(",") if e.strip()]
@@ -37,7 +38,10 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     engine_key = read_secret(args.engine_api_key, args.engine_api_key_file, envs.ENGINE_API_KEY,
                              envs.ENGINE_API_KEY_FILE, "--engine-api-key")
     engine_tls = client_tls(args.engine_tls_ca, args.engine_tls_cert, args.engine_tls_key, "--engine-tls")
-    return _run(GatewayServer(engines, options, engine_api_key=engine_key, engine_tls=engine_tls), options)
+    migration = MigrationPolicy(max_migrations=args.max_stream_migrations, stall_s=args.stream_stall_timeout,
+                                probe_s=args.stream_stall_timeout)
+    return _run(GatewayServer(engines, options, engine_api_key=engine_key, engine_tls=engine_tls,
+                              migration=migration), options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

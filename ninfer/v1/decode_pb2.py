@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from ninfer.v1 import common_pb2 as ninfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ninfer/v1/decode.proto\x12\tninfer.v1\x1a\x16ninfer/v1/common.proto\"\x1f\n\rDecodeRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"]\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.ninfer.v1.RequestStats2P\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.ninfer.v1.DecodeRequest\x1a\x19.ninfer.v1.DecodeResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ninfer/v1/decode.proto\x12\tninfer.v1\x1a\x16ninfer/v1/common.proto\"\x1f\n\rDecodeRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"\x97\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12&\n\x05stats\x18\x03 \x01(\x0b\x32\x17.ninfer.v1.RequestStats\x12\r\n\x05index\x18\x04 \x01(\x05\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.ninfer.v1.TokenLogprob2P\n\rDecodeService\x12?\n\x06\x44\x65\x63ode\x12\x18.ninfer.v1.DecodeRequest\x1a\x19.ninfer.v1.DecodeResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=61
   _globals['_DECODEREQUEST']._serialized_end=92
-  _globals['_DECODERESPONSE']._serialized_start=94
-  _globals['_DECODERESPONSE']._serialized_end=187
-  _globals['_DECODESERVICE']._serialized_start=189
-  _globals['_DECODESERVICE']._serialized_end=269
+  _globals['_DECODERESPONSE']._serialized_start=95
+  _globals['_DECODERESPONSE']._serialized_end=246
+  _globals['_DECODESERVICE']._serialized_start=248
+  _globals['_DECODESERVICE']._serialized_end=328
 # @@protoc_insertion_point(module_scope)

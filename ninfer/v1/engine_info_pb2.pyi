@@ -11,7 +11,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "kv_capacity_tokens", "block_size", "prefill_chunk", "draft_tokens", "eos_token_ids", "tokenizer_json", "tokenizer_sha256", "device", "dtype", "kv_dtype", "tensor_parallel_size", "lease_seconds", "warmup")
+    __slots__ = ("model", "vocab_size", "max_model_len", "kv_capacity_tokens", "block_size", "prefill_chunk", "draft_tokens", "eos_token_ids", "tokenizer_json", "tokenizer_sha256", "device", "dtype", "kv_dtype", "tensor_parallel_size", "lease_seconds", "warmup", "max_num_seqs", "max_pending")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WARMUP_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -44,7 +46,9 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     lease_seconds: float
     warmup: Warmup
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., warmup: _Optional[_Union[Warmup, _Mapping]] = ...) -> None: ...
+    max_num_seqs: int
+    max_pending: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., warmup: _Optional[_Union[Warmup, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_pending: _Optional[int] = ...) -> None: ...
 
 class Warmup(_message.Message):
     __slots__ = ("done", "seconds", "cuda_graphs", "graph_buckets", "graph_capture_seconds", "no_graphs_reason")
@@ -122,7 +126,7 @@ class MetricsPerformance(_message.Message):
     def __init__(self, requests: _Optional[_Mapping[str, int]] = ..., rounds: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., mean_prefill_tok_s: _Optional[float] = ..., mean_decode_tok_s: _Optional[float] = ...) -> None: ...
 
 class KvCacheState(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "block_size", "capacity_tokens", "usage", "refs_taken", "refs_dropped")
+    __slots__ = ("num_blocks", "free_blocks", "block_size", "capacity_tokens", "usage", "refs_taken", "refs_dropped", "state_slots", "state_slots_used")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +134,8 @@ class KvCacheState(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     REFS_TAKEN_FIELD_NUMBER: _ClassVar[int]
     REFS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     block_size: int
@@ -137,19 +143,27 @@ class KvCacheState(_message.Message):
     usage: float
     refs_taken: int
     refs_dropped: int
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ...) -> None: ...
+    state_slots: int
+    state_slots_used: int
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ..., state_slots: _Optional[int] = ..., state_slots_used: _Optional[int] = ...) -> None: ...
 
 class QueueState(_message.Message):
-    __slots__ = ("waiting", "prefilling", "running", "parked")
+    __slots__ = ("waiting", "prefilling", "running", "parked", "awaiting_seat", "oldest_parked_s", "oldest_awaiting_seat_s")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     PREFILLING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     PARKED_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_SEAT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_PARKED_S_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_AWAITING_SEAT_S_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     prefilling: int
     running: int
     parked: int
-    def __init__(self, waiting: _Optional[int] = ..., prefilling: _Optional[int] = ..., running: _Optional[int] = ..., parked: _Optional[int] = ...) -> None: ...
+    awaiting_seat: int
+    oldest_parked_s: float
+    oldest_awaiting_seat_s: float
+    def __init__(self, waiting: _Optional[int] = ..., prefilling: _Optional[int] = ..., running: _Optional[int] = ..., parked: _Optional[int] = ..., awaiting_seat: _Optional[int] = ..., oldest_parked_s: _Optional[float] = ..., oldest_awaiting_seat_s: _Optional[float] = ...) -> None: ...
 
 class EngineMetrics(_message.Message):
     __slots__ = ("history", "last", "performance", "kv", "queue")

@@ -26,7 +26,7 @@ from ninfer.v1 import common_pb2 as ninfer_dot_v1_dot_common__pb2
 from ninfer.v1 import engine_info_pb2 as ninfer_dot_v1_dot_engine__info__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ninfer/v1/gateway.proto\x12\tninfer.v1\x1a\x16ninfer/v1/common.proto\x1a\x1bninfer/v1/engine_info.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.ninfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"J\n\rStreamOptions\x12\x19\n\x11include_token_ids\x18\x01 \x01(\x08\x12\x1e\n\x16\x63ontinuous_usage_stats\x18\x02 \x01(\x08\"\xf8\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.ninfer.v1.ChatMessagesH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.ninfer.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.ninfer.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x30\n\x0estream_options\x18\x06 \x01(\x0b\x32\x18.ninfer.v1.StreamOptionsB\x07\n\x05input\"\x93\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.ninfer.v1.Usage\x12)\n\x06result\x18\x05 \x01(\x0b\x32\x19.ninfer.v1.GenerateResult\"\x8b\x01\n\x0eGenerateResult\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.ninfer.v1.RequestStats\x12\x32\n\x0fgateway_timings\x18\x02 \x01(\x0b\x32\x19.ninfer.v1.GatewayTimings\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\"\x92\x01\n\x0eGatewayTimings\x12\x18\n\x10tokenize_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_call_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13inter_token_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\"\x19\n\x17GetEngineMetricsRequest\"s\n\x12\x45ngineMetricsEntry\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12)\n\x07metrics\x18\x04 \x01(\x0b\x32\x18.ninfer.v1.EngineMetrics\"J\n\x18GetEngineMetricsResponse\x12.\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1d.ninfer.v1.EngineMetricsEntry2\xad\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.ninfer.v1.GenerateRequest\x1a\x1b.ninfer.v1.GenerateResponse0\x01\x12[\n\x10GetEngineMetrics\x12\".ninfer.v1.GetEngineMetricsRequest\x1a#.ninfer.v1.GetEngineMetricsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ninfer/v1/gateway.proto\x12\tninfer.v1\x1a\x16ninfer/v1/common.proto\x1a\x1bninfer/v1/engine_info.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.ninfer.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"J\n\rStreamOptions\x12\x19\n\x11include_token_ids\x18\x01 \x01(\x08\x12\x1e\n\x16\x63ontinuous_usage_stats\x18\x02 \x01(\x08\"\x96\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x08messages\x18\x02 \x01(\x0b\x32\x17.ninfer.v1.ChatMessagesH\x00\x12/\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x13.ninfer.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.ninfer.v1.SamplingParams\x12\r\n\x05model\x18\x05 \x01(\t\x12\x30\n\x0estream_options\x18\x06 \x01(\x0b\x32\x18.ninfer.v1.StreamOptions\x12\x1c\n\x14parse_special_tokens\x18\x10 \x01(\x08\x42\x07\n\x05input\"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.ninfer.v1.Usage\x12)\n\x06result\x18\x05 \x01(\x0b\x32\x19.ninfer.v1.GenerateResult\x12\r\n\x05index\x18\x06 \x01(\x05\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.ninfer.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.ninfer.v1.TokenLogprob\"\x9f\x01\n\x0eGenerateResult\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.ninfer.v1.RequestStats\x12\x32\n\x0fgateway_timings\x18\x02 \x01(\x0b\x32\x19.ninfer.v1.GatewayTimings\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x04 \x01(\t\x12\x12\n\nmigrations\x18\x10 \x01(\x05\"\x92\x01\n\x0eGatewayTimings\x12\x18\n\x10tokenize_seconds\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_call_seconds\x18\x02 \x01(\x01\x12\x14\n\x0cttft_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13inter_token_seconds\x18\x04 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x05 \x01(\x01\"\x19\n\x17GetEngineMetricsRequest\"s\n\x12\x45ngineMetricsEntry\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12)\n\x07metrics\x18\x04 \x01(\x0b\x32\x18.ninfer.v1.EngineMetrics\"J\n\x18GetEngineMetricsResponse\x12.\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1d.ninfer.v1.EngineMetricsEntry2\xad\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.ninfer.v1.GenerateRequest\x1a\x1b.ninfer.v1.GenerateResponse0\x01\x12[\n\x10GetEngineMetrics\x12\".ninfer.v1.GetEngineMetricsRequest\x1a#.ninfer.v1.GetEngineMetricsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,19 +42,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPTIONS']._serialized_start=220
   _globals['_STREAMOPTIONS']._serialized_end=294
   _globals['_GENERATEREQUEST']._serialized_start=297
-  _globals['_GENERATEREQUEST']._serialized_end=545
-  _globals['_GENERATERESPONSE']._serialized_start=548
-  _globals['_GENERATERESPONSE']._serialized_end=695
-  _globals['_GENERATERESULT']._serialized_start=698
-  _globals['_GENERATERESULT']._serialized_end=837
-  _globals['_GATEWAYTIMINGS']._serialized_start=840
-  _globals['_GATEWAYTIMINGS']._serialized_end=986
-  _globals['_GETENGINEMETRICSREQUEST']._serialized_start=988
-  _globals['_GETENGINEMETRICSREQUEST']._serialized_end=1013
-  _globals['_ENGINEMETRICSENTRY']._serialized_start=1015
-  _globals['_ENGINEMETRICSENTRY']._serialized_end=1130
-  _globals['_GETENGINEMETRICSRESPONSE']._serialized_start=1132
-  _globals['_GETENGINEMETRICSRESPONSE']._serialized_end=1206
-  _globals['_GATEWAY']._serialized_start=1209
-  _globals['_GATEWAY']._serialized_end=1382
+  _globals['_GENERATEREQUEST']._serialized_end=575
+  _globals['_GENERATERESPONSE']._serialized_start=578
+  _globals['_GENERATERESPONSE']._serialized_end=833
+  _globals['_GENERATERESULT']._serialized_start=836
+  _globals['_GENERATERESULT']._serialized_end=995
+  _globals['_GATEWAYTIMINGS']._serialized_start=998
+  _globals['_GATEWAYTIMINGS']._serialized_end=1144
+  _globals['_GETENGINEMETRICSREQUEST']._serialized_start=1146
+  _globals['_GETENGINEMETRICSREQUEST']._serialized_end=1171
+  _globals['_ENGINEMETRICSENTRY']._serialized_start=1173
+  _globals['_ENGINEMETRICSENTRY']._serialized_end=1288
+  _globals['_GETENGINEMETRICSRESPONSE']._serialized_start=1290
+  _globals['_GETENGINEMETRICSRESPONSE']._serialized_end=1364
+  _globals['_GATEWAY']._serialized_start=1367
+  _globals['_GATEWAY']._serialized_end=1540
 # @@protoc_insertion_point(module_scope)

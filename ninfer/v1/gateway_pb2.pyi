@@ -37,46 +37,56 @@ class StreamOptions(_message.Message):
     def __init__(self, include_token_ids: _Optional[bool] = ..., continuous_usage_stats: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling", "model", "stream_options")
+    __slots__ = ("prompt", "messages", "prompt_token_ids", "sampling", "model", "stream_options", "parse_special_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STREAM_OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PARSE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: ChatMessages
     prompt_token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
     model: str
     stream_options: StreamOptions
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ...) -> None: ...
+    parse_special_tokens: bool
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., stream_options: _Optional[_Union[StreamOptions, _Mapping]] = ..., parse_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "usage", "result")
+    __slots__ = ("request_id", "text", "token_ids", "usage", "result", "index", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     usage: _common_pb2.Usage
     result: GenerateResult
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ...) -> None: ...
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., result: _Optional[_Union[GenerateResult, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class GenerateResult(_message.Message):
-    __slots__ = ("stats", "gateway_timings", "model", "engine")
+    __slots__ = ("stats", "gateway_timings", "model", "engine", "migrations")
     STATS_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     stats: _common_pb2.RequestStats
     gateway_timings: GatewayTimings
     model: str
     engine: str
-    def __init__(self, stats: _Optional[_Union[_common_pb2.RequestStats, _Mapping]] = ..., gateway_timings: _Optional[_Union[GatewayTimings, _Mapping]] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ...) -> None: ...
+    migrations: int
+    def __init__(self, stats: _Optional[_Union[_common_pb2.RequestStats, _Mapping]] = ..., gateway_timings: _Optional[_Union[GatewayTimings, _Mapping]] = ..., model: _Optional[str] = ..., engine: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GatewayTimings(_message.Message):
     __slots__ = ("tokenize_seconds", "prefill_call_seconds", "ttft_seconds", "inter_token_seconds", "total_seconds")

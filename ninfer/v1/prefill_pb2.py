@@ -25,21 +25,21 @@ _sym_db = _symbol_database.Default()
 from ninfer.v1 import common_pb2 as ninfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ninfer/v1/prefill.proto\x12\tninfer.v1\x1a\x16ninfer/v1/common.proto\"k\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ninfer.v1.SamplingParams\"\x85\x01\n\x0fPrefillResponse\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.ninfer.v1.RequestStats\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\" \n\x0eReleaseRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse2\x94\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.ninfer.v1.PrefillRequest\x1a\x1a.ninfer.v1.PrefillResponse\x12@\n\x07Release\x12\x19.ninfer.v1.ReleaseRequest\x1a\x1a.ninfer.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17ninfer/v1/prefill.proto\x12\tninfer.v1\x1a\x16ninfer/v1/common.proto\"\x85\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.ninfer.v1.SamplingParams\x12\x18\n\x10output_token_ids\x18\x10 \x03(\x05\"\x9e\x02\n\x0fPrefillResponse\x12\x0e\n\x06handle\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12&\n\x05stats\x18\x04 \x01(\x0b\x32\x17.ninfer.v1.RequestStats\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04seed\x18\x10 \x01(\x04\x12)\n\x08logprobs\x18\x06 \x03(\x0b\x32\x17.ninfer.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.ninfer.v1.TokenLogprob\x12,\n\tsequences\x18\x08 \x03(\x0b\x32\x19.ninfer.v1.SequenceOutput\" \n\x0eReleaseRequest\x12\x0e\n\x06handle\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse2\x94\x01\n\x0ePrefillService\x12@\n\x07Prefill\x12\x19.ninfer.v1.PrefillRequest\x1a\x1a.ninfer.v1.PrefillResponse\x12@\n\x07Release\x12\x19.ninfer.v1.ReleaseRequest\x1a\x1a.ninfer.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ninfer.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PREFILLREQUEST']._serialized_start=62
-  _globals['_PREFILLREQUEST']._serialized_end=169
-  _globals['_PREFILLRESPONSE']._serialized_start=172
-  _globals['_PREFILLRESPONSE']._serialized_end=305
-  _globals['_RELEASEREQUEST']._serialized_start=307
-  _globals['_RELEASEREQUEST']._serialized_end=339
-  _globals['_RELEASERESPONSE']._serialized_start=341
-  _globals['_RELEASERESPONSE']._serialized_end=358
-  _globals['_PREFILLSERVICE']._serialized_start=361
-  _globals['_PREFILLSERVICE']._serialized_end=509
+  _globals['_PREFILLREQUEST']._serialized_start=63
+  _globals['_PREFILLREQUEST']._serialized_end=196
+  _globals['_PREFILLRESPONSE']._serialized_start=199
+  _globals['_PREFILLRESPONSE']._serialized_end=485
+  _globals['_RELEASEREQUEST']._serialized_start=487
+  _globals['_RELEASEREQUEST']._serialized_end=519
+  _globals['_RELEASERESPONSE']._serialized_start=521
+  _globals['_RELEASERESPONSE']._serialized_end=538
+  _globals['_PREFILLSERVICE']._serialized_start=541
+  _globals['_PREFILLSERVICE']._serialized_end=689
 # @@protoc_insertion_point(module_scope)

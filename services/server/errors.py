@@ -1,4 +1,4 @@
-"""Exceptions -> gRPC status, in one table (DESIGN.md, "Error model"), and the interceptor that applies it.
+"""Exceptions -> gRPC status, in one table (docs/architecture.md, "Error model"), and the interceptor that applies it.
 
 Servicers raise domain errors (engine.errors) or `RpcAbort`; they never call `context.abort`. The
 gateway passes an engine's status through unchanged, retry pushback included.
@@ -6,7 +6,8 @@ gateway passes an engine's status through unchanged, retry pushback included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,25 +82,28 @@ def status_for(exc: BaseException, retry_pushback_ms: int) -> RpcStatus:
         return RpcStatus(grpc.StatusCode.NOT_FOUND, str(exc))
     if isinstance(exc, EngineDeadError):
         return RpcStatus(grpc.StatusCode.UNAVAILABLE, str(exc))
-    if isinstance(exc, grpc.FutureCancelledError):
+    if isinstance(exc, (grpc.FutureCancelledError, asyncio.CancelledError)):
         return RpcStatus(grpc.StatusCode.CANCELLED, "cancelled")
     if isinstance(exc, GeneratorExit):                  # the server dropped a stream: the client left
         return RpcStatus(grpc.StatusCode.CANCELLED, "cancelled by the client")
-    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):   # an upstream call: pass it on
+    if isinstance(exc, grpc.aio.AioRpcError):           # an upstream call: pass it on
+        pushback = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k == RETRY_PUSHBACK_KEY)
+        return RpcStatus(exc.code(), exc.details() or "", pushback)
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
         pushback = tuple((m.key, m.value) for m in (exc.trailing_metadata() or ()) if m.key == RETRY_PUSHBACK_KEY)
         return RpcStatus(exc.code(), exc.details() or "", pushback)
     return RpcStatus(grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__})")
 
 
-class ErrorMappingInterceptor(grpc.ServerInterceptor):
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Turns what a servicer raises into its status (and trailing metadata); logs the unexpected."""
 
     def __init__(self, retry_pushback_ms: int, max_message_bytes: int):
         self.retry_pushback_ms = retry_pushback_ms
         self.max_message_bytes = max_message_bytes
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
@@ -112,31 +116,34 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
         return handler
 
     def _wrap_unary(self, behavior: Callable, method: str) -> Callable:
-        def unary(request, context):
+        async def unary(request, context):
             try:
                 if isinstance(request, Unreadable):
                     raise request.error
-                return behavior(request, context)
+                return await behavior(request, context)
+            except grpc.aio.AbortError:                 # context.abort() was called already
+                raise
             except Exception as e:  # noqa: BLE001 - every error becomes a status
-                self._abort(context, e, method)
+                await self._abort(context, e, method)
         return unary
 
     def _wrap_stream(self, behavior: Callable, method: str) -> Callable:
-        def stream(request, context) -> Iterator:
+        async def stream(request, context) -> AsyncIterator:
             try:
                 if isinstance(request, Unreadable):
                     raise request.error
-                yield from behavior(request, context)
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                raise
             except Exception as e:  # noqa: BLE001 - every error becomes a status
-                self._abort(context, e, method)
+                await self._abort(context, e, method)
         return stream
 
-    def _abort(self, context: grpc.ServicerContext, exc: Exception, method: str) -> None:
-        if type(exc) is Exception and context.code() is not None:    # context.abort() was called already
-            raise exc
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: Exception, method: str) -> None:
         status = status_for(exc, self.retry_pushback_ms)
         if status.code is grpc.StatusCode.INTERNAL:
             log.error("rpc_failed", method=method, exc_info=exc)
-        if status.trailing_metadata:
-            context.set_trailing_metadata(status.trailing_metadata)
-        context.abort(status.code, status.details)
+        if context.done():                     # ended already (deadline, cancel): no status to send
+            raise asyncio.CancelledError()
+        await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)

@@ -1,6 +1,6 @@
 """Health and drain of one gRPC server: NOT_SERVING until warm, SERVING, NOT_SERVING again on drain.
 
-    state = ServingState(service_names)          # registers grpc.health.v1 on a server via `health`
+    state = ServingState(service_names, runtime) # registers grpc.health.v1 on a server via `health`
     state.set_serving()                          # after the warm-up
     with state.admit():  ...                     # UNAVAILABLE while not ready or draining; counts in-flight
     state.drain(); state.wait_idle(grace_s)      # SIGTERM: new calls refused, streams in flight finish
@@ -12,22 +12,26 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.server.errors import RpcAbort
+from services.server.event_loop import EventLoopThread
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ServingState:
-    def __init__(self, service_names: list[str], not_ready_reason: str = "warming up"):
-        self.health = health.HealthServicer(experimental_non_blocking=True,
-                                            experimental_thread_pool=ThreadPoolExecutor(1, "health"))
+    """Thread-safe: the engine's loader, the gateway's router and a drain call it from their threads,
+    the servicers from the server's event loop. The health servicer (grpc's asyncio one) is updated on
+    that loop; a caller on another thread waits until it is, so health says what was just set."""
+
+    def __init__(self, service_names: list[str], runtime: EventLoopThread, not_ready_reason: str = "warming up"):
+        self.health = health.aio.HealthServicer()
+        self._runtime = runtime
         self.service_names = ["", *service_names]        # "" = the server as a whole
         self._cond = threading.Condition()
         self._ready = False
@@ -55,13 +59,13 @@ class ServingState:
         """Ready (or not, and why) to take new calls; ignored once draining."""
         with self._cond:
             self._ready, self._not_ready_reason = ready, reason
-            self._publish()
+        self._publish()
 
     def drain(self) -> None:
         """Refuse new calls from now on (UNAVAILABLE) and report NOT_SERVING."""
         with self._cond:
             self._draining = True
-            self.health.enter_graceful_shutdown()
+        self._on_loop(self.health.enter_graceful_shutdown)
 
     def check_admission(self, during_drain: bool = False) -> None:
         if self._draining and not during_drain:
@@ -87,12 +91,13 @@ class ServingState:
                 self._cutters.pop(key, None)
 
     def cut(self) -> None:
-        """The drain timeout passed: end every call still in flight."""
+        """The drain timeout passed: end every call still in flight (each `cancel` runs on the server's
+        event loop, where the calls live)."""
         with self._cond:
             self.shut_down = True
             cutters = list(self._cutters.values())
         for cancel in cutters:
-            cancel()
+            self._runtime.call_soon(cancel)
 
     @contextmanager
     def admit(self, during_drain: bool = False) -> Iterator[None]:
@@ -121,8 +126,15 @@ class ServingState:
                 self._cond.wait(min(left, poll_s))
 
     def _publish(self) -> None:
-        if self._draining:
-            return
-        status = SERVING if self._ready else NOT_SERVING
-        for name in self.service_names:
-            self.health.set(name, status)
+        """Health := the state as it is when this runs on the loop (so concurrent setters end with the latest)."""
+        async def publish() -> None:
+            status = SERVING if self._ready else NOT_SERVING
+            for name in self.service_names:
+                await self.health.set(name, status)         # ignored by the servicer once draining
+        self._on_loop(publish)
+
+    def _on_loop(self, make_coroutine: Callable) -> None:
+        if self._runtime.on_loop:
+            self._runtime.loop.create_task(make_coroutine())
+        elif not self._runtime.loop.is_closed():
+            self._runtime.run(make_coroutine(), timeout_s=10.0)

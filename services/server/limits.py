@@ -1,22 +1,24 @@
 """Bounded concurrency: at most `limit` calls run at once; the next one is refused at once with
-RESOURCE_EXHAUSTED and retry pushback instead of waiting for a thread (a hang until its deadline).
+RESOURCE_EXHAUSTED and retry pushback instead of waiting (a hang until its deadline).
 
 Health, reflection and Release are exempt (a probe must answer while the server is saturated, and a
-Release frees KV). The server's thread pool has `limit + HEADROOM_THREADS` threads, so that an exempt
-call or a refusal always finds one; grpc's own `maximum_concurrent_rpcs` is set to the pool's size
-as a backstop (past it grpc refuses without pushback, but never queues a call behind busy threads).
+Release frees KV). A call counts from the moment its request message has arrived (see
+services.server.receive: a call still waiting for its message holds no seat here) until it ends.
+The refusal names no flag: the gateway passes an engine's status on to public clients, who have no
+use for an engine's internal settings (the operator finds the limit in the log and in metrics).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
+import structlog
+from prometheus_client import Counter
 
 from services.server.errors import RETRY_PUSHBACK_KEY
 
-HEADROOM_THREADS = 16
+log = structlog.get_logger(__name__)
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/ninfer.v1.PrefillService/Release")
 
 
@@ -27,17 +29,18 @@ def admission_rpcs(max_batch: int, max_pending: int) -> int:
     return 2 * max_batch + max_pending + 1
 
 
-class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
-    def __init__(self, limit: int, retry_pushback_ms: int):
+class ConcurrencyLimitInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, limit: int, retry_pushback_ms: int, refused: Counter | None = None):
         if limit < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {limit}")
         self.limit = limit
         self.retry_pushback_ms = retry_pushback_ms
-        self.active = 0
-        self._lock = threading.Lock()
+        self.active = 0                 # touched on the server's event loop only
+        self.refused = 0
+        self._refused_metric = refused
 
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(EXEMPT_PREFIXES):
             return handler
         if handler.unary_unary is not None:
@@ -46,33 +49,35 @@ class ConcurrencyLimitInterceptor(grpc.ServerInterceptor):
             return handler._replace(unary_stream=self._wrap_stream(handler.unary_stream))
         return handler
 
-    def _enter(self, context: grpc.ServicerContext) -> None:
-        with self._lock:
-            if self.active < self.limit:
-                self.active += 1
-                return
-        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(self.retry_pushback_ms)),))
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                      f"the server is at its limit of {self.limit} concurrent calls (--max-concurrent-rpcs)")
-
-    def _exit(self) -> None:
-        with self._lock:
-            self.active -= 1
+    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+        if self.active < self.limit:
+            self.active += 1
+            return
+        self.refused += 1
+        if self._refused_metric is not None:
+            self._refused_metric.inc()
+        if self.refused == 1 or self.refused % 1000 == 0:
+            log.warning("concurrency_limit_reached", limit=self.limit, refused=self.refused,
+                        hint="raise --max-concurrent-rpcs, or add engines")
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"the server is at its limit of {self.limit} concurrent calls; retry later",
+                            trailing_metadata=((RETRY_PUSHBACK_KEY, str(self.retry_pushback_ms)),))
 
     def _wrap_unary(self, behavior: Callable) -> Callable:
-        def unary(request, context):
-            self._enter(context)
+        async def unary(request, context):
+            await self._enter(context)
             try:
-                return behavior(request, context)
+                return await behavior(request, context)
             finally:
-                self._exit()
+                self.active -= 1
         return unary
 
     def _wrap_stream(self, behavior: Callable) -> Callable:
-        def stream(request, context) -> Iterator:
-            self._enter(context)
+        async def stream(request, context) -> AsyncIterator:
+            await self._enter(context)
             try:
-                yield from behavior(request, context)
+                async for response in behavior(request, context):
+                    yield response
             finally:
-                self._exit()
+                self.active -= 1
         return stream

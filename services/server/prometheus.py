@@ -83,11 +83,22 @@ class _EngineSnapshotCollector(Collector):
         yield GaugeMetricFamily("ninfer_engine_queue_length", "Requests waiting in the FIFO queue",
                                 value=q["waiting"])
         requests = GaugeMetricFamily("ninfer_engine_requests", "Requests by state", labels=["state"])
-        for state in ("prefilling", "running", "parked"):
-            requests.add_metric([state], q[state])
+        for state in ("prefilling", "running", "parked", "awaiting_seat"):
+            requests.add_metric([state], q.get(state, 0))
         yield requests
+        oldest = GaugeMetricFamily("ninfer_engine_oldest_wait_seconds", "The longest wait now: a parked handle "
+                                   "for its decode, an attached request for a decode seat", labels=["state"])
+        oldest.add_metric(["parked"], q.get("oldest_parked_s", 0.0))
+        oldest.add_metric(["awaiting_seat"], q.get("oldest_awaiting_seat_s", 0.0))
+        yield oldest
         yield GaugeMetricFamily("ninfer_engine_kv_cache_usage_ratio", "Share of KV blocks in use", value=kv["usage"])
         yield GaugeMetricFamily("ninfer_engine_kv_free_blocks", "KV blocks free", value=kv["free_blocks"])
+        if "state_slots" in kv:                       # hybrid models
+            slots = GaugeMetricFamily("ninfer_engine_state_slots", "Linear-attention state slots (hybrid models)",
+                                      labels=["state"])
+            slots.add_metric(["used"], kv["state_slots_used"])
+            slots.add_metric(["free"], kv["state_slots"] - kv["state_slots_used"])
+            yield slots
         finished = CounterMetricFamily("ninfer_engine_requests_finished", "Finished requests by finish reason",
                                        labels=["finish_reason"])
         for reason, n in sorted(snap["performance"]["requests"].items()):
@@ -108,6 +119,8 @@ class GatewayPrometheus:
                                 registry=r)
         self.prompt_tokens = Counter("ninfer_gateway_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("ninfer_gateway_completion_tokens", "Tokens streamed", registry=r)
+        self.migrations = Counter("ninfer_gateway_stream_migrations", "Streams resumed on another engine, by why "
+                                  "their engine was lost", ["reason"], registry=r)
         r.register(_EnginePoolCollector(engines))
 
 

@@ -2,7 +2,7 @@
 (`EngineContext.loop`: submit, abort, metrics, add_kv_listener, reset_prefix_cache; `ctx.info` for
 what it serves). Kept thin on purpose.
 
-Everything here is safe to call from any gRPC thread.
+The request and snapshot calls are coroutines for the server's event loop; the rest is safe from any thread.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ class EnginePort:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
+    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
         """Admit one request (validated at once; raises the engine's errors); no prefill/decode split."""
-        return self._loop().submit(prompt, params, request_id or None)
+        return await self._loop().submit_async(prompt, params, request_id or None)
 
     def abort(self, request_id: str) -> None:
         """End a request wherever it is (unknown ids are ignored)."""
@@ -58,9 +58,9 @@ class EnginePort:
 
     # -- state ----------------------------------------------------------------------------------
 
-    def metrics(self) -> dict[str, Any]:
+    async def metrics(self) -> dict[str, Any]:
         """The engine's metrics snapshot (history, last, performance, kv, queue)."""
-        return self._loop().metrics()
+        return await self._loop().metrics_async()
 
     def facts(self) -> EngineFacts:
         info = self._ctx.info

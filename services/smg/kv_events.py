@@ -15,11 +15,12 @@ a signed little-endian int64; `token_ids` are the block's `block_size` tokens.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 
 from smg_grpc_proto.generated import common_pb2
 
@@ -40,6 +41,7 @@ class KvEventPublisher:
         self._history: deque[common_pb2.KvEventBatch] = deque(maxlen=history)
         self._sequence = 0
         self._event_id = 0
+        self._waiters: set[asyncio.Future] = set()       # subscribers waiting for a batch (on their loops)
 
     @property
     def sequence_number(self) -> int:
@@ -69,21 +71,43 @@ class KvEventPublisher:
             fill(event)
             self._history.append(common_pb2.KvEventBatch(sequence_number=self._sequence, timestamp=self._clock(),
                                                          events=[event], dp_rank=0))
-            self._cond.notify_all()
+            waiters, self._waiters = self._waiters, set()
+        for waiter in waiters:
+            try:
+                waiter.get_loop().call_soon_threadsafe(_wake, waiter)
+            except RuntimeError:                 # that subscriber's loop is closed
+                pass
 
-    # -- subscribers (gRPC threads) ---------------------------------------------------------------
+    # -- subscribers (the server's event loop) ----------------------------------------------------
 
-    def subscribe(self, start_sequence_number: int, wanted: Callable[[], bool]) -> Iterator[common_pb2.KvEventBatch]:
+    async def subscribe(self, start_sequence_number: int,
+                        wanted: Callable[[], bool]) -> AsyncIterator[common_pb2.KvEventBatch]:
         """Batches numbered above `start_sequence_number` that are still held, then live ones, while
         `wanted()` (the call is active and the server not draining). A cursor older than the history
         resumes at the oldest batch held (smg then sees a gap it cannot fill: HISTORY_BATCHES bounds it)."""
         after = start_sequence_number
         while wanted():
+            waiter = None
             with self._cond:
                 if self._sequence <= after:
-                    self._cond.wait(WAIT_S)
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._waiters.add(waiter)
+            if waiter is not None:
+                try:
+                    await asyncio.wait_for(waiter, WAIT_S)
+                except TimeoutError:
+                    pass
+                finally:
+                    with self._cond:
+                        self._waiters.discard(waiter)
+            with self._cond:
                 first = self._history[0].sequence_number if self._history else after + 1
                 batches = list(itertools.islice(self._history, max(0, after + 1 - first), None))
             for batch in batches:
                 yield batch
                 after = batch.sequence_number
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

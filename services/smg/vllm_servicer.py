@@ -17,6 +17,7 @@ and into our spans, `engine_request_done` log and Prometheus metrics as for any 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -56,14 +57,14 @@ def _version() -> str:
 
 
 class AbortWhenCallEnds:
-    """gRPC termination callback: abort the engine request unless it finished (disarmed) first."""
+    """gRPC done callback: abort the engine request unless it finished (disarmed) first."""
 
     def __init__(self, port: EnginePort, request_id: str):
         self._port, self._request_id = port, request_id
         self._armed = True
         self._lock = threading.Lock()
 
-    def __call__(self) -> None:
+    def __call__(self, context: grpc.aio.ServicerContext | None = None) -> None:
         with self._lock:
             armed, self._armed = self._armed, False
         if armed:
@@ -96,7 +97,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # -- generation -----------------------------------------------------------------------------
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         ctx = self.ctx
         with ctx.state.admit(), bound_contextvars(request_id=request.request_id or None), \
                 ctx.tracer.start_as_current_span("smg.generate") as span:
@@ -107,38 +108,66 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise InvalidArgumentError("text", "send token ids (`tokenized`): the router tokenizes")
             prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", info.vocab_size)
             params = convert.sampling_from_proto(request.sampling_params, len(prompt), info)
-            stream = self.port.submit(prompt, params, request.request_id)
+            try:
+                stream = await self.port.submit(prompt, params, request.request_id)
+            except InvalidArgumentError as e:               # admission: named as the protocol names it
+                raise convert.protocol_error(e) from None
             guard = AbortWhenCallEnds(self.port, stream.request_id)
-            if not context.add_callback(guard):      # the call has ended already
+            if context.done():                       # the call has ended already
                 guard()
+            else:
+                context.add_done_callback(guard)
             span.set_attribute("ninfer.request_id", stream.request_id)
-            output: list[int] = []
+            seqs = [_Sequence() for _ in range(params.n)]          # n > 1: one per index
+            prompt_lp: list | None = None                            # prompt logprobs, until sent
+            wants_lp = params.logprobs is not None
+            finals: dict[int, pb.GenerateResponse] = {}            # unary: each sequence's, until all are done
             last = time.monotonic()
             try:
-                for out in stream:
+                async for out in stream:
                     now = time.monotonic()
-                    if out.new_token_ids and output:
+                    seq = seqs[out.index]
+                    if out.new_token_ids and seq.output:
                         observe_per_token(ctx.metrics.inter_token, now - last, len(out.new_token_ids))
                     last = now
-                    output.extend(out.new_token_ids)
+                    seq.output.extend(out.new_token_ids)
+                    seq.logprobs.extend(out.logprobs or ())
+                    if out.prompt_logprobs is not None:
+                        prompt_lp = out.prompt_logprobs
                     if not out.finished:
-                        if request.stream and out.new_token_ids:
-                            yield convert.chunk(out.new_token_ids, len(prompt), len(output))
+                        if request.stream and (out.new_token_ids or prompt_lp is not None):
+                            yield convert.chunk(out.new_token_ids, len(prompt), len(seq.output), index=out.index,
+                                                logprobs=out.logprobs if wants_lp else None, prompt_ids=prompt,
+                                                prompt_logprobs=prompt_lp)
+                            prompt_lp = None
                         continue
-                    guard.disarm()
                     self._report(out.stats, span)
                     if out.finish_reason is FinishReason.ABORT:        # Abort rpc, or the call ended: no one listens
+                        guard.disarm()
                         raise RpcAbort(grpc.StatusCode.CANCELLED, f"request {stream.request_id!r} was aborted")
-                    context.set_trailing_metadata(((STATS_TRAILER, stats_to_proto(out.stats).SerializeToString()),))
-                    matched = _matched_stop_token(out.stats, output, params, info.eos_token_ids)
+                    if stream.finished:
+                        guard.disarm()
+                        context.set_trailing_metadata(((STATS_TRAILER, stats_to_proto(out.stats).SerializeToString()),))
+                    matched = _matched_stop_token(out.stats, seq.output, params, info.eos_token_ids)
                     if request.stream:
-                        if out.new_token_ids:
-                            yield convert.chunk(out.new_token_ids, len(prompt), len(output),
-                                                out.stats.usage.cached_tokens)
-                        yield convert.complete([], out.stats, matched)
+                        if out.new_token_ids or prompt_lp is not None:
+                            yield convert.chunk(out.new_token_ids, len(prompt), len(seq.output),
+                                                out.stats.usage.cached_tokens, index=out.index,
+                                                logprobs=out.logprobs if wants_lp else None, prompt_ids=prompt,
+                                                prompt_logprobs=prompt_lp)
+                            prompt_lp = None
+                        yield convert.complete([], out.stats, matched, index=out.index)
                     else:
-                        yield convert.complete(output, out.stats, matched)
-            except GeneratorExit:                           # gRPC dropped the stream: the client is gone
+                        # unary: every sequence's answer once all have finished, in index order (smg 1.13
+                        # numbers a unary request's choices in the order the answers arrive)
+                        finals[out.index] = convert.complete(
+                            seq.output, out.stats, matched, index=out.index, logprobs=seq.logprobs if wants_lp else None,
+                            prompt_ids=prompt, prompt_logprobs=prompt_lp)
+                        prompt_lp = None
+                        if stream.finished:
+                            for i in sorted(finals):
+                                yield finals[i]
+            except (GeneratorExit, asyncio.CancelledError):   # the call ended: the client is gone
                 if not stream.finished:
                     guard()
                 raise
@@ -149,13 +178,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.ctx.metrics.observe_finished(stats)
         log.info("engine_request_done", protocol="vllm.grpc.engine", **stats_attributes(stats))
 
-    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext):
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             for request_id in request.request_ids:
                 self.port.abort(request_id)
             return pb.AbortResponse()
 
-    def FlushCache(self, request, context: grpc.ServicerContext):
+    async def FlushCache(self, request, context: grpc.aio.ServicerContext):
         """Drop the prefix cache at once (`timeout_s` is moot: blocks in use are never dropped)."""
         with self.ctx.state.admit(during_drain=True):
             self._engine()
@@ -164,7 +193,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     # -- state ----------------------------------------------------------------------------------
 
-    def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.ServicerContext):
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext):
         """UNAVAILABLE until the engine serves (smg retries its registration instead of registering an
         engine whose model it cannot learn yet); healthy=false while draining."""
         state = self.ctx.state
@@ -174,42 +203,52 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._engine()
         return pb.HealthCheckResponse(healthy=True, message="serving")
 
-    def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.ServicerContext):
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             facts = self._engine()
             return convert.model_info(facts, _hf_config(facts.model_dir))
 
-    def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.ServicerContext):
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             facts = self._engine()
             info = facts.info
             return pb.GetServerInfoResponse(
-                active_requests=convert.active_requests(self.port.metrics()), is_paused=self.ctx.state.draining,
+                active_requests=convert.active_requests(await self.port.metrics()), is_paused=self.ctx.state.draining,
                 last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started,
                 server_type="ninfer-grpc", data_parallel_size=1, kv_cache_dtype=info.kv_dtype,
                 block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=facts.max_batch)
 
-    def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.ServicerContext):
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             if request.HasField("dp_rank") and request.dp_rank != 0:
                 raise InvalidArgumentError("dp_rank", f"this engine has one rank (0), got {request.dp_rank}")
-            return convert.loads(self.port.metrics(), self._engine(), _version())
+            return convert.loads(await self.port.metrics(), self._engine(), _version())
 
-    def GetTokenizer(self, request, context: grpc.ServicerContext):
+    async def GetTokenizer(self, request, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):
             facts = self._engine()
             if self._bundle is None:
                 self._bundle = tokenizer_zip(facts.model_dir, facts.info.tokenizer_json)
-            yield from tokenizer_chunks(self._bundle)
+            for chunk in tokenizer_chunks(self._bundle):
+                yield chunk
 
-    def SubscribeKvEvents(self, request, context: grpc.ServicerContext):
+    async def SubscribeKvEvents(self, request, context: grpc.aio.ServicerContext):
         """Not counted in flight: a subscription lives as long as the router; it ends on drain."""
         state = self.ctx.state
         state.check_admission(during_drain=False)
         self._engine()
-        context.send_initial_metadata(())      # smg waits 2 s for the stream to open, not for an event
-        yield from self.kv_events.subscribe(request.start_sequence_number,
-                                            wanted=lambda: context.is_active() and not state.draining)
+        await context.send_initial_metadata(())      # smg waits 2 s for the stream to open, not for an event
+        async for batch in self.kv_events.subscribe(request.start_sequence_number,
+                                                    wanted=lambda: not context.done() and not state.draining):
+            yield batch
+
+
+class _Sequence:
+    """One of a request's n sequences as the stream delivers it."""
+
+    def __init__(self) -> None:
+        self.output: list[int] = []
+        self.logprobs: list = []
 
 
 def _matched_stop_token(stats: RequestStats, output: list[int], params: SamplingParams,

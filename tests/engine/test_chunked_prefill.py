@@ -50,7 +50,7 @@ def test_chunk_count_is_what_the_lane_promises(shared_model, prompts):
     """A 130-token prompt with chunk 17 takes ceil(130/17) = 8 prefill steps, the last of which samples."""
     llm = make_llm(shared_model, prefill_chunk=17, prefix_reuse=False)
     core = llm.engine
-    req = core.add_request(prompts["text"], SamplingParams(max_tokens=1))
+    req = core.add_request(prompts["text"], SamplingParams(max_tokens=1, temperature=0.0))
     steps = 0
     while not req.finished:
         sched = core.scheduler
@@ -66,7 +66,7 @@ def test_chunk_count_is_what_the_lane_promises(shared_model, prompts):
 def test_chunked_prefill_with_mtp_gives_identical_drafts(shared_model, prompts, chunk):
     """The MTP layer's KV is written chunk by chunk too (the position at a chunk's end needs the next
     chunk's first token): any error there changes the drafts and thus the acceptance counts."""
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
     batch = [prompts["text"], prompts["random_ids"], prompts["text"][:70]]
     ref = make_llm(shared_model, draft_tokens=3, prefill_chunk=2048, prefix_reuse=False).generate(batch, params)
     got = make_llm(shared_model, draft_tokens=3, prefill_chunk=chunk, prefix_reuse=False).generate(batch, params)

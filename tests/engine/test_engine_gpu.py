@@ -27,7 +27,7 @@ PROMPTS = [
     "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:",
     "The interpreter reads the source file and",
 ]
-GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
 
 
 def _generate(prompts: list[str] | None = None, **kw) -> list[list[int]]:
@@ -66,8 +66,8 @@ def test_cuda_graphs_equal_eager_fp32(fp32_k0):
 
 
 # different lengths, a stop token, a seeded sampled row: async scheduling must change nothing
-MIXED = [SamplingParams(max_tokens=9, ignore_eos=True), SamplingParams(max_tokens=40, stop_token_ids=[13]),
-         SamplingParams(max_tokens=31, temperature=0.8, top_p=0.9, seed=7), SamplingParams(max_tokens=64)]
+MIXED = [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0), SamplingParams(max_tokens=40, stop_token_ids=[13], temperature=0.0),
+         SamplingParams(max_tokens=31, temperature=0.8, top_p=0.9, seed=7), SamplingParams(max_tokens=64, temperature=0.0)]
 
 
 def _generate_mixed(**kw) -> list[tuple[list[int], str]]:
@@ -197,7 +197,7 @@ def check_automatic_kv_capacity(tp: int) -> None:
         rng = random.Random(0)
         prompts = [[rng.randrange(1000, 100000) for _ in range(8192)]] + \
                   [[rng.randrange(1000, 100000) for _ in range(64)] for _ in range(15)]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))
         assert all(len(o.token_ids) == 16 for o in outs)
         assert llm.engine.kv.capacity_tokens > 100_000       # the pool took the room there was
         for device in llm.engine.executor.devices:
@@ -236,7 +236,7 @@ def test_long_prompts_through_the_tma_prefill_routes_agree_with_the_paged_kernel
     monkeypatch.setattr(P, "prefill_segments", counted_segments)
     monkeypatch.setattr(P, "prefill_attention", counted_gather)
     prompts = [PROMPTS[1] * 100, PROMPTS[2] * 150]                # 3,500 and 2,550 tokens
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.0)
 
     def run() -> list[list[int]]:
         llm = LLM(str(MODEL), device="cuda", kv_capacity=16384, max_batch=8, prefill_chunk=512, kv_dtype=kv_dtype,

@@ -61,7 +61,7 @@ def test_park_then_resume_equals_a_plain_request(k):
 def test_expired_lease_frees_the_kv():
     loop = start(lease_seconds=0.05)
     try:
-        stream = loop.submit(PROMPT, SamplingParams(max_tokens=10), request_id="h", park_after_prefill=True)
+        stream = loop.submit(PROMPT, SamplingParams(max_tokens=10, temperature=0.0), request_id="h", park_after_prefill=True)
         assert not stream.next(timeout=30).finished
         final = stream.next(timeout=5)                    # the idle loop expires the lease
         assert final.finished and final.finish_reason == "lease_expired"
@@ -75,15 +75,15 @@ def test_expired_lease_frees_the_kv():
 def test_queue_timeout_and_queue_full_through_the_loop():
     loop = start(max_batch=1, max_pending=1, pending_timeout_ms=30)
     try:
-        busy = loop.submit(PROMPT, SamplingParams(max_tokens=1900, ignore_eos=True))
+        busy = loop.submit(PROMPT, SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0.0))
         busy.next(timeout=30)                             # running: it holds the only batch slot
-        waiting = loop.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        waiting = loop.submit([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
         with pytest.raises(QueueFullError):
-            loop.submit([4, 5, 6], SamplingParams(max_tokens=2))          # refused at once
+            loop.submit([4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))          # refused at once
         with pytest.raises(QueueTimeoutError, match="pending_timeout_ms=30"):
             waiting.next(timeout=10)
         assert waiting.finished
-        late = loop.submit([4, 5, 6], SamplingParams(max_tokens=2))     # room again after the timeout
+        late = loop.submit([4, 5, 6], SamplingParams(max_tokens=2, temperature=0.0))     # room again after the timeout
         busy.abort()
         outs = list(busy)
         assert outs[-1].finished and outs[-1].finish_reason == "abort"
@@ -96,7 +96,7 @@ def test_queue_timeout_and_queue_full_through_the_loop():
 def test_abort_from_another_thread_ends_the_stream():
     loop = start(draft_tokens=2)
     try:
-        stream = loop.submit(PROMPT, SamplingParams(max_tokens=1900, ignore_eos=True))
+        stream = loop.submit(PROMPT, SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0.0))
         got = [stream.next(timeout=30)]
         threading.Thread(target=stream.abort).start()
         got += list(stream)
@@ -113,14 +113,14 @@ def test_a_stopped_loop_refuses_work():
     loop = start()
     loop.shutdown()
     with pytest.raises(EngineDeadError):
-        loop.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        loop.submit([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
 
 
 def test_validation_errors_reach_the_caller_synchronously():
     loop = start()
     try:
         with pytest.raises(Exception) as e:
-            loop.submit([1, 2, 10**6], SamplingParams(max_tokens=2))
+            loop.submit([1, 2, 10**6], SamplingParams(max_tokens=2, temperature=0.0))
         assert getattr(e.value, "field", None) == "prompt_token_ids"
         assert loop.alive and kv_state(loop) == (0, 0, 0)
     finally:
@@ -129,9 +129,9 @@ def test_validation_errors_reach_the_caller_synchronously():
 
 def test_loop_outputs_equal_llm_generate():
     llm = make_llm(None, kv_capacity=2048, prefill_chunk=32)
-    want = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    want = llm.generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0))[0].token_ids
     loop = EngineLoop(llm.engine).start()
     try:
-        assert [t for o in loop.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)) for t in o.new_token_ids] == want
+        assert [t for o in loop.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)) for t in o.new_token_ids] == want
     finally:
         loop.shutdown()

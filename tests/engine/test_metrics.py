@@ -56,21 +56,21 @@ def test_snapshot_agrees_with_request_stats():
     core = llm.engine
     shared = list(range(5, 75))
     requests = [
-        (shared, SamplingParams(max_tokens=7, ignore_eos=True)),
-        (list(range(100, 105)), SamplingParams(max_tokens=1)),
+        (shared, SamplingParams(max_tokens=7, ignore_eos=True, temperature=0.0)),
+        (list(range(100, 105)), SamplingParams(max_tokens=1, temperature=0.0)),
         (list(range(3, 120)), SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=3)),
-        (shared, SamplingParams(max_tokens=5, ignore_eos=True)),            # cache hit on `shared`
-        (shared + [9, 9, 9], SamplingParams(max_tokens=11, ignore_eos=True, draft_tokens=1)),
+        (shared, SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0)),            # cache hit on `shared`
+        (shared + [9, 9, 9], SamplingParams(max_tokens=11, ignore_eos=True, draft_tokens=1, temperature=0.0)),
     ]
     finished = drive(core, requests)
-    aborted = core.add_request([7, 8, 9], SamplingParams(max_tokens=4))
+    aborted = core.add_request([7, 8, 9], SamplingParams(max_tokens=4, temperature=0.0))
     finished.append(core.abort(aborted.request_id))                           # never ran: no rates
     assert len(finished) == len(requests) + 1
     assert sum(o.stats.usage.cached_tokens for o in finished) >= 2 * 64
     snap = check_snapshot(core, finished)
     assert snap["performance"]["requests"] == {"length": 5, "abort": 1}
     # a second wave: `last` moves to it, peaks stay the max over everything
-    finished += drive(core, [(list(range(200, 260)), SamplingParams(max_tokens=3, ignore_eos=True))])
+    finished += drive(core, [(list(range(200, 260)), SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))])
     check_snapshot(core, finished)
     assert_kv_idle(core)
 
@@ -81,7 +81,7 @@ def test_history_counts_delivered_tokens_when_a_stop_string_ends_a_round(shared_
     llm = make_llm(shared_model, draft_tokens=3)
     core = llm.engine
     enum = WORKLOADS["enumeration"][0]
-    finished = drive(core, [(enum, SamplingParams(max_tokens=60, ignore_eos=True, stop=[stop]))
+    finished = drive(core, [(enum, SamplingParams(max_tokens=60, ignore_eos=True, stop=[stop], temperature=0.0))
                             for stop in ("Line 5:", "Line 6: the quick", "jumps over the lazy")])
     assert all(o.finish_reason == "stop" for o in finished)
     check_snapshot(core, finished)

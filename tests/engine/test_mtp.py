@@ -149,7 +149,7 @@ def test_prefill_and_first_round_match_reference(ref, shared_model):
     ids = llm.tokenizer.encode(prompt)
     cap = MTPCapture(llm)
     try:
-        out = llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+        out = llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))[0]
     finally:
         cap.close()
     p = len(ids)
@@ -188,7 +188,7 @@ def test_round_by_round_drafts_match_reference(ref, shared_model, k):
     llm = make_llm(shared_model, draft_tokens=k)
     prompts = [WORKLOADS["json"][1], WORKLOADS["code"][1], WORKLOADS["prose"][0]]
     max_tokens = 40
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
     for prompt, out in zip(prompts, outs):
         ids = llm.tokenizer.encode(prompt)
         x = ids + out.token_ids

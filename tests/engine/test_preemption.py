@@ -16,10 +16,10 @@ from tests.conftest import WORKLOADS, assert_kv_idle, make_llm
 from engine import SamplingParams
 
 PROMPTS = [WORKLOADS["code"][1], WORKLOADS["json"][1], WORKLOADS["prose"][0], WORKLOADS["enumeration"][1]]
-PARAMS = [SamplingParams(max_tokens=110, ignore_eos=True),
+PARAMS = [SamplingParams(max_tokens=110, ignore_eos=True, temperature=0.0),
           SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.8, seed=11),
           SamplingParams(max_tokens=120, ignore_eos=True, temperature=1.0, top_k=20, seed=12),
-          SamplingParams(max_tokens=90, ignore_eos=True)]
+          SamplingParams(max_tokens=90, ignore_eos=True, temperature=0.0)]
 KV_TOKENS = 320          # 20 blocks; each request needs 8-10 at the end, the four together ~37
 
 

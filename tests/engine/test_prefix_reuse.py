@@ -30,7 +30,7 @@ def tokens_of(llm, text: str, n: int) -> list[int]:
     return ids[:n]
 
 
-PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 @pytest.mark.parametrize("n", [70, 64, 65, 17, 16, 5])
@@ -60,12 +60,12 @@ def test_block_key_includes_the_next_token(llm, no_reuse):
 
 def test_blocks_written_while_decoding_are_reused(llm, no_reuse):
     prompt = tokens_of(llm, WORKLOADS["enumeration"][1] + WORKLOADS["prose"][0], 20)
-    first = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True))[0]
+    first = llm.generate([prompt], SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0))[0]
     follow = prompt + first.token_ids[:45]                   # 65 tokens: 4 blocks, 2 of them decoded
-    out = llm.generate([follow], SamplingParams(max_tokens=15, ignore_eos=True))[0]
+    out = llm.generate([follow], SamplingParams(max_tokens=15, ignore_eos=True, temperature=0.0))[0]
     assert out.stats.usage.cached_tokens == 64
     assert out.token_ids == first.token_ids[45:60]           # the greedy continuation
-    assert out.token_ids == no_reuse.generate([follow], SamplingParams(max_tokens=15, ignore_eos=True))[0].token_ids
+    assert out.token_ids == no_reuse.generate([follow], SamplingParams(max_tokens=15, ignore_eos=True, temperature=0.0))[0].token_ids
     assert_kv_idle(llm.engine)
 
 

@@ -1,5 +1,5 @@
 """Per-request statistics: token counts and phase timings, and the rates derived from them exactly as
-DESIGN.md defines them:  prefill_tok_s = computed_prefill_tokens / timings.prefill,
+docs/performance.md defines them:  prefill_tok_s = computed_prefill_tokens / timings.prefill,
 decode_tok_s = (completion_tokens - 1) / timings.decode.
 
 An injected clock that advances 0.25 s per target-model forward (a forward hook: the model really runs)
@@ -33,8 +33,8 @@ def finished_stats(outputs) -> dict[str, dict]:
 def test_timings_are_the_phase_boundaries():
     core, clock = engine_with_ticking_clock()
     prompt = list(range(10, 50))                                       # 40 tokens: chunks 16, 16, 8
-    core.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True), request_id="a")
-    core.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True), request_id="b")   # waits: max_batch 1
+    core.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.0), request_id="a")
+    core.add_request(prompt, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0), request_id="b")   # waits: max_batch 1
     clock.advance(2.0)
     stats = finished_stats(run_to_idle(core))
     a, b = stats["a"], stats["b"]
@@ -54,7 +54,7 @@ def test_timings_are_the_phase_boundaries():
 
 def test_speculative_decode_time_counts_rounds():
     core, clock = engine_with_ticking_clock(draft_tokens=2)
-    core.add_request(list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True), request_id="a")
+    core.add_request(list(range(10, 30)), SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0), request_id="a")
     a = finished_stats(run_to_idle(core))["a"]
     spec = a.speculative
     assert spec.draft_tokens == 2 and spec.drafted == 2 * spec.rounds
@@ -66,7 +66,7 @@ def test_speculative_decode_time_counts_rounds():
 
 def test_single_token_request_has_no_decode_rate():
     core, _ = engine_with_ticking_clock()
-    core.add_request([5, 6, 7], SamplingParams(max_tokens=1), request_id="a")
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=1, temperature=0.0), request_id="a")
     a = finished_stats(run_to_idle(core))["a"]
     assert a.usage.completion_tokens == 1 and a.timings.decode == 0.0 and a.rates.decode_tok_s == 0.0
     assert a.timings.prefill == TICK and a.rates.prefill_tok_s == 3 / TICK
@@ -74,7 +74,7 @@ def test_single_token_request_has_no_decode_rate():
 
 def test_aborted_in_queue_spent_its_time_queued():
     core, clock = engine_with_ticking_clock()
-    core.add_request([5, 6, 7], SamplingParams(max_tokens=4), request_id="a")
+    core.add_request([5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0), request_id="a")
     clock.advance(1.5)
     out = core.abort("a")
     t = out.stats.timings
@@ -99,7 +99,7 @@ def check_identities(stats: RequestStats) -> None:
 def test_real_clock_stats_satisfy_the_definitions():
     llm = make_llm(None, kv_capacity=2048, prefill_chunk=32, draft_tokens=2)
     prompts = [list(range(3, 3 + n)) for n in (5, 40, 70)] + [list(range(3, 43))]
-    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 9, 17, 6)])
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True, temperature=0.0) for m in (1, 9, 17, 6)])
     for out, prompt in zip(outs, prompts):
         check_identities(out.stats)
         assert out.stats.usage.prompt_tokens == len(prompt) and out.stats.usage.completion_tokens == len(out.token_ids)

@@ -15,7 +15,7 @@ PROMPTS = MIXED_PROMPTS + [
     WORKLOADS["json"][0] + 'printer", "quantity": 8',   # extends another prompt
     WORKLOADS["prose"][1],
 ]
-PARAMS = [SamplingParams(max_tokens=m, ignore_eos=ie, draft_tokens=dk) for m, ie, dk in [
+PARAMS = [SamplingParams(max_tokens=m, ignore_eos=ie, draft_tokens=dk, temperature=0.0) for m, ie, dk in [
     (40, True, None), (33, True, None), (40, True, None), (29, True, None), (40, False, None), (40, True, 1),
     (40, True, None), (17, True, None), (40, False, None),
 ]]

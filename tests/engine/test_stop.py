@@ -24,6 +24,7 @@ def llm(request, llm_k0, llm_k3):
 
 
 def gen(llm, prompt, **kw):
+    kw.setdefault("temperature", 0.0)
     out = llm.generate([prompt], SamplingParams(**kw))[0]
     assert_kv_idle(llm.engine)
     return out
@@ -56,7 +57,7 @@ def test_max_tokens_is_exact(llm, max_tokens):
 
 @pytest.fixture(scope="module")
 def baseline(llm_k0):
-    out = llm_k0.generate([ENUM], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    out = llm_k0.generate([ENUM], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0))[0]
     return out.token_ids, out.text
 
 

@@ -32,7 +32,7 @@ def llm():
     ("max_tokens", {"max_tokens": -3}),
     ("max_tokens", {"max_tokens": 2.5}),
     ("max_tokens", {"max_tokens": True}),
-    ("top_k", {"top_k": -1}),
+    ("top_k", {"top_k": -2}),
     ("seed", {"seed": -1}),
     ("stop", {"stop": [""]}),
     ("stop", {"stop": ["x"] * 17}),

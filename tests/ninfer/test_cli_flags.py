@@ -21,6 +21,8 @@ VLLM_AND_OURS = [
     (["--kv-cache-dtype", "int8"], ["--kv-dtype", "int8"], "kv_dtype", "int8"),
     (["--num-speculative-tokens", "3"], ["--draft-tokens", "3"], "draft_tokens", 3),
     (["--no-enable-prefix-caching"], ["--no-prefix-reuse"], "prefix_reuse", False),
+    (["--enable-prefix-caching"], [], "prefix_reuse", True),
+    (["--served-model-name", "my-model"], ["--served-model-name=my-model"], "served_model_name", "my-model"),
     (["-tp", "2"], ["--tp", "2"], "tensor_parallel_size", 2),
     (["--tensor-parallel-size", "2"], ["--tp", "2"], "tensor_parallel_size", 2),
     (["--max-model-len", "512"], ["--max-model-len", "512"], "max_model_len", 512),
@@ -84,7 +86,8 @@ def test_bad_flag_values_end_in_a_message_not_a_traceback():
                            "--listen", "127.0.0.1:0", "--metrics-listen", "off"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "lease_seconds" in done.stderr and "(0, 86400]" in done.stderr
+    # the flag as the user typed it, not the engine's field behind it
+    assert "--lease-seconds: must be in (0, 86400]" in done.stderr, done.stderr
     done = subprocess.run([sys.executable, "-m", "ninfer", "engine", "--log-level", "bogus"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "invalid choice: 'bogus'" in done.stderr
@@ -109,3 +112,20 @@ def test_server_limits_must_be_positive(flag, value):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["gateway", "--engine", "127.0.0.1:1", flag, value])
     assert e.value.code == 2
+
+
+def test_an_fp8_kv_cache_is_answered_naming_the_flag():
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["engine", "--kv-cache-dtype", "fp8"])
+    assert e.value.code == 2
+    done = subprocess.run([sys.executable, "-m", "ninfer", "engine", "--kv-cache-dtype", "fp8_e4m3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--kv-cache-dtype" in done.stderr and "FP8 KV cache is not implemented" in done.stderr, done.stderr
+
+
+def test_a_context_beyond_the_models_positions_is_refused_naming_the_flag(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ninfer", "generate", "--device", "cpu", "--prompt", "x",
+                           "--max-model-len", "100000"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and not done.stdout
+    assert "--max-model-len: 100000 exceeds the model's max_position_embeddings 4096" in done.stderr, done.stderr

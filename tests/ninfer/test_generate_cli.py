@@ -37,7 +37,7 @@ def parse(stdout: str) -> tuple[list[dict], dict]:
 @pytest.fixture(scope="module")
 def api_tokens() -> list[int]:
     llm = make_llm(None, kv_capacity=1024)
-    return llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    return llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0))[0].token_ids
 
 
 def test_generate_json_lines_and_final_stats(api_tokens):
@@ -85,8 +85,8 @@ def test_stop_string_spanning_tokens_cuts_the_printed_text(api_tokens):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--max-tokens", "0"], "max_tokens"),
-    (["--prefill-chunk", "4"], "prefill_chunk"),
+    (["--max-tokens", "0"], "--max-tokens: must be >= 1"),
+    (["--prefill-chunk", "4"], "--prefill-chunk: must be in [16, "),
     (["--kv-capacity", "1000000000000"], "does not fit"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
 ])

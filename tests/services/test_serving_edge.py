@@ -65,6 +65,7 @@ def test_past_the_concurrency_limit_calls_are_refused_with_pushback_and_health_a
         e = failure(lambda: client.generate("one too many", sampling=SamplingParams(max_tokens=2), timeout=30))
         assert e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert f"limit of {MAX_RPCS} concurrent calls" in e.details()
+        assert "--" not in e.details(), "no server flag reaches a public client"
         assert (RETRY_PUSHBACK_KEY, str(PUSHBACK_MS)) in [(m.key, m.value) for m in e.trailing_metadata()]
         for _ in range(20):                                # many probes, each answered at once
             assert client.serving_status(timeout=5) == health_pb2.HealthCheckResponse.SERVING
@@ -148,6 +149,26 @@ def test_a_gateway_says_its_engine_is_draining():
             e = failure(lambda: client.generate("hi"))
             assert e.code() is grpc.StatusCode.UNAVAILABLE
             assert f"{host.address}: draining" in e.details() and "not serving yet" not in e.details()
+            host.stop()                                        # the engine has exited: no longer "draining"
+            wait_for(lambda: "draining" not in failure(lambda: client.generate("hi")).details())
+            e = failure(lambda: client.generate("hi"))
+            assert e.code() is grpc.StatusCode.UNAVAILABLE and f"{host.address}: down" in e.details(), e.details()
+    finally:
+        gateway.stop()
+        host.stop()
+
+
+def test_a_standalone_gateway_sizes_its_limit_from_the_engines_it_talks_to():
+    host = EngineHost(EngineConfig(kv_capacity=1024, max_batch=2, max_pending=3),
+                      ServerOptions(listen="127.0.0.1:0")).start().load()
+    gateway = GatewayServer([host.address, "127.0.0.1:1"], ServerOptions(listen="127.0.0.1:0"),
+                            poll_interval_s=0.05).start()
+    try:
+        default = gateway.limiter.limit
+        # the engine admits 2 x 2 + 3 + 1 = 8 calls; the other address has no engine (engine defaults)
+        wait_for(lambda: gateway.limiter.limit == 8 + default // 2)
+        assert gateway.registry.get_sample_value("ninfer_rpc_concurrency_limit",
+                                                 {"server": "ninfer-gateway-rpc"}) == 8 + default // 2
     finally:
         gateway.stop()
         host.stop()

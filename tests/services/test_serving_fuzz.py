@@ -1,6 +1,6 @@
 """Property-based fuzz of live servers (hypothesis, derandomized so CI is repeatable): every field of
 GenerateRequest, PrefillRequest and DecodeRequest, and raw bytes sent to every method. Every answer
-is OK or a documented status (DESIGN.md, "Error model"), never INTERNAL or UNKNOWN; afterwards the
+is OK or a documented status (docs/architecture.md, "Error model"), never INTERNAL or UNKNOWN; afterwards the
 servers are healthy, the engine is idle with every KV block free and every reference dropped, and
 the gateway has nothing in flight.
 
@@ -56,6 +56,29 @@ def sampling_params(draw) -> common_pb2.SamplingParams:
     p.ignore_eos = draw(st.booleans())
     if draw(st.booleans()):
         p.draft_tokens = draw(small_or_any_int)
+    # the fields of vLLM's SamplingParams (docs/sampling.md): mostly small, sometimes anything
+    p.n = draw(st.one_of(st.integers(0, 4), int32))
+    p.min_p, p.presence_penalty, p.frequency_penalty = draw(any_float), draw(any_float), draw(any_float)
+    if draw(st.booleans()):
+        p.repetition_penalty = draw(any_float)
+    p.min_tokens = draw(small_or_any_int)
+    for name in ("logprobs", "prompt_logprobs", "truncate_prompt_tokens"):
+        if draw(st.booleans()):
+            setattr(p, name, draw(st.one_of(st.integers(-2, 25), int32)))
+    for key, value in draw(st.dictionaries(st.one_of(st.integers(-3, 3000), int32), any_float, max_size=4)).items():
+        p.logit_bias[key] = value
+    p.bad_words.extend(draw(st.lists(text, max_size=3)))
+    p.include_stop_str_in_output = draw(st.booleans())
+    if draw(st.booleans()):
+        p.skip_special_tokens = draw(st.booleans())
+    if draw(st.integers(0, 9)) == 0:
+        kind = draw(st.sampled_from(["json_schema", "regex", "grammar", "structural_tag", "choice", "json_object"]))
+        if kind == "choice":
+            p.structured_output.choice.extend(draw(st.lists(text, max_size=3)))
+        elif kind == "json_object":
+            p.structured_output.json_object = draw(st.booleans())
+        else:
+            setattr(p.structured_output, kind, draw(text))
     return p
 
 
@@ -142,6 +165,52 @@ def test_decode_and_release_fuzz(engine, handle):
     status_of(lambda: list(engine.decode_stub.Decode(decode_pb2.DecodeRequest(handle=handle), timeout=10,
                                                      metadata=engine.metadata)))
     status_of(lambda: engine.release(handle))
+
+
+# (field, a value past its limit, what the refusal names): each refused with INVALID_ARGUMENT whatever else is set
+PAST_LIMITS = st.sampled_from([
+    ("logprobs", st.integers(21, 2**31 - 1), "logprobs"),
+    ("prompt_logprobs", st.integers(21, 2**31 - 1), "prompt_logprobs"),
+    ("n", st.integers(129, 2**31 - 1), "n"),
+    ("n", st.integers(65, 128), "n"),                          # past the decode batch (--max-num-seqs 64)
+    ("logit_bias", st.integers(384, 2**31 - 1), "logit_bias"),   # an id past the vocabulary (384 tokens)
+])
+
+
+@FUZZ
+@given(case=PAST_LIMITS, data=st.data(), prompt=st.text(min_size=1, max_size=40))
+def test_fields_past_their_limit_are_refused_naming_the_field(gateway, case, data, prompt):
+    count("past_limits")
+    field, values, named = case
+    sampling = common_pb2.SamplingParams(max_tokens=4)
+    value = data.draw(values)
+    if field == "logit_bias":
+        sampling.logit_bias[value] = 1.0
+    else:
+        setattr(sampling, field, value)
+    with pytest.raises(grpc.RpcError) as e:
+        list(gateway.generate(prompt, sampling=sampling, timeout=30))
+    assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(f"{named}: "), \
+        (field, value, e.value.details())
+
+
+@FUZZ
+@given(n=st.integers(2, 64), max_tokens=st.integers(1, MAX_MODEL_LEN - 3))
+def test_n_times_max_tokens_past_the_kv_is_refused_naming_n(gateway, n, max_tokens):
+    """Each sequence fits the context; prompt + n x (max_tokens + a block) past the KV capacity (2048):
+    INVALID_ARGUMENT naming n; else it runs, and every sequence gets its tokens."""
+    count("n_capacity")
+    sampling = common_pb2.SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
+    past = 3 + n * (max_tokens + 16) > 2048
+    try:
+        msgs = list(gateway.generate(prompt_token_ids=[5, 6, 7], sampling=sampling, timeout=60))
+    except grpc.RpcError as e:
+        assert past and e.code() is grpc.StatusCode.INVALID_ARGUMENT and e.details().startswith("n: "), \
+            (n, max_tokens, e.code(), e.details())
+        return
+    assert not past, (n, max_tokens)
+    results = [m.result for m in msgs if m.HasField("result")]
+    assert len(results) == n and all(r.stats.usage.completion_tokens == max_tokens for r in results)
 
 
 METHODS = [("gateway", "/ninfer.v1.Gateway/Generate", True), ("engine", "/ninfer.v1.PrefillService/Prefill", False),

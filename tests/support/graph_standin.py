@@ -31,7 +31,7 @@ class StandInRounds:
         self.executor, self.runner, self.buckets = executor, runner, buckets
         self.bucket_of = {b: self.Bucket(runner, b) for b in buckets}
         self.launches = 0
-        self.tokens = None                         # rank 0's: the round's tokens, once every rank ran it
+        self.out = None                            # rank 0's: the round's output, once every rank ran it
 
     def fits(self, n):
         return n <= self.buckets[-1]
@@ -39,22 +39,24 @@ class StandInRounds:
     def bucket(self, batch):
         return self.bucket_of[batch]
 
-    def select(self, works, all_greedy, any_filter):
-        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], (all_greedy, any_filter)
+    def select(self, works, variant):
+        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], variant
 
     def launch(self, bucket, key):
-        from engine.worker.decode_round import RoundInputs, run_round
+        from engine.worker.decode_round import RoundInputs, RoundOutput, run_round
         r, ex = bucket.runner, self.executor
         rank = ex.runners.index(r)
         inputs = RoundInputs.from_packed(*bucket.device, k=r.k)
-        ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, *key)[0])
+        ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, key))
         self.launches += 1
         if rank == 0:
-            self.tokens = torch.full((bucket.batch, r.k + 1), -2, dtype=torch.int64)
+            self.out = RoundOutput(None, None)       # filled by the last rank's launch, before anyone reads it
         if rank == len(ex.runners) - 1:
             outcomes = [w.outcome() for w in ex._workers]
             bad = [v for ok, v in outcomes if not ok]
             if bad:
                 raise bad[0]
-            ex.runners[0].graphs.tokens.copy_(outcomes[0][1])
-        return self.tokens if rank == 0 else None
+            first = ex.runners[0].graphs.out
+            first.tokens, first.num_accepted, first.logprobs = (outcomes[0][1].tokens, outcomes[0][1].num_accepted,
+                                                                outcomes[0][1].logprobs)
+        return self.out if rank == 0 else None

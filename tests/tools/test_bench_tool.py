@@ -1,4 +1,4 @@
-"""The benchmark tool end to end in its smallest CPU mode, and its formulas against BENCH.md's numbers.
+"""The benchmark tool end to end in its smallest CPU mode, and its formulas against docs/performance.md's worked numbers.
 
 No timing asserts: the CPU figures are plumbing. What is checked is the contract: every section
 recorded (ok / skipped / error with a reason), the headline keys with a reason for every null, the
@@ -27,7 +27,7 @@ def close(a, b, rel=1e-6):
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
 
 
-# -- formulas (BENCH.md's worked numbers) ----------------------------------------------------------
+# -- formulas (docs/performance.md's worked numbers) -----------------------------------------------
 
 def test_decode_floor_of_qwen3_8b_matches_bench_md():
     cfg = shapes.model_config("qwen3-8b")

@@ -2,7 +2,7 @@
 [--quick] [--out DIR]`.
 
 Measures the engine through its public API against the physical limits and the transformers peer,
-all in the same run (BENCH.md), section by section: a section that fails (OOM, exception) is
+all in the same run (docs/performance.md), section by section: a section that fails (OOM, exception) is
 recorded and the run goes on. Progress goes to stderr as each figure lands; results.json is
 rewritten after every figure (a run cut short keeps what it measured); summary.md and the plots
 after every section; a compact table is printed last on stdout.

@@ -1,7 +1,7 @@
 """TTFT of a burst: N prompts of P tokens submitted together, against one such prompt alone.
 
 The packed prefill lane (`engine.sched.prefill_lane`) lets prompts that wait together share a chunk, so
-the burst's median time to first token should stay a small multiple of one prompt's (BENCH.md:
+the burst's median time to first token should stay a small multiple of one prompt's (docs/performance.md:
 `ttft_8x512_over_single` <= 3 at N = 8, P = 512). Every TTFT is the request's own (`timings.ttft`:
 arrival to first token, on the engine's clock); the figure is the median over every request of
 every burst over the median of the prompts sent alone. Prompts are fresh random ids (no prefix hits).
@@ -16,7 +16,7 @@ from tools.bench.session import compact, random_prompt
 
 
 def ttft_burst(session, streams: int, prompt: int, repeats: int, timeout: float) -> dict:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     alone = [compact(session.generate(random_prompt(prompt, session.vocab), params, timeout=timeout))
              for _ in range(repeats)]
     bursts = []

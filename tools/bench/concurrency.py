@@ -39,9 +39,9 @@ def run(bench, sec: dict) -> None:
     ctx = plan.context
     # warm the batched shapes, then time one stream briefly to size the requests
     session.generate_many([random_prompt(ctx, session.vocab) for _ in range(n_max)],
-                          [SamplingParams(max_tokens=8, ignore_eos=True)] * n_max)
+                          [SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)] * n_max)
     s_tok = speed_from_warmup(session.generate(random_prompt(ctx, session.vocab),
-                                               SamplingParams(max_tokens=24, ignore_eos=True)))
+                                               SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)))
     max_tokens = min(tokens_for(plan, s_tok), bench.plan.kv_capacity // n_max - ctx - 16)
     sec["setup"] = {"context": ctx, "max_tokens": max_tokens, "draft_tokens": 0, "engine": session.describe}
     for n in plan.streams:
@@ -80,7 +80,7 @@ def run(bench, sec: dict) -> None:
 
 
 def streams_point(session, n: int, ctx: int, max_tokens: int, timeout: float) -> dict:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     streams = [session.submit(random_prompt(ctx, session.vocab), params, park=True) for _ in range(n)]
     for s in streams:                     # the first token arrives when its prefill ends; then it parks
         s.next(timeout=timeout)
@@ -111,13 +111,13 @@ def interference(bench, session, ctx: int, long_prompt: int, s_tok: float) -> di
         except Exception as e:  # noqa: BLE001 - reported below
             result["error"] = repr(e)
 
-    stream = session.submit(random_prompt(ctx, session.vocab), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    stream = session.submit(random_prompt(ctx, session.vocab), SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
     reader = threading.Thread(target=consume, args=(stream,), daemon=True)
     reader.start()
     while len(times) < lead and reader.is_alive():
         time.sleep(0.001)
     t_submit = time.monotonic()
-    long = compact(session.generate(random_prompt(long_prompt, session.vocab), SamplingParams(max_tokens=1),
+    long = compact(session.generate(random_prompt(long_prompt, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
                                     timeout=max(120.0, 10 * prefill_s)))
     t_done = time.monotonic()
     reader.join(timeout=600)

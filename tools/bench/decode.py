@@ -37,7 +37,7 @@ def decode_point(bench, session, context: int, repeats: int, max_tokens: int, la
     """`repeats` requests of a fresh `context`-token prompt decoding `max_tokens` tokens."""
     reps = []
     for _ in range(repeats):
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **(params or {}))
+        sp = SamplingParams(**{"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0, **(params or {})})
         stats = session.generate(random_prompt(context, session.vocab), sp,
                                  timeout=max(120.0, 10 * (bench.estimate_prefill_s(context) + max_tokens * 0.1)))
         reps.append(compact(stats))
@@ -66,7 +66,7 @@ def seconds_per_token(session, context: int) -> float:
     """From the engine's first request when it decoded enough, else from a short request now."""
     stats = session.warm_stats
     if stats is None or stats.usage.completion_tokens < 16:
-        stats = session.generate(random_prompt(context, session.vocab), SamplingParams(max_tokens=24, ignore_eos=True))
+        stats = session.generate(random_prompt(context, session.vocab), SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))
     return speed_from_warmup(stats)
 
 

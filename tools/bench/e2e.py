@@ -107,12 +107,12 @@ def run_together(one, prompts: list[list[int]], params: SamplingParams, timeout:
 
 def measure(one, vocab: int, plan, timeout: float) -> PathResult:
     result = PathResult()
-    ttft_params = SamplingParams(max_tokens=2, ignore_eos=True)
+    ttft_params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
     for _ in range(plan.ttft_repeats):
         t = StreamTiming()
         one(random_prompt(plan.prompt, vocab), ttft_params, t)
         result.ttft_ms.append(t.ttft_s * 1e3)
-    params = SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True, temperature=0.0)
     for n in plan.streams:
         result.points[n] = run_together(one, [random_prompt(plan.prompt, vocab) for _ in range(n)], params, timeout)
     return result

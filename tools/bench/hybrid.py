@@ -97,7 +97,7 @@ def _tp_deployment(bench, sec: dict, plan, cfg, tp: int) -> None:
         if not bench.budget.allows(est):
             rows.append({"P": P, "skipped": bench.budget.skip_reason(est)})
             continue
-        r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1),
+        r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
                                      timeout=max(120.0, 5 * est)))
         _, mm = bench.roofline()
         rows.append({"P": P, "chunk": plan.chunk, "prefill_tok_s": r["prefill_tok_s"],
@@ -130,7 +130,7 @@ def _long_context(bench, session, plan, cfg, tp: int, sec: dict, key: str, who: 
         say(who, f"long context skipped ({sec[key + '_reason']})")
         return
     try:
-        r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=n_dec, ignore_eos=True),
+        r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=n_dec, ignore_eos=True, temperature=0.0),
                                      timeout=max(600.0, 3 * est)))
     except Exception as e:  # noqa: BLE001 - the figure is whether it works
         sec["long_context"], sec[key], sec[key + "_inputs"] = {"prompt_tokens": P, "error": repr(e)[:400]}, False, {}

@@ -1,6 +1,6 @@
 """What each run measures: the sweep points, repeats and time budgets of every section, per mode.
 
-Modes: `full` and `quick` on a GPU at a reference shape (BENCH.md), and `cpu` (the tiny preset,
+Modes: `full` and `quick` on a GPU at a reference shape (docs/performance.md), and `cpu` (the tiny preset,
 small sizes: a dry run of every code path in well under a minute). Budgets are seconds of wall
 time per section; a point predicted not to fit is skipped with the reason, so a run stays bounded
 whatever the engine's speed. `--repeats` and `--time-scale` trade time for precision.
@@ -149,7 +149,7 @@ class Plan:
     tp: TPPlan
     acceptance: AcceptancePlan
     e2e: E2EPlan
-    # The points the headline figures read (BENCH.md's: P=4096 and 32768 at chunk 4096, decode at a
+    # The points the headline figures read (docs/performance.md's: P=4096 and 32768 at chunk 4096, decode at a
     # 512-token context, int8 KV at 32768); the CPU dry run reads its own small stand-ins.
     reference: dict[str, int] = field(default_factory=lambda: dict(
         prefill_P=4096, prefill_long_P=32768, prefill_chunk=4096, decode_context=512, kv_context=32768,

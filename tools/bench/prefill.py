@@ -41,7 +41,7 @@ def run(bench, sec: dict) -> None:
                     continue
             reps = []
             for _ in range(repeats):
-                stats = session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1),
+                stats = session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
                                          timeout=max(120.0, 5 * one))
                 reps.append(compact(stats))
                 bench.note_prefill_rate("engine", P, reps[-1]["prefill_tok_s"])

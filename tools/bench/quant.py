@@ -68,7 +68,7 @@ def run(bench, sec: dict) -> None:
             if bw and b1.get("ms_per_round_best"):
                 point["decode_b1"]["roofline_fraction"] = steps / bw / (b1["ms_per_round_best"] / 1e3)
             batches = []
-            sp = SamplingParams(max_tokens=plan.batch_tokens, ignore_eos=True)
+            sp = SamplingParams(max_tokens=plan.batch_tokens, ignore_eos=True, temperature=0.0)
             for _ in range(0 if plan.decode_only else plan.batch_repeats):
                 if not bench.budget.allows(2 * plan.batch_tokens * s_tok):
                     break
@@ -83,7 +83,7 @@ def run(bench, sec: dict) -> None:
             for _ in range(0 if plan.decode_only else plan.prefill_repeats):
                 if not bench.budget.allows(bench.estimate_prefill_s(plan.prefill_P) * 2):
                     break
-                stats = session.generate(random_prompt(plan.prefill_P, session.vocab), SamplingParams(max_tokens=1))
+                stats = session.generate(random_prompt(plan.prefill_P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0))
                 reps.append(compact(stats)["prefill_tok_s"])
             if reps:
                 point["prefill"] = {"P": plan.prefill_P, "chunk": plan.prefill_P, "tok_s_peak": max(reps), "tok_s": reps}

@@ -1,5 +1,5 @@
 """Writing a run: results.json (every figure with its parameters), summary.md (the seed-style tables
-and the headline against BENCH.md's targets), PNG plots, and the compact table printed last."""
+and the headline against the targets of docs/performance.md), PNG plots, and the compact table printed last."""
 
 from __future__ import annotations
 
@@ -90,14 +90,14 @@ def markdown(r: dict) -> str:
     if merged:
         L += [f"- sections merged from earlier runs: {', '.join(merged)}", ""]
 
-    L += ["## Headline (targets from BENCH.md)", ""]
+    L += ["## Headline (targets from docs/performance.md)", ""]
     rows = []
     for name, d in r.get("headline_detail", {}).items():
         val = d["value"]
         rows.append([f"`{name}`", fmt(val), _target_text(name), fmt(d.get("ratio_to_target")),
                      "—" if d.get("met") is None else ("**yes**" if d["met"] else "no"),
                      d.get("reason") or _inputs_text(d.get("inputs")), d["target_text"]])
-    L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "BENCH.md"], rows)
+    L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "what is asked (docs/performance.md)"], rows)
 
     L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
     L += _quant(r) + _hybrid(r)

@@ -1,4 +1,4 @@
-"""What a shape costs: FLOPs per prefill token and bytes read per decode step (BENCH.md's formulas).
+"""What a shape costs: FLOPs per prefill token and bytes read per decode step (docs/performance.md's formulas).
 
 Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no device.
 

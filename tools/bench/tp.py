@@ -40,7 +40,7 @@ def _prefill_points(bench, sec: dict, session, label: str) -> None:
         if not bench.budget.allows(one * bench.plan.tp.repeats):
             rows.append({"label": label, "P": P, "skipped": bench.budget.skip_reason(one)})
             continue
-        reps = [compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1),
+        reps = [compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
                                          timeout=max(120.0, 5 * one)))
                 for _ in range(bench.plan.tp.repeats)]
         rates = [r["prefill_tok_s"] for r in reps]
@@ -138,7 +138,7 @@ def run(bench, sec: dict) -> None:
         return
     try:
         stats = compact(session.generate(random_prompt(P, session.vocab),
-                                         SamplingParams(max_tokens=n_dec, ignore_eos=True), timeout=max(300.0, 3 * est)))
+                                         SamplingParams(max_tokens=n_dec, ignore_eos=True, temperature=0.0), timeout=max(300.0, 3 * est)))
     except Exception as e:  # noqa: BLE001 - the figure is whether it works
         sec["long_context"] = {"prompt_tokens": P, "error": repr(e)[:400]}
         sec["context_192k_ok"] = False

@@ -116,7 +116,7 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
     max_tokens = 8 * args.steps * (args.draft_tokens + 1) + 64
     vocab = core.model_config.vocab_size
     reqs = [core.add_request([rng.randrange(min(1000, vocab // 2), min(100000, vocab)) for _ in range(args.context)],
-                             SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
+                             SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)) for _ in range(batch)]
     while core.scheduler.lane or core.scheduler.waiting:
         core.step()
     for _ in range(5):

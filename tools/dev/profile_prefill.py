@@ -42,7 +42,7 @@ def prefill_once(core: EngineCore, P: int, seed: int) -> float:
     prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(P)]
     _sync()
     start = time.perf_counter()
-    req = core.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    req = core.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0))
     while core.has_work:
         core.step()
     _sync()

@@ -34,7 +34,7 @@ CONTEXT = 512
 def kernels_per_round(session, tokens: int = 24) -> dict:
     """Kernels per decode round on each device (batch 1, k = 0), counted by the profiler over one
     request's decode after its prefill (parked, then resumed under the profiler)."""
-    stream = session.submit(random_prompt(CONTEXT, session.vocab), SamplingParams(max_tokens=tokens, ignore_eos=True),
+    stream = session.submit(random_prompt(CONTEXT, session.vocab), SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0),
                             park=True)
     stream.next(timeout=120)
     torch.cuda.synchronize()
@@ -69,7 +69,7 @@ def measure(model: str, tp: int, fused: bool, tokens: int, device: str = "cuda",
         s8 = streams_point(session, 8, CONTEXT, tokens, timeout=120)
         row["agg_8_streams_tok_s"] = s8["aggregate_tok_s"]
         row["agg_8_streams_wall_tok_s"] = s8["wall_aggregate_tok_s"]
-        pre = [compact(session.generate(random_prompt(CONTEXT, session.vocab), SamplingParams(max_tokens=1)))
+        pre = [compact(session.generate(random_prompt(CONTEXT, session.vocab), SamplingParams(max_tokens=1, temperature=0.0)))
                for _ in range(3)]
         row["prefill_512_tok_s"] = max(p["prefill_tok_s"] for p in pre)
         row["ttft_512_ms"] = min(p["ttft_s"] for p in pre) * 1e3
@@ -117,7 +117,7 @@ def main() -> int:
                 json.dump({"model": args.model, "context": CONTEXT, "rows": rows}, f, indent=1)
     base = next((r for r in rows if r["variant"] == "tp1"), None)
     tp2 = next((r for r in rows if r["variant"] == "tp2"), None)
-    if base and tp2 and out:                     # BENCH.md's headline keys, from this run's points
+    if base and tp2 and out:                     # headline keys (docs/performance.md), from this run's points
         keys = {"tp2_over_tp1_decode_b1": tp2["decode_b1_tok_s"] / base["decode_b1_tok_s"],
                 "tp2_over_tp1_agg_8": tp2["agg_8_streams_tok_s"] / base["agg_8_streams_tok_s"],
                 "tp2_over_tp1_prefill_512": tp2["prefill_512_tok_s"] / base["prefill_512_tok_s"]}

@@ -93,7 +93,7 @@ def teacher_forced(base, quant, texts: dict[str, list[str]]) -> dict[str, dict]:
 
 def greedy(llm, prompts: dict[str, list[str]], max_tokens: int) -> dict[str, list]:
     from engine.sampling_params import SamplingParams
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     return {kind: llm.generate(items, params) for kind, items in prompts.items()}
 
 

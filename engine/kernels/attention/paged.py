@@ -34,7 +34,7 @@ int8 pages are read as int8 and converted in registers: K's per-token scale mult
 column after the q·k product, V's scale multiplies the probability column before p·v. Decode and
 verify plans (bf16 q) convert each tile with a few PTX instructions that Triton cannot see through
 (`_int8_operand`, `AttnConfig.int8_upcast`), so the MMAs get the operand layouts of bf16 pages
-rather than Triton's 8-bit ones (engine/kernels/NOTES.md, "int8 decode").
+rather than Triton's 8-bit ones (docs/kernels.md, "Attention").
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def _attn_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, pacc_ptr, pm_ptr, p
     if PREFETCH > 0:
         # Software pipeline over the whole tiles: a program issues the loads of the next tile before it
         # does this tile's math, so it always has bytes in flight while it computes, instead of waiting
-        # at the loop top for the tile it is about to use (the latency bound of NOTES.md, "int8 decode").
+        # at the loop top for the tile it is about to use (the latency bound of docs/kernels.md, "Attention").
         # The page ids run one tile further ahead, so no K/V load waits on a table load either.
         # int8 tiles stay raw bytes until their math (the in-register conversion needs them in
         # registers, which is why num_stages cannot multi-buffer them).
@@ -406,14 +406,14 @@ class AttnConfig:
 
 
 # Defaults, per call shape; tools/dev/gpu_kernel_suite.py sweeps the alternatives on the H200.
-# Picked from the sweep of tools/dev/gpu_kernel_suite.py on the H200 (NOTES.md, run of 2026-11-30):
+# Picked from the sweep of tools/dev/gpu_kernel_suite.py on the H200 (bench/results/2026-11-30-h200/kernels-run1.json):
 # prefill bn128/s3 was fastest at context 0 and after 28k; decode s2 at 32k.
 PREFILL = dict(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DECODE = dict(block_n=64, num_warps=4, num_stages=2, min_tiles=1)
 # head_dim 256: half the tile sizes in both directions, two stages (see `plan`)
 PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 # Decode over int8 pages with bf16 q: K/V converted in registers (int8_upcast), no cp.async stage
-# (num_stages 1); 128 registers for sm_90, 44 warp-instructions per key (NOTES.md, "int8 decode"). Short
+# (num_stages 1); 128 registers for sm_90, 44 warp-instructions per key (its sm_90 SASS). Short
 # contexts add prefetch 1 (one-tile splits); long ones take INT8_LONG's 128-key tiles (below).
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
 

@@ -4,7 +4,7 @@ Why a second attention kernel. `_attn_kernel` (engine/kernels/attention/paged.py
 from the paged cache: each key row needs its block-table entry, so every K/V tile is a gather of
 BLOCK_N 256-byte rows by `cp.async` (LDGSTS), issued and waited for by the same warps that run the
 MMAs. On the H200 that route stays at 0.42-0.48 of the bf16 matmul rate for long prefill chunks
-(NOTES.md, "Measurements"). For a prefill chunk the gather is cheap to do once instead: all of a
+(bench/results/2026-11-30-h200/kernels-run1.json). For a prefill chunk the gather is cheap to do once instead: all of a
 chunk's keys are copied into one contiguous buffer per layer (`gather_kv`: 2 x kv_heads x head_dim
 x 2 bytes per key, ~4 KB per key for K and V together at qwen3-8b, about 1% of the attention's
 time at 28k context), and the attention itself then reads rectangular tiles that the Hopper TMA

@@ -91,7 +91,7 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
 
 
 def _check_wiring(path: str, fused_comm, zero_centred: bool, **kw):
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     want = [o.token_ids for o in make_llm(path, **kw).generate(PROMPTS, params)]
     two = make_llm(path, tensor_parallel_size=2, **kw)
     comm = fused_comm[-1]
@@ -123,7 +123,7 @@ def test_hybrid_layers_hand_every_sum_to_the_fused_call(fused_comm):
 def test_k_split_partials_reach_the_fused_call_and_keep_tp2_equal_to_tp1(shared_model, fused_comm, monkeypatch):
     # o_proj / down_proj as a batched GEMM over K slices for short inputs: [S, T, hidden] partials
     monkeypatch.setattr("engine.layers.reduce_add_norm.K_SPLITS", 4)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     want = [o.token_ids for o in make_llm(shared_model).generate(PROMPTS, params)]
     two = make_llm(shared_model, tensor_parallel_size=2, draft_tokens=3)
     layer = two.engine.executor.driver.model.model.layers[0]

@@ -89,7 +89,7 @@ def test_tp2_prompt_logits_equal_tp1(tp_pair):
 @pytest.mark.parametrize("draft_tokens", [0, 3])
 def test_tp2_greedy_equals_tp1(shared_model, tp_pair, draft_tokens):
     one, _ = tp_pair
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     want = [o.token_ids for o in one.generate(PROMPTS, greedy)]
     two = make_llm(shared_model, tensor_parallel_size=2, draft_tokens=draft_tokens)
     got = [o.token_ids for o in two.generate(PROMPTS, greedy)]
@@ -136,8 +136,12 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduli
     from its own last tokens): same tokens as TP=1, greedy and sampled, with chunked prefills between."""
     prompts = [s * 4 for s in ("def f(x):\n    return", "Hello world, this is", "Line 1: the quick brown fox",
                                "import numpy as np\n", "The capital of", "a b c d e f g")]
-    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
     sampled = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.8, top_k=50, seed=s, ignore_eos=True)
+               for s in range(len(prompts))]
+    # logit options and logprobs: the option slots and the logprob readback take the same lockstep path
+    options = [SamplingParams(max_tokens=16, temperature=0.9 * (s % 2), seed=s, ignore_eos=True, logprobs=2,
+                              repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={7: 1.5}, min_p=0.05)
                for s in range(len(prompts))]
     one = make_llm(shared_model, prefill_chunk=16, **kw)
     two = make_llm(shared_model, prefill_chunk=16, tensor_parallel_size=2, async_scheduling=async_scheduling, **kw)
@@ -148,9 +152,12 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduli
     carried = []
     launch = ex.launch
     ex.launch = lambda out: carried.append(any(w.carry_row >= 0 for w in out.decode)) or launch(out)
-    for params in (greedy, sampled):
-        assert [o.token_ids for o in two.generate(prompts, params)] == \
-               [o.token_ids for o in one.generate(prompts, params)]
+    for params in (greedy, sampled, options):
+        got, want = two.generate(prompts, params), one.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        if params is options:
+            for a, b in zip(got, want):
+                assert [list(p) for p in a.outputs[0].logprobs] == [list(p) for p in b.outputs[0].logprobs]
     assert ex.runners[0].graphs.launches > 0 and ex.runners[1].graphs.launches == ex.runners[0].graphs.launches
     assert (sum(carried) >= 5) is async_scheduling, carried       # rounds planned ahead, each rank carrying
     assert ex.runners[0].round_setup.pool_rows == ex.runners[1].round_setup.pool_rows  # (the last row goes at the next step)

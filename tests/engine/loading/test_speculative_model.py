@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.quant.quantize import quantize_checkpoint
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return", "Line 1: the quick brown fox jumps"]
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 def drop_mtp(d: Path) -> Path:

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason
 PROMPTS = ['[{"id": 133630, "name": "Omar Sato", "age": 67, "city": "Denver", "email": "',
            "def _parse_args(argv=None):\n    parser = argparse.ArgumentParser(description=__doc__)\n",
            "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:", "He who laughs last"]
-GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

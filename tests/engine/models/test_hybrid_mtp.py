@@ -40,14 +40,14 @@ def hybrid():
 def greedy_k0(hybrid):
     prompts = MIXED_PROMPTS + WORKLOADS["enumeration"][:2]
     llm = make_llm(hybrid)
-    return prompts, [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))]
+    return prompts, [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0))]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_greedy_with_k_drafts_equals_k0(hybrid, greedy_k0, k):
     prompts, want = greedy_k0
     llm = make_llm(hybrid, draft_tokens=k)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0))
     assert [o.token_ids for o in outs] == want
     spec = [o.stats.speculative for o in outs]
     accepted = sum(s.accepted for s in spec)
@@ -60,12 +60,12 @@ def test_adaptive_draft_length_equals_k0(hybrid, greedy_k0):
     forced = make_llm(hybrid, draft_tokens=4, adaptive_draft=True)
     lengths = itertools.cycle(range(5))
     forced.engine.scheduler.draft_policy.choose = lambda batch: next(lengths)
-    outs = forced.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
+    outs = forced.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0))
     assert [o.token_ids for o in outs] == want
     spec = [o.stats.speculative for o in outs]
     assert 0 < sum(s.drafted for s in spec) < 4 * sum(s.rounds for s in spec)   # short rounds ran
     auto = make_llm(hybrid, draft_tokens=4, adaptive_draft=True)
-    assert [o.token_ids for o in auto.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))] == want
+    assert [o.token_ids for o in auto.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0))] == want
     assert auto.engine.scheduler.draft_policy.rounds > 0
 
 

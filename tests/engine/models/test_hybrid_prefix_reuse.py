@@ -19,7 +19,7 @@ from tests.support.hybrid import require_shared_hybrid
 
 SYSTEM = "\n".join(WORKLOADS["code"]) + "\n"
 QUESTIONS = ["He who laughs last", WORKLOADS["json"][2], WORKLOADS["prose"][1]]
-PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module")

@@ -125,14 +125,14 @@ def hybrid():
 def solo(hybrid):
     llm = make_llm(hybrid, prefill_chunk=2048)
     ids = llm.tokenizer.encode("\n".join(WORKLOADS["code"] + WORKLOADS["json"]))[:150]
-    return ids, llm.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    return ids, llm.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))[0].token_ids
 
 
 @pytest.mark.parametrize("chunk", [16, 17, 33, 64, 100])
 def test_any_chunk_gives_the_one_pass_tokens(hybrid, solo, chunk):
     ids, want = solo
     llm = make_llm(hybrid, prefill_chunk=chunk)
-    out = llm.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    out = llm.generate([ids], SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0))[0]
     assert out.token_ids == want
     assert_states_idle(llm.engine)
 
@@ -140,8 +140,8 @@ def test_any_chunk_gives_the_one_pass_tokens(hybrid, solo, chunk):
 def test_states_are_freed_after_aborts_and_batches(hybrid):
     llm = make_llm(hybrid, max_batch=4)
     core = llm.engine
-    reqs = [core.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in WORKLOADS["prose"]]
-    core.add_request(WORKLOADS["code"][0], SamplingParams(max_tokens=20), request_id="queued")
+    reqs = [core.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)) for p in WORKLOADS["prose"]]
+    core.add_request(WORKLOADS["code"][0], SamplingParams(max_tokens=20, temperature=0.0), request_id="queued")
     core.step()
     core.step()
     core.abort(reqs[0].request_id)                      # mid-prefill or decode
@@ -154,7 +154,7 @@ def test_states_are_freed_after_aborts_and_batches(hybrid):
 
 def test_preempted_requests_finish_as_if_alone(hybrid):
     prompts = [WORKLOADS["code"][1], WORKLOADS["json"][1], WORKLOADS["prose"][0], WORKLOADS["enumeration"][1]]
-    params = SamplingParams(max_tokens=90, ignore_eos=True)
+    params = SamplingParams(max_tokens=90, ignore_eos=True, temperature=0.0)
     alone = make_llm(hybrid)
     want = [alone.generate([p], params)[0].token_ids for p in prompts]
     for k in (0, 2):
@@ -172,7 +172,7 @@ def test_int8_kv_is_for_full_attention_layers_only(hybrid):
     assert len(runner.kv) == 2 + 1 and all(kv.quantized for kv in runner.kv)      # 2 full layers + MTP
     assert len(runner.states.layers) == 6
     assert all(s.ssm.dtype == torch.float32 for s in runner.states.layers)
-    out = llm.generate([WORKLOADS["json"][0]], SamplingParams(max_tokens=16, ignore_eos=True))[0]
-    exact = make_llm(hybrid).generate([WORKLOADS["json"][0]], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    out = llm.generate([WORKLOADS["json"][0]], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))[0]
+    exact = make_llm(hybrid).generate([WORKLOADS["json"][0]], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0))[0]
     # int8 KV is lossy: the first tokens agree with float32 KV on this prompt
     assert out.token_ids[:4] == exact.token_ids[:4]

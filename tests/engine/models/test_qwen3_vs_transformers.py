@@ -82,7 +82,7 @@ def test_random_config_batched_greedy_equals_transformers(random_llm, random_hf_
     _, hf = random_hf_model
     prompts = random_prompts(hf.config.vocab_size, [3, 20, 47, 64, 90], seed=1)
     n = 16
-    outs = random_llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    outs = random_llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf, ids, n), f"P={len(ids)}"
         assert out.finish_reason == "length"
@@ -118,6 +118,6 @@ def test_shared_model_batched_greedy_equals_transformers(llm_k0, hf_shared):
     tok = llm_k0.tokenizer
     prompts = [tok.encode(t) for t in MIXED_PROMPTS]
     n = 24
-    outs = llm_k0.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    outs = llm_k0.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0))
     for ids, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(hf_shared, ids, n), tok.decode(ids)

@@ -51,7 +51,7 @@ def test_quantized_hybrid_tp2_equals_the_reference(hybrid_pair):
 
 def test_quantized_hybrid_mtp_is_lossless(hybrid_pair):
     _, _, q, _ = hybrid_pair
-    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0)
     k0 = [o.token_ids for o in make_llm(str(q)).generate(PROMPTS, greedy)]
     llm = make_llm(str(q), draft_tokens=3)
     assert llm.engine.executor.driver.model.mtp.fc.quant is not None

@@ -13,7 +13,7 @@ from tests.support import quant_layouts as ql
 PROMPTS = ["def fibonacci(n):\n    if n < 2:\n        return n\n    return",
            # past the 64 rows of the skinny kernel: the prefill paths
            "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(1, 8)) + "Line 8:"]
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
 
 
 def _llm(model: str, **kw) -> LLM:

@@ -98,7 +98,7 @@ def test_mtp_layer_is_quantized_and_speculation_matches_the_reference(shared_pai
     quant = make_llm(str(q), draft_tokens=3)
     assert any(m.startswith("mtp.layers.0.") for m in quant.engine.model_config.quant.modules)
     assert quant.engine.executor.driver.model.mtp.fc.quant is not None
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     got = [o.token_ids for o in quant.generate(PROMPTS, greedy)]
     want = [o.token_ids for o in make_llm(str(ref), draft_tokens=3).generate(PROMPTS, greedy)]
     assert got == want
@@ -114,7 +114,7 @@ def test_keep_mtp_leaves_the_mtp_layer_unquantized(shared_model, tmp_path):
     modules = llm.engine.model_config.quant.modules
     assert modules and not any(m.startswith("mtp") for m in modules)
     assert llm.engine.executor.driver.model.mtp.fc.quant is None
-    assert len(llm.generate(["1. item 1\n2."], SamplingParams(max_tokens=8))[0].token_ids) == 8
+    assert len(llm.generate(["1. item 1\n2."], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids) == 8
 
 
 # -- refusals ------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_tp2_and_the_quantized_mtp_layer(shared_model, method):
         assert rel_diff(two.prompt_logits(prompt), one.prompt_logits(prompt)) < 1e-5
     k3 = make_llm(shared_model, quantization=method, draft_tokens=3)
     assert k3.engine.executor.driver.model.mtp.fc.quant is not None
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
     outs = k3.generate(PROMPTS, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in one.generate(PROMPTS, greedy)]
     assert sum(o.stats.speculative.accepted for o in outs) > 0

@@ -33,7 +33,7 @@ PROMPTS = [
     # dequantized to bf16)
     "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(1, 12)) + "Line 12:",
 ]
-GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
 
 
 @pytest.fixture(scope="module", params=["fp8", "nvfp4"])

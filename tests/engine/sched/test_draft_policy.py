@@ -79,7 +79,7 @@ def test_the_flag_and_the_config():
 
 # -- real engines ------------------------------------------------------------------------------------
 
-PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True)]
+PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)]
 
 
 @pytest.mark.parametrize("model", ["embedded", "shared"])

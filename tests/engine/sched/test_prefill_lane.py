@@ -76,7 +76,7 @@ PROMPTS = [prompt_ids(n, s) for s, n in enumerate((45, 9, 70, 30, 17, 52))]
 def alone_and_packed(model, k: int, **engine_args) -> tuple[list, list, object]:
     """Greedy tokens of each prompt run alone, then of all prompts added together (packed)."""
     llm = make_llm(model, draft_tokens=k, prefill_chunk=64, prefix_reuse=False, **engine_args)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
     alone = [llm.generate(p, params)[0].token_ids for p in PROMPTS]
     core = llm.engine
     clock = FakeClock(0.0)
@@ -135,7 +135,7 @@ def test_a_duplicate_sent_together_waits_for_the_cached_prefix(shared_model):
     the same blocks) but waits one step and takes them from the prefix cache; a third, later, too.
     Tokens equal to the prompt alone; a prompt with another prefix is not held back."""
     llm = make_llm(shared_model, draft_tokens=3, prefill_chunk=256)
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     p = prompt_ids(100, 9)
     want = llm.generate(p, params)[0].token_ids
     llm.engine.kv.reset_prefix_cache()
@@ -156,7 +156,7 @@ def test_a_duplicate_sent_together_waits_for_the_cached_prefix(shared_model):
 
 def test_packed_requests_park_and_resume(shared_model):
     llm = make_llm(shared_model, draft_tokens=3, prefill_chunk=64, prefix_reuse=False)
-    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
     want = [llm.generate(p, params)[0].token_ids for p in PROMPTS[:4]]
     core = llm.engine
     reqs = [core.add_request(p, params, park_after_prefill=True) for p in PROMPTS[:4]]

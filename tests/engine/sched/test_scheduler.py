@@ -145,7 +145,7 @@ def core():
 
 
 def test_abort_while_queued(core):
-    a = core.add_request(list(range(1, 50)), SamplingParams(max_tokens=5))
+    a = core.add_request(list(range(1, 50)), SamplingParams(max_tokens=5, temperature=0.0))
     out = core.abort(a.request_id)
     assert out.finished and out.finish_reason == "abort" and out.stats.usage.completion_tokens == 0
     assert_kv_idle(core)
@@ -153,22 +153,22 @@ def test_abort_while_queued(core):
 
 
 def test_abort_mid_prefill(core):
-    a = core.add_request(list(range(1, 100)), SamplingParams(max_tokens=5))
+    a = core.add_request(list(range(1, 100)), SamplingParams(max_tokens=5, temperature=0.0))
     core.step()
     core.step()
     assert core.scheduler.lane.requests == [a] and a.num_computed_tokens == 32 and a.block_ids
     core.abort(a.request_id)
     assert not core.scheduler.lane
     assert_kv_idle(core)
-    b = core.add_request(list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    b = core.add_request(list(range(1, 40)), SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
     run_to_idle(core)
     assert b.finish_reason is FinishReason.LENGTH and len(b.output_token_ids) == 3
     assert_kv_idle(core)
 
 
 def test_abort_during_decode_with_others_running(core):
-    a = core.add_request(list(range(1, 30)), SamplingParams(max_tokens=50, ignore_eos=True))
-    b = core.add_request(list(range(31, 60)), SamplingParams(max_tokens=20, ignore_eos=True))
+    a = core.add_request(list(range(1, 30)), SamplingParams(max_tokens=50, ignore_eos=True, temperature=0.0))
+    b = core.add_request(list(range(31, 60)), SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))
     while len(b.output_token_ids) < 3:
         core.step()
     assert a.status is RequestStatus.RUNNING
@@ -181,7 +181,7 @@ def test_abort_during_decode_with_others_running(core):
 
 
 def test_abort_of_a_parked_request(core):
-    a = core.add_request(list(range(1, 30)), SamplingParams(max_tokens=5), park_after_prefill=True)
+    a = core.add_request(list(range(1, 30)), SamplingParams(max_tokens=5, temperature=0.0), park_after_prefill=True)
     out = run_to_idle(core)
     assert a.status is RequestStatus.PARKED and [o.new_token_ids for o in out] == [a.output_token_ids]
     core.abort(a.request_id)
@@ -200,18 +200,18 @@ def test_finished_requests_release_their_hidden_state_rows(core):
     runner = runner_of(core)
     rows = len(runner.hidden._free)
     for i in range(rows + 2):
-        parked = core.add_request(ids(700), SamplingParams(max_tokens=2), park_after_prefill=True)
+        parked = core.add_request(ids(700), SamplingParams(max_tokens=2, temperature=0.0), park_after_prefill=True)
         run_to_idle(core)
-        short = core.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        short = core.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
         run_to_idle(core)                              # finishes; its id waits for the runner
-        big = core.add_request(ids(400, stride=7), SamplingParams(max_tokens=2, ignore_eos=True))
+        big = core.add_request(ids(400, stride=7), SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
         core.step()                                    # nothing can run: the parked prefill holds the KV
         assert big.status is RequestStatus.WAITING
         core.abort(parked.request_id)
         run_to_idle(core)
         assert short.finish_reason is FinishReason.LENGTH and big.finish_reason is FinishReason.LENGTH, i
         assert_kv_idle(core)
-    core.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    core.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
     run_to_idle(core)
     core.step()                                        # the next step hands the last ending to the runner
     assert len(runner.hidden._free) == rows and not runner.hidden.rows
@@ -222,8 +222,8 @@ def test_pending_timeout_on_a_real_engine_with_a_busy_lane():
     (finish_reason queue_timeout, no tokens, nothing held) while the lane's request carries on."""
     clock = FakeClock(0.0)
     core = EngineCore(EngineConfig(kv_capacity=2048, prefill_chunk=16, pending_timeout_ms=100), clock=clock)
-    long = core.add_request(ids(600, stride=3), SamplingParams(max_tokens=2, ignore_eos=True))
-    queued = core.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    long = core.add_request(ids(600, stride=3), SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+    queued = core.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
     outs = core.step()
     assert core.scheduler.lane.requests == [long] and outs == []
     clock.advance(0.05)

@@ -34,11 +34,11 @@ def make_core(model: str, **kw) -> EngineCore:
 def workload(core: EngineCore) -> list[SamplingParams]:
     """Different lengths and stop conditions: length, EOS, a stop token id, a stop string, sampling."""
     newline = core.tokenizer.encode("\n")[-1]
-    return [SamplingParams(max_tokens=9, ignore_eos=True),
-            SamplingParams(max_tokens=40, stop_token_ids=[newline]),
-            SamplingParams(max_tokens=37, ignore_eos=True, stop=["Line 4"]),
+    return [SamplingParams(max_tokens=9, ignore_eos=True, temperature=0.0),
+            SamplingParams(max_tokens=40, stop_token_ids=[newline], temperature=0.0),
+            SamplingParams(max_tokens=37, ignore_eos=True, stop=["Line 4"], temperature=0.0),
             SamplingParams(max_tokens=31, temperature=0.8, top_p=0.9, seed=7),
-            SamplingParams(max_tokens=64),
+            SamplingParams(max_tokens=64, temperature=0.0),
             SamplingParams(max_tokens=25, temperature=1.0, top_k=20, seed=3)]
 
 
@@ -114,7 +114,7 @@ def test_overlapped_loop_gives_the_synchronous_tokens(shared_model, k):
 
 
 def test_adaptive_draft_length_overlapped_equals_k0(shared_model):
-    greedy = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 30, 47, 21)]
+    greedy = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in (12, 30, 47, 21)]
     jobs = list(zip(PROMPTS, greedy))
     want, _ = run(make_core(shared_model, async_scheduling=False), jobs)
     core = make_core(shared_model, draft_tokens=3, adaptive_draft=True)
@@ -126,7 +126,7 @@ def test_adaptive_draft_length_overlapped_equals_k0(shared_model):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_abort_while_its_round_is_in_flight(shared_model, k):
-    jobs = list(zip(PROMPTS, [SamplingParams(max_tokens=40, ignore_eos=True)] * 4))
+    jobs = list(zip(PROMPTS, [SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)] * 4))
     want, _ = run(make_core(shared_model, draft_tokens=k, async_scheduling=False), jobs)
     core = make_core(shared_model, draft_tokens=k)
     for i, (prompt, params) in enumerate(jobs):
@@ -154,20 +154,20 @@ def test_abort_while_its_round_is_in_flight(shared_model, k):
 
 def test_abort_then_reuse_the_id_while_the_old_round_is_in_flight(shared_model):
     core = make_core(shared_model, draft_tokens=3)
-    first = core.add_request(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), request_id="x")
+    first = core.add_request(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0), request_id="x")
     while core._inflight is None or "x" not in [w.request_id for w in core._inflight.sched.decode]:
         core.step()
     core.step()                                              # a round planned ahead is in flight
     assert core._inflight is not None and core._inflight.sched.decode[0].carry_row == 0
     assert core.abort("x").finish_reason is FinishReason.ABORT
-    second = core.add_request(PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True), request_id="x")
+    second = core.add_request(PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0), request_id="x")
     outs = []
     while core.has_work:
         outs += core.step()
     assert [o.finished for o in outs].count(True) == 1        # the old round's tokens went nowhere
     assert sum((o.new_token_ids for o in outs), []) == second.output_token_ids
     alone, _ = run(make_core(shared_model, draft_tokens=3, async_scheduling=False),
-                   [(PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True))])
+                   [(PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.0))])
     assert second.output_token_ids == alone["r0"][0]
     assert first.finish_reason is FinishReason.ABORT
     assert_kv_idle(core)
@@ -177,7 +177,7 @@ def test_abort_then_reuse_the_id_while_the_old_round_is_in_flight(shared_model):
 def test_preemption_and_the_context_limit_fall_back_to_synchronous_rounds(shared_model, k):
     # 12 blocks of 16 for four requests that need 6 each: decode preempts; the last one ends at the limit
     kw = dict(draft_tokens=k, kv_capacity=192, max_model_len=96)
-    params = [SamplingParams(max_tokens=60, ignore_eos=True)] * 3 + [SamplingParams(max_tokens=80, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=60, ignore_eos=True, temperature=0.0)] * 3 + [SamplingParams(max_tokens=80, ignore_eos=True, temperature=0.0)]
     prompts = PROMPTS[:3] + ["Beware"]
     jobs = list(zip(prompts, params))
     sync, fast = make_core(shared_model, async_scheduling=False, **kw), make_core(shared_model, **kw)

@@ -119,7 +119,7 @@ def test_greedy_verification_is_argmax_matching():
         for i, t in enumerate(row):
             target[b, i, t] = 5.0
     drafts = torch.tensor([[1, 2, 3], [0, 1, 0], [2, 3, 2]])
-    s = sampler.SamplingBatch.build([SamplingParams()] * 3, [0, 1, 2], [0, 0, 0], "cpu")
+    s = sampler.SamplingBatch.build([SamplingParams(temperature=0.0)] * 3, [0, 1, 2], [0, 0, 0], "cpu")
     out, num_accepted = sampler.verify(target, drafts, None, torch.tensor([3, 3, 3]), s)
     assert num_accepted.tolist() == [3, 1, 0]
     assert out.tolist() == [[1, 2, 3, 4], [0, 0, -1, -1], [4, -1, -1, -1]]

@@ -31,12 +31,14 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, server: bool = False):
+def _issue(subject: str, issuer_key, issuer_name, *, ca: bool = False, server: bool = False,
+           valid: tuple[datetime.timedelta, datetime.timedelta] = (datetime.timedelta(minutes=-5),
+                                                                  datetime.timedelta(days=1))):
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer_name or _name(subject))
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .not_valid_before(now + valid[0]).not_valid_after(now + valid[1])
                .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
     if server:
         builder = builder.add_extension(x509.SubjectAlternativeName(
@@ -141,3 +143,23 @@ def test_binding_beyond_loopback_without_tls_or_a_key_warns_and_loopback_does_no
             GatewayServer(["127.0.0.1:1"], ServerOptions(listen=listen)).stop()
     warned = [(e["event"], e["address"].split(":")[0]) for e in logs if e["log_level"] == "warning"]
     assert warned == [("listening_without_tls", "0.0.0.0"), ("listening_without_authentication", "0.0.0.0")]
+
+
+@pytest.mark.parametrize("valid, event", [
+    ((datetime.timedelta(days=-30), datetime.timedelta(days=-1)), "tls_certificate_expired"),
+    ((datetime.timedelta(days=1), datetime.timedelta(days=30)), "tls_certificate_not_yet_valid"),
+    ((datetime.timedelta(days=-1), datetime.timedelta(days=30)), None),
+])
+def test_a_server_certificate_outside_its_validity_is_a_warning_at_start(tmp_path, valid, event):
+    key, cert = _issue("127.0.0.1", None, None, server=True, valid=valid)
+    cert_path, key_path = _write(tmp_path / "server", key, cert)
+    with structlog.testing.capture_logs() as logs:
+        host = EngineHost(EngineConfig(kv_capacity=1024),
+                          ServerOptions(listen="127.0.0.1:0", tls=ServerTLS(cert_path, key_path)))
+        host.stop()
+    warnings = [e for e in logs if e["event"].startswith("tls_certificate")]
+    if event is None:
+        assert warnings == []
+    else:
+        assert [e["event"] for e in warnings] == [event] and warnings[0]["log_level"] == "warning"
+        assert warnings[0]["cert"] == cert_path

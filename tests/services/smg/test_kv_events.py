@@ -4,6 +4,7 @@ numbers them for subscribers, replaying what a reconnecting subscriber missed.""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from tests.conftest import KVReq as Req
@@ -67,13 +68,17 @@ def test_evicted_and_reset_blocks_are_announced_once():
     assert sorted(rec.removed[2:]) == sorted(rec.stored[-1][1])
 
 
+async def collect(batches) -> list:
+    return [b async for b in batches]
+
+
 def test_publisher_numbers_batches_and_replays_after_a_cursor():
     pub = KvEventPublisher(block_size=4, clock=lambda: 1.5)
     pub.blocks_stored(None, [b"k1" * 8, b"k2" * 8], [[1, 2, 3, 4], [5, 6, 7, 8]])
     pub.blocks_stored(b"k2" * 8, [b"k3" * 8], [[9, 10, 11, 12]])
     pub.blocks_removed([b"k3" * 8])
     wanted = iter([True, True, True, False])
-    got = list(pub.subscribe(1, wanted=lambda: next(wanted)))
+    got = asyncio.run(collect(pub.subscribe(1, wanted=lambda: next(wanted))))
     assert [b.sequence_number for b in got] == [2, 3]
     stored = got[0].events[0].stored
     assert stored.parent_block_hash == block_hash(b"k2" * 8) and stored.blocks[0].token_ids == [9, 10, 11, 12]
@@ -87,13 +92,13 @@ def test_a_waiting_subscriber_gets_live_batches():
     stop = threading.Event()
     got = []
 
-    def subscriber():
-        for batch in pub.subscribe(0, wanted=lambda: not stop.is_set()):
+    async def subscribe():
+        async for batch in pub.subscribe(0, wanted=lambda: not stop.is_set()):
             got.append(batch.sequence_number)
             if len(got) == 2:
                 stop.set()
 
-    t = threading.Thread(target=subscriber)
+    t = threading.Thread(target=asyncio.run, args=(subscribe(),))
     t.start()
     pub.blocks_stored(None, [b"a" * 16], [[1, 2, 3, 4]])
     pub.blocks_removed([b"a" * 16])

@@ -97,11 +97,16 @@ def test_a_stop_token_is_reported_as_matched(stub, engine):
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 1.5}, "top_p"),
     ({"max_tokens": 5000}, "max_tokens"),
-    ({"min_p": 0.1}, "sampling_params.min_p"),
-    ({"presence_penalty": 0.5}, "sampling_params.presence_penalty"),
-    ({"n": 2}, "sampling_params.n"),
-    ({"logprobs": 1}, "sampling_params.logprobs"),
-    ({"json_schema": "{}"}, "sampling_params.json_schema"),
+    ({"min_p": 1.5}, "sampling_params.min_p: must be in [0, 1]"),
+    ({"presence_penalty": 2.5}, "sampling_params.presence_penalty: must be in [-2, 2]"),
+    ({"n": 200}, "sampling_params.n: must be an integer in [1, 128]"),
+    ({"n": 100}, "sampling_params.n: 100 sequences exceed the decode batch of 64"),
+    ({"logprobs": 21}, "sampling_params.logprobs: must be an integer in [0, 20]"),
+    ({"logprobs": -1}, "sampling_params.logprobs: must be an integer in [0, 20]"),
+    ({"logit_bias": {8192: 1.0}}, "sampling_params.logit_bias: token id 8192 is outside the vocabulary"),
+    ({"logit_bias": {5: 101.0}}, "sampling_params.logit_bias: bias of token 5 must be in [-100, 100]"),
+    ({"json_schema": "{}"}, "sampling_params.structured_output.json_schema: structured output is not supported"),
+    ({"choice": pb.ChoiceConstraint(choices=["a", "b"])}, "sampling_params.structured_output.choice"),
 ])
 def test_bad_or_unsupported_sampling_is_invalid_argument_naming_the_field(stub, sampling, field):
     with pytest.raises(grpc.RpcError) as e:
@@ -197,3 +202,53 @@ def test_flush_cache_forgets_cached_blocks_and_announces_it(stub, engine, host):
     events.cancel()
     (after,) = list(generate(stub, PROMPT, max_tokens=2, ignore_eos=True))
     assert after.complete.cached_tokens == 0
+
+
+def test_logprobs_stream_with_the_tokens_and_match_the_unary_answer(stub, engine):
+    sampling = dict(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+    (unary,) = list(generate(stub, PROMPT, **sampling))
+    done = unary.complete
+    lp = done.output_logprobs
+    assert list(lp.token_ids) == list(done.output_ids) and len(lp.token_logprobs) == 10
+    for top, chosen, value in zip(lp.top_logprobs, lp.token_ids, lp.token_logprobs):
+        assert len(top.values) == 3 and list(top.values) == sorted(top.values, reverse=True)
+        assert top.token_ids[0] == chosen and abs(top.values[0] - value) < 1e-6       # greedy: the top one
+    chunks = [m.chunk for m in generate(stub, PROMPT, stream=True, **sampling) if m.WhichOneof("response") == "chunk"]
+    assert [t for c in chunks for t in c.output_logprobs.token_ids] == list(done.output_ids)
+    assert all(len(c.output_logprobs.token_ids) == len(c.token_ids) for c in chunks)
+    streamed = [v for c in chunks for v in c.output_logprobs.token_logprobs]
+    assert max(abs(a - b) for a, b in zip(streamed, lp.token_logprobs)) < 1e-4
+    # echo + max_tokens 0 (how lm-evaluation-harness scores): the prompt's logprobs, no token
+    (scored,) = list(generate(stub, PROMPT, max_tokens=0, logprobs=2))
+    inp = scored.complete.input_logprobs
+    assert not scored.complete.output_ids and list(inp.token_ids) == PROMPT
+    assert not inp.token_logprobs[0].HasField("value") and all(t.HasField("value") for t in inp.token_logprobs[1:])
+    assert all(len(t.values) == 2 for t in inp.top_logprobs[1:])
+    assert_kv_idle(engine)
+
+
+def test_n_sequences_each_finish_under_their_index(stub, engine):
+    sampling = dict(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True, n=3)
+    finals = [m.complete for m in generate(stub, PROMPT, **sampling)]
+    assert sorted(f.index for f in finals) == [0, 1, 2] and len({tuple(f.output_ids) for f in finals}) == 3
+    msgs = list(generate(stub, PROMPT, stream=True, **sampling))
+    per_index = {}
+    for m in msgs:
+        if m.WhichOneof("response") == "chunk":
+            per_index.setdefault(m.chunk.index, []).extend(m.chunk.token_ids)
+    assert {i: per_index[i] for i in range(3)} == {f.index: list(f.output_ids) for f in finals}   # seeded: the same
+    assert sorted(m.complete.index for m in msgs if m.WhichOneof("response") == "complete") == [0, 1, 2]
+    assert_kv_idle(engine)
+
+
+def test_penalties_and_bias_give_what_ninfer_v1_gives(stub, engine):
+    options = dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=4, min_p=0.05,
+                   logit_bias={85: -100.0, 301: 5.0})       # the plain first token banned
+    first = engine.prefill(PROMPT, ninfer_common.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                                **options))
+    reference = list(first.token_ids) + [t for m in engine.decode(first.handle) for t in m.token_ids]
+    (smg,) = list(generate(stub, PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True, **options))
+    assert list(smg.complete.output_ids) == reference
+    (plain,) = list(generate(stub, PROMPT, temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert list(plain.complete.output_ids) != reference
+    assert_kv_idle(engine)
