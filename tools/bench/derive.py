@@ -34,6 +34,8 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
     "nvfp4_over_bf16_decode_b1": (">=", 2.4, "NVFP4 over bf16 weights, decode batch 1, qwen3-8b (issue 14)"),
     "fp8_over_bf16_decode_b1": (">=", 1.6, "FP8 block over bf16 weights, decode batch 1, qwen3-8b (issue 14)"),
     "fp8_over_bf16_prefill_4k": (">=", 1.3, "FP8 block over bf16 weights, prefill P=4096 in one chunk, qwen3-8b (issue 14)"),
+    "w4a16_over_bf16_decode_b1": (">=", 2.6, "INT4 weight-only (groups of 128) over bf16 weights, decode batch 1, "
+                                             "qwen3-8b (issue 38; the quant section with --quant-formats bf16,w4a16)"),
     "hybrid_27b_tp2_decode_roofline_fraction": (">=", 0.75, "Qwen3.5-27B shape, TP2, int8 KV, decode batch 1 at the "
                                                             "reference context against its roofline (issue 16)"),
     "hybrid_192k_ok": ("==", True, "Qwen3.5-27B shape, TP2, int8 KV: a 192k-token context, prefill + 512 decoded "
@@ -46,7 +48,7 @@ TARGETS: dict[str, tuple[str | None, Any, str]] = {
     "nvfp4_decode_b1_roofline_fraction": (None, None, "NVFP4 decode batch 1: its bytes per step over the copy bandwidth"),
 }
 QUANT_KEYS = ("nvfp4_over_bf16_decode_b1", "fp8_over_bf16_decode_b1", "fp8_over_bf16_prefill_4k",
-              "fp8_decode_b1_roofline_fraction", "nvfp4_decode_b1_roofline_fraction")
+              "w4a16_over_bf16_decode_b1", "fp8_decode_b1_roofline_fraction", "nvfp4_decode_b1_roofline_fraction")
 
 
 def roofline_of(results: dict, run_id: str | None = None) -> tuple[float | None, float | None]:

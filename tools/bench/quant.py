@@ -1,8 +1,9 @@
 """Quantized weights against bf16 on the same run: each plan shape (qwen3-8b, qwen3-32b) in bf16,
-FP8 (128x128 blocks) and NVFP4, random weights made on the device and quantized there by the
-quantize tool's own quantizer (`engine.quant.random_weights`), loaded through the engine's loader:
-decode batch 1 and batch 8 at a short context (k = 0), and a fresh-prompt prefill of P tokens in one
-chunk. Speed does not depend on the values; quality is tools/quality/quant_quality.py's.
+FP8 (128x128 blocks) and NVFP4 (and INT4 weight-only in groups of 128 with `--quant-formats ...,w4a16`),
+random weights made on the device and quantized there by the quantize tool's own quantizer
+(`engine.quant.random_weights`), loaded through the engine's loader: decode batch 1 and batch 8 at a short
+context (k = 0), and a fresh-prompt prefill of P tokens in one chunk. Speed does not depend on the values;
+quality is tools/quality/quant_quality.py's.
 
 Then the seed's one-GPU deployment (`seed_shape`, qwen3-32b): NVFP4 weights, int8 KV, one GPU, a
 192k-token prompt and 512 decoded tokens, with a decode point against its floor -- the hybrid
@@ -23,7 +24,7 @@ from tools.bench.decode import decode_point, seconds_per_token, tokens_for
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import compact, random_prompt
 
-FORMATS = ("bf16", "fp8", "nvfp4")
+FORMATS = ("bf16", "fp8", "nvfp4", "w4a16")     # w4a16: INT4 groups of 128 (compressed-tensors), by --quant-formats
 
 
 def decode_bytes(shape: str, fmt: str, context: float) -> float:
@@ -117,7 +118,7 @@ def _ratios(sec: dict, shape: str) -> None:
             r[key] = a / b if a and b else None
         sec["ratios"][f"{s} {fmt}"] = r
     names = {"nvfp4_over_bf16_decode_b1": ("nvfp4", "decode_b1"), "fp8_over_bf16_decode_b1": ("fp8", "decode_b1"),
-             "fp8_over_bf16_prefill_4k": ("fp8", "prefill")}
+             "fp8_over_bf16_prefill_4k": ("fp8", "prefill"), "w4a16_over_bf16_decode_b1": ("w4a16", "decode_b1")}
     for name, (fmt, key) in names.items():
         v = sec["ratios"].get(f"{shape} {fmt}", {}).get(key)
         if v is not None:
