@@ -38,8 +38,9 @@ def _has_mtp(path: str) -> bool:
 
 
 def measure_layouts(model: str, checkpoints: dict[str, str], online: tuple[str, ...] = (), texts=None,
-                    prompts=None, max_tokens: int = 64, with_mtp: bool = True) -> dict:
-    """The figures of `measure` for producers' checkpoints (name -> directory) and `--quantization` methods."""
+                    prompts=None, max_tokens: int = 64, with_mtp: bool = True, on_entry=None) -> dict:
+    """The figures of `measure` for producers' checkpoints (name -> directory, measured in that order) and
+    `--quantization` methods; `on_entry(result)` after each (a long run keeps what it measured if cut off)."""
     from tools.quality.quant_quality_texts import PROMPTS, TEXTS
     texts, prompts = texts or TEXTS, prompts or PROMPTS
     result: dict = {"model": model, "activations": "float32 (CPU)", "max_tokens": max_tokens,
@@ -65,6 +66,8 @@ def measure_layouts(model: str, checkpoints: dict[str, str], online: tuple[str, 
         entry["seconds"] = round(time.perf_counter() - start, 1)
         result["formats"][name] = entry
         print(f"{name}: top-1 {entry['teacher_forced']['overall']['agreement']:.3f}", flush=True)
+        if on_entry is not None:
+            on_entry(result)
     return result
 
 
@@ -185,20 +188,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure the producers' checkpoints DIR/<layout>/<arch> (--arch) instead of --formats")
     ap.add_argument("--arch", default="qwen3", help="with --checkpoints: the subdirectory of each layout to take")
     ap.add_argument("--online", default="", help="with --checkpoints: --quantization methods too, e.g. fp8,ptpc_fp8")
+    ap.add_argument("--layouts", default="", help="with --checkpoints: these layouts only, in this order "
+                    "(comma-separated; default every one found, by name)")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write(r: dict) -> None:
+        (out / "quality.json").write_text(json.dumps(r, indent=2) + "\n")
+        (out / "quality.md").write_text(markdown(r))
+
     if args.checkpoints:
         found = {d.name: str(d / args.arch) for d in sorted(Path(args.checkpoints).iterdir())
                  if (d / args.arch / "config.json").exists()}
+        if args.layouts:
+            wanted = [n for n in args.layouts.split(",") if n]
+            missing = [n for n in wanted if n not in found]
+            if missing:
+                ap.error(f"--layouts: no {args.arch} checkpoint for {', '.join(missing)} in {args.checkpoints}")
+            found = {n: found[n] for n in wanted}
         r = measure_layouts(args.model, found, tuple(m for m in args.online.split(",") if m),
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, on_entry=write)
     else:
         r = measure(args.model, tuple(args.formats.split(",")), max_tokens=args.max_tokens)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(r, indent=2) + "\n")
-    (out / "quality.md").write_text(markdown(r))
+    write(r)
     print(markdown(r))
     return 0
 
