@@ -8,10 +8,14 @@ from typing import Any
 
 from engine.errors import InvalidArgumentError, ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text",
+                         "qwen3_5_moe")
 # Hybrid (Gated DeltaNet + gated attention) checkpoints: Qwen3_5ForCausalLM and the language model
-# of Qwen3_5ForConditionalGeneration (its `text_config`); see engine/loading/hybrid_config.py.
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+# of Qwen3_5ForConditionalGeneration (its `text_config`); see engine/loading/hybrid_config.py. The
+# mixture-of-experts ones (Qwen3-Next, Qwen3.5-MoE) add the fields of engine/loading/moe_config.py.
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
+# Models whose MLPs are (mostly) mixtures of experts: engine/loading/moe_config.py, docs/moe.md.
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -45,10 +49,26 @@ class ModelConfig:
     linear_value_head_dim: int = 0
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
+    # Mixtures of experts only (engine/loading/moe_config.py). `num_experts` 0 = every MLP dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0    # 0 = no shared expert
+    norm_topk_prob: bool = True                 # renormalise the top-k routing weights to sum to one
+    decoder_sparse_step: int = 1                # layer i is MoE iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()       # ... and i is not listed here
 
     @property
     def is_hybrid(self) -> bool:
         return bool(self.layer_types)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Whether main-model layer i has a sparse MoE block (else a dense MLP of intermediate_size)."""
+        return self.is_moe and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def full_attention_layers(self) -> list[int]:
@@ -67,11 +87,10 @@ class ModelConfig:
         if model_type in HYBRID_MODEL_TYPES:
             from engine.loading.hybrid_config import hybrid_config_from_hf
             return hybrid_config_from_hf(cls, hf, eos_token_ids)
+        if model_type == "qwen3_moe":
+            from engine.loading.moe_config import moe_config_from_hf
+            return moe_config_from_hf(cls, hf, eos_token_ids)
         if model_type not in SUPPORTED_MODEL_TYPES:
-            if model_type == "qwen3_next":
-                raise ModelLoadError(
-                    "unsupported model_type 'qwen3_next' (Qwen3-Next: its MLPs are mixtures of experts, which "
-                    f"ninfer does not implement); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
             raise ModelLoadError(
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
@@ -108,21 +127,29 @@ class ModelConfig:
             quant=_quant_scheme(hf.get("quantization_config")),
         )
 
-    def num_params(self, include_mtp: bool = True) -> int:
+    def num_params(self, include_mtp: bool = True, active: bool = False) -> int:
+        """Parameters of the model (embedding and lm_head included). `active`: those one token uses --
+        a mixture of experts counts its router, shared expert and `num_experts_per_tok` routed experts."""
         h, f, d = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_attention_heads * d, self.num_key_value_heads * d
-        layer = h * (q + 2 * kv) + q * h + 3 * h * f + 2 * h + 2 * d
-        n = self.num_hidden_layers * layer + self.vocab_size * h + h
+        dense_mlp = 3 * h * f
+        if self.is_moe:
+            from engine.loading.moe_config import moe_mlp_params
+            sparse_mlp = moe_mlp_params(self, active)
+        mlp = [sparse_mlp if self.layer_is_moe(i) else dense_mlp for i in range(self.num_hidden_layers)]
+        mtp_mlp = sparse_mlp if self.is_moe else dense_mlp          # the MTP layer is MoE where the model is
+        full = h * (q + 2 * kv) + q * h + 2 * h + 2 * d              # attention and the two layer norms
         if self.is_hybrid:
             from engine.loading.hybrid_config import hybrid_layer_params
             full, linear = hybrid_layer_params(self)
-            layer = full                     # the MTP layer is a full-attention one
-            n = (len(self.full_attention_layers) * full + len(self.linear_attention_layers) * linear
-                 + self.vocab_size * h + h)
+            mixers = [full if t == "full_attention" else linear for t in self.layer_types]
+        else:
+            mixers = [full] * self.num_hidden_layers
+        n = sum(mixers) + sum(mlp) + self.vocab_size * h + h
         if not self.tie_word_embeddings:
             n += self.vocab_size * h
         if include_mtp:
-            n += self.mtp_num_hidden_layers * (layer + 2 * h * h + 3 * h)
+            n += self.mtp_num_hidden_layers * (full + mtp_mlp + 2 * h * h + 3 * h)
         return n
 
 
@@ -133,7 +160,7 @@ class EngineConfig:
     model: str | None = None                # HF directory; None = the embedded default model
     served_model_name: str | None = None    # the name clients see and ask for; None = the model directory's name
     device: str = "auto"                    # "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]"
-    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA (float16 below sm80), float32 on CPU
     kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
     block_size: int = 16                    # tokens per KV page
     prefill_chunk: int = 2048               # tokens per prefill step of the one prefill lane

@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 import torch
 
+from engine.platform import engine_paths
 from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
@@ -33,7 +34,7 @@ from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, Sche
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.request_stats import FinishReason, RequestStats
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
 
@@ -41,11 +42,16 @@ log = structlog.get_logger(__name__)
 
 
 def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
-    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized)."""
+    """The checkpoint's tensor shapes as `checkpoint_shapes` states them (quantized layouts normalized,
+    fused expert stacks stated per expert)."""
+    found = weights.shapes()
+    if model_config.is_moe:
+        from engine.layers.moe_experts import per_expert_shapes
+        found = per_expert_shapes(found)
     if model_config.quant is None:
-        return weights.shapes()
+        return found
     from engine.quant.scheme import normalize_found
-    return normalize_found(weights.shapes(), model_config.quant)
+    return normalize_found(found, model_config.quant)
 
 
 def _quantize_at_load(config: EngineConfig, model_config, weights):
@@ -162,7 +168,12 @@ class EngineCore:
             self.model_name = config.served_model_name
         if config.draft_vocab > model_config.vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
-        self.memory = plan_memory(config, model_config, k, self.max_model_len)
+        # the kernel family of each operation on this device; "auto" dtype means float16 where there is no bf16
+        self.kernel_paths = engine_paths(config, model_config)
+        if config.dtype == "auto" and self.kernel_paths.dtype != config.torch_dtype_name:
+            config.dtype = self.kernel_paths.dtype
+        log.info("kernel_paths", **self.kernel_paths.as_dict())
+        self.memory = plan_memory(config, model_config, k, self.max_model_len, paths=self.kernel_paths)
         log.info("memory_plan", plan=self.memory.describe(), model=self.model_name, draft_tokens=k)
         t0 = time.perf_counter()
         self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
@@ -455,7 +466,8 @@ class EngineCore:
             draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
-            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending)
+            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending,
+            kernel_paths=tuple(self.kernel_paths.as_dict().items()))
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestOutput
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, RequestStats
 

@@ -249,3 +249,18 @@ class SamplingParams:
     def filters(self) -> bool:
         """top-k, top-p or min_p: a sampled row's distribution is cut (the vocabulary is sorted)."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position of `logprobs` / `prompt_logprobs`: the token there, its log-probability and rank, and the
+    most likely tokens. Every value is from the model's raw distribution: log_softmax of the target model's
+    logits at that position, before temperature, penalties, bias or filters (vLLM's default, `raw_logprobs`):
+    a property of the model and the text alone, which scoring (lm-evaluation-harness' loglikelihood) needs,
+    equal for greedy and sampled requests, and under speculation the verify pass's logits, which are the
+    target's (docs/sampling.md)."""
+
+    token_id: int
+    logprob: float
+    rank: int                                   # 1 = the most likely token at this position
+    top: tuple[tuple[int, float], ...] = ()     # (token id, logprob), most likely first; len = the N asked for

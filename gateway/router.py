@@ -34,6 +34,10 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MODEL_INFO_MAX_BYTES),
                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 500)]
 HEALTH_TIMEOUT_S = 2.0
+# An engine whose health check times out is busy or hung; one that refuses the connection is down. A loaded
+# host can miss one 2 s check (the CI machine did, with 200 stalled streams on it and a test beside it), so
+# only this many consecutive timeouts mark it down; a refusal marks it down at once, as a failed call does.
+MISSED_PROBES_DOWN = 3
 
 
 @dataclass
@@ -51,6 +55,7 @@ class Engine:
     model_info: engine_info_pb2.ModelInfo | None = None
     condition: str = "not checked yet"        # why it does not serve: down, warming up, draining...
     served: bool = False                      # it has served since it was last seen down
+    missed_probes: int = 0                    # consecutive health checks it did not answer in time
 
     def connect(self, tls: ClientTLS | None = None) -> None:
         # no tracing interceptor: the gateway makes its client spans itself (gateway.client_spans says why)
@@ -61,11 +66,15 @@ class Engine:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     async def probe(self, timeout_s: float = HEALTH_TIMEOUT_S) -> int | None:
-        """The engine's health status now; None when it does not answer within `timeout_s`."""
+        """The engine's health status now; None when it does not answer within `timeout_s` (`missed_probes`
+        counts consecutive timeouts; a refused or broken call sets it to MISSED_PROBES_DOWN: down at once)."""
         try:
             reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.RpcError:
+        except grpc.RpcError as e:
+            late = e.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            self.missed_probes = self.missed_probes + 1 if late else MISSED_PROBES_DOWN
             return None
+        self.missed_probes = 0
         return reply.status
 
 
@@ -85,7 +94,7 @@ class ServedModel:
 class EngineRouter:
     def __init__(self, addresses: list[str], tracer_provider: TracerProvider, api_key: str | None = None,
                  poll_interval_s: float = 0.5, on_change: Callable[[bool], None] = lambda serving: None,
-                 tls: ClientTLS | None = None):
+                 tls: ClientTLS | None = None, health_timeout_s: float = HEALTH_TIMEOUT_S):
         if not addresses:
             raise ValueError("a gateway needs at least one engine address")
         self.engines = [Engine(a) for a in addresses]
@@ -94,6 +103,7 @@ class EngineRouter:
         self._tracer_provider = tracer_provider
         self._tls = tls
         self._poll_interval_s = poll_interval_s
+        self._health_timeout_s = health_timeout_s
         self._on_change = on_change
         self._lock = threading.Lock()
         self._next = 0                                   # round-robin start among equally loaded engines
@@ -163,7 +173,10 @@ class EngineRouter:
         self._set_serving(engine, serving, condition_changed=engine.condition != condition)
 
     async def _check(self, engine: Engine) -> bool:
-        status = await engine.probe()
+        status = await engine.probe(self._health_timeout_s)
+        if status is None and engine.serving and engine.missed_probes < MISSED_PROBES_DOWN:
+            engine.condition = f"serving (missed {engine.missed_probes} health check(s))"
+            return True
         if status is None:
             engine.model_info = None                      # down: it may come back with another model
             engine.served = False

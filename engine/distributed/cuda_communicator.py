@@ -77,12 +77,11 @@ Predictions for 2 x H200 (NV18), per all-reduce, median, before any measurement
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import structlog
 import torch
 
+from engine import envs
 from engine.distributed import p2p_push
 from engine.distributed.p2p_launch import RankLaunch
 from engine.distributed.tp_group import TPGroup
@@ -102,9 +101,8 @@ SMALL_MESSAGE_BYTES = 32 * 1024
 FUSED_MAX_BYTES: int | None = None
 # The push variant (engine.distributed.p2p_push) for 16-bit messages up to this many bytes; 0: pull only. On the
 # H200 pair it took a 27B hybrid TP=2 round from 9.94 to 9.63 ms (sync) and 9.45 to 9.20 (async), and a
-# qwen3-8b TP=2 round from 3.81 to 3.63 (bench/results/2026-12-01-h200-fold/).
-PUSH_MAX_BYTES_ENV = "NINFER_P2P_PUSH_MAX_BYTES"
-DEFAULT_PUSH_MAX_BYTES = 64 * 1024
+# qwen3-8b TP=2 round from 3.81 to 3.63 (bench/results/2026-12-01-h200-fold/). The default, 64 KB, is the registry's
+# (engine.envs.P2P_PUSH_MAX_BYTES).
 _FLAG_BYTES = 2 * MAX_BLOCKS * MAX_RANKS * 8
 _STATE_BYTES = 256
 _NCCL_SUM = 0                                # ncclSum
@@ -316,7 +314,7 @@ class P2PCommunicator(_CudaCommunicator):
             raise ValueError(f"max_bytes must be at least 16, got {max_bytes}")
         self.max_bytes, self.threads, self.max_blocks = int(max_bytes), int(threads), int(max_blocks)
         if push_max_bytes is None:
-            push_max_bytes = int(os.environ.get(PUSH_MAX_BYTES_ENV, DEFAULT_PUSH_MAX_BYTES))
+            push_max_bytes = envs.P2P_PUSH_MAX_BYTES.read()
         self.push_max_bytes = min(int(push_max_bytes), self.max_bytes)
         self.small_threads = int(small_threads)
         self.fast_launch = fast_launch      # engine.distributed.p2p_launch; False: CuPy's generic kernel call

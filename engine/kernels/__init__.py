@@ -9,6 +9,8 @@ GPU check script share it). docs/kernels.md says how each kernel works and what 
 weight-only: GPTQ, AWQ, compressed-tensors) and `linear/fp8_channel` (FP8 per output channel), held to
 `engine.quant.int_formats` and the FP8 reference by tests/engine/kernels/linear/test_int_kernels.py
 (docs/quantization.md).
+`moe`: routing, the token->expert sort, the grouped expert GEMM and the combine of sparse MoE blocks, held to
+`engine.kernels.moe.reference` (docs/moe.md).
 
 Nothing here is imported on the CPU path: importing these modules needs Triton.
 """

@@ -191,3 +191,9 @@ class RowParallelLinear(_Linear):
     def _k_split(self, x: torch.Tensor) -> bool:
         return (not self.reduce and self.k_splits > 1 and self.quant is None and x.dim() == 2
                 and x.shape[0] <= self.split_rows)
+
+
+def quant_format(cfg, prefix: str, parts: list[str]):
+    """The quantized kind (engine.quant.layouts.LinearQuant) of the linear layer made of checkpoint modules
+    prefix.part (a `ModelConfig`'s scheme), or None."""
+    return None if cfg.quant is None else cfg.quant.layer_format(prefix, parts)

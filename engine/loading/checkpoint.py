@@ -7,7 +7,7 @@ wrong checkpoint fails with one error naming every problem and nothing half-load
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,13 +186,13 @@ def read_checkpoint(path: str | Path) -> tuple[Path, ModelConfig, "CheckpointWei
         eos = tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
     config = ModelConfig.from_hf(hf, eos)
     weights = CheckpointWeights.from_dir(path)
-    if config.model_type == "qwen3_5":
+    if config.model_type in ("qwen3_5", "qwen3_5_moe"):
         weights = language_model_weights(weights, path)
     return path, config, weights
 
 
 def language_model_weights(weights: CheckpointWeights, path: Path) -> CheckpointWeights:
-    """A Qwen3_5ForConditionalGeneration checkpoint as its language model: `model.language_model.X`
+    """A Qwen3_5(Moe)ForConditionalGeneration checkpoint as its language model: `model.language_model.X`
     becomes `model.X`; the vision tower (`model.visual.*`) is skipped."""
     skipped = []
 
@@ -235,3 +235,20 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
             problems.append(f"{label} tensors ({len(names)}): {shown}")
     if problems:
         raise ModelLoadError(f"{where}: " + "; ".join(problems))
+
+
+FLOAT16_MAX = 65504.0
+
+
+def checked_for_float16(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint loaded into a float16 model (--dtype float16: GPUs without bfloat16), each
+    refused, by name, when a finite value lies beyond float16's range (it would load as infinity). bfloat16
+    keeps float32's exponent, so a trained weight may; Qwen3's and Qwen3.5's do not (the tests load both).
+    Quantized codes and FP8 scales (|x| <= 448) pass unchecked."""
+    for name, tensor in weights:
+        if tensor.dtype in (torch.bfloat16, torch.float32, torch.float64) and tensor.numel():
+            largest = float(tensor.abs().amax())
+            if FLOAT16_MAX < largest < float("inf"):
+                raise ModelLoadError(f"{name}: holds {largest:.6g}, beyond float16's range (+-{FLOAT16_MAX:.0f}); "
+                                     "this checkpoint cannot load with --dtype float16: use bfloat16 or float32")
+        yield name, tensor

@@ -29,6 +29,25 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 16,
         partial_rotary_factor=0.25, attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48),
+    # Qwen3-30B-A3B (its config.json): 48 layers, 128 experts of 768, top 8 renormalised, no shared expert,
+    # no MTP layer; 3.3 B of its 30.5 B parameters are read per token (decode batch 1, tools/bench/shapes.py).
+    "qwen3-30b-a3b": ModelConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1_000_000.0,
+        max_position_embeddings=262144, tie_word_embeddings=False, eos_token_ids=QWEN3_EOS, model_type="qwen3_moe",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    # Qwen3.5-35B-A3B's language model: 30 Gated DeltaNet layers (16 key heads, 32 value heads of 128) and 10
+    # gated full-attention layers (16 heads, 2 KV heads of 256, RoPE on 25 %), 3 : 1; every MLP 256 experts of
+    # 512, top 8, and a gated shared expert of 512; one MTP layer, sparse too.
+    "qwen3.5-35b-a3b": ModelConfig(
+        vocab_size=248320, hidden_size=2048, intermediate_size=0, num_hidden_layers=40,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rope_theta=10_000_000.0,
+        max_position_embeddings=262144, tie_word_embeddings=False, mtp_num_hidden_layers=1,
+        model_type="qwen3_5_moe_text",
+        layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention") * 10,
+        partial_rotary_factor=0.25, attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512),
     "tiny": DEFAULT_CONFIG,
     # a hybrid at the default model's size (its tokenizer's vocabulary): the CPU dry run of the
     # benchmark's hybrid section
@@ -40,6 +59,12 @@ PRESETS: dict[str, ModelConfig] = {
         layer_types=("linear_attention", "linear_attention", "linear_attention", "full_attention"),
         partial_rotary_factor=0.25, attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=32,
         linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4),
+    # mixtures of experts at the default model's size: the CPU dry run of the benchmark's MoE section
+    "tiny-moe": ModelConfig(
+        vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rope_theta=1_000_000.0, max_position_embeddings=4096,
+        tie_word_embeddings=False, eos_token_ids=DEFAULT_CONFIG.eos_token_ids, model_type="qwen3_moe",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True),
 }
 
 PREFIX = "preset:"

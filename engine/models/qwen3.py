@@ -17,12 +17,11 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.worker.forward_context import get_forward_context
-from engine.layers import norm_fold
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
-                                  RowParallelLinear)
+from engine.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, quant_format
+from engine.layers.mlp import Qwen3MLP
+from engine.layers.moe import SparseMoeBlock, mlp_checkpoint_shapes
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.reduce_add_norm import defer_reduce, reduce_add_norm
@@ -44,16 +43,12 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         # positions: [T]; x: [T, hidden] -> [T, hidden]
-        return self.o_proj(self.attend(positions, self.qkv_proj(x)))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        # positions: [T]; qkv: [T, (heads + 2 kv_heads) * head_dim] -> attention output [T, heads * head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if qkv.is_cuda:
+        if x.is_cuda:
             # one kernel: q/k norms, RoPE and the K/V write into the pages
             from engine.kernels.elementwise.norm_rope import qk_norm_rope
             q, _ = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
@@ -63,34 +58,30 @@ class Qwen3Attention(nn.Module):
         else:
             q, k = self.rotary(positions, self.q_norm(q), self.k_norm(k))
             o = self.attn(q, k, v)
-        return o.flatten(1)
+        return self.o_proj(o.flatten(1))
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, prefix: str = ""):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
-                                                       quant_format(cfg, prefix, ["gate_proj", "up_proj"]))
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, quant_format(cfg, prefix, ["down_proj"]))
-        self.act = SiluAndMul()
+def make_mlp(cfg: ModelConfig, tp: TPGroup, prefix: str, sparse: bool) -> nn.Module:
+    """A layer's MLP: a sparse MoE block (engine.layers.moe) or a dense SwiGLU."""
+    return SparseMoeBlock(cfg, tp, prefix) if sparse else Qwen3MLP(cfg, tp, prefix)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from engine.kernels.linear import gemv
-            if gemv.takes_gate_up_silu(x, self.gate_up_proj):       # one decode row: SwiGLU in the GEMV's epilogue
-                return self.down_proj(gemv.layer_gate_up_silu(x, self.gate_up_proj))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+def mlp_output(mlp: nn.Module):
+    """What closes a layer's MLP and may leave its sum over ranks to reduce_add_norm: the dense MLP's
+    row-parallel down_proj, or the MoE block itself."""
+    return mlp if isinstance(mlp, SparseMoeBlock) else mlp.down_proj
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, prefix: str = ""):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup, prefix: str = "",
+                 sparse: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Qwen3Attention(cfg, rotary, tp, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg, tp, f"{prefix}.mlp")
+        self.mlp = make_mlp(cfg, tp, f"{prefix}.mlp", sparse)
         self.tp = tp
-        defer_reduce(tp, self.self_attn.o_proj, self.mlp.down_proj)
+        defer_reduce(tp, self.self_attn.o_proj, mlp_output(self.mlp))
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
@@ -103,27 +94,12 @@ class Qwen3DecoderLayer(nn.Module):
         x, residual = reduce_add_norm(self.tp, self.post_attention_layernorm, x, residual)
         return self.mlp(x), residual
 
-    def folds(self, rows: int) -> bool:
-        """Whether `rows` decode rows can take `forward_folded` (engine/layers/norm_fold.py)."""
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return (norm_fold.norm_folds(self.input_layernorm) and norm_fold.norm_folds(self.post_attention_layernorm)
-                and all(norm_fold.linear_folds(p, rows) for p in linears))
-
-    def forward_folded(self, positions: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # residual: [T, hidden], the stream with every earlier layer added -> the stream with this one added;
-        # both norms and both adds run inside the four GEMVs (one rank)
-        attn = self.self_attn
-        o = attn.attend(positions, norm_fold.linear(residual, attn.qkv_proj, norm=self.input_layernorm))
-        residual = norm_fold.linear(o, attn.o_proj, residual=residual)
-        act = norm_fold.gate_up_act(residual, self.mlp.gate_up_proj, self.post_attention_layernorm)
-        return norm_fold.linear(act, self.mlp.down_proj, residual=residual)
-
 
 class Qwen3Model(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"model.layers.{i}")
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"model.layers.{i}", cfg.layer_is_moe(i))
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
@@ -131,8 +107,6 @@ class Qwen3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T] -> final-normed hidden [T, hidden]
         x, residual = self.embed_tokens(input_ids), None
-        if norm_fold.stack_folds(x, self.tp.size, self.layers):
-            return norm_fold.run_stack(self.layers, positions, x, self.norm)
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return reduce_add_norm(self.tp, self.norm, x, residual)[0]
@@ -154,7 +128,7 @@ class MTPModule(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
         self.fc = ReplicatedLinear(2 * h, h, tp, quant_format(cfg, "mtp", ["fc"]))
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"mtp.layers.{i}")
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, rotary, tp, f"mtp.layers.{i}", cfg.is_moe)
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.tp = tp
@@ -162,18 +136,10 @@ class MTPModule(nn.Module):
     def forward(self, next_embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # next_embeds: embed(x_{t+1}) [T, hidden]; hidden: h_t [T, hidden]; positions: t [T] -> g [T, hidden]
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], -1))
-        if norm_fold.stack_folds(x, self.tp.size, self.layers):
-            return norm_fold.run_stack(self.layers, positions, x, self.norm)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return reduce_add_norm(self.tp, self.norm, x, residual)[0]
-
-
-def quant_format(cfg: ModelConfig, prefix: str, parts: list[str]):
-    """The quantized kind (engine.quant.layouts.LinearQuant) of the linear layer made of checkpoint modules
-    prefix.part, or None."""
-    return None if cfg.quant is None else cfg.quant.layer_format(prefix, parts)
 
 
 # Checkpoint name fragment -> (fused parameter fragment, shard id)
@@ -218,28 +184,27 @@ class Qwen3ForCausalLM(nn.Module):
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must provide, by its Hugging Face name, unsharded."""
         cfg, h, d = self.cfg, self.cfg.hidden_size, self.cfg.head_dim
-        q, kv, f = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
 
-        def layer(prefix: str) -> dict[str, tuple[int, ...]]:
+        def layer(prefix: str, sparse: bool) -> dict[str, tuple[int, ...]]:
             return {
                 f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,),
                 f"{prefix}.self_attn.q_proj.weight": (q, h), f"{prefix}.self_attn.k_proj.weight": (kv, h),
                 f"{prefix}.self_attn.v_proj.weight": (kv, h), f"{prefix}.self_attn.o_proj.weight": (h, q),
                 f"{prefix}.self_attn.q_norm.weight": (d,), f"{prefix}.self_attn.k_norm.weight": (d,),
-                f"{prefix}.mlp.gate_proj.weight": (f, h), f"{prefix}.mlp.up_proj.weight": (f, h),
-                f"{prefix}.mlp.down_proj.weight": (h, f),
+                **mlp_checkpoint_shapes(cfg, f"{prefix}.mlp", sparse),
             }
 
         shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
         if not cfg.tie_word_embeddings:
             shapes["lm_head.weight"] = (cfg.vocab_size, h)
         for i in range(cfg.num_hidden_layers):
-            shapes.update(layer(f"model.layers.{i}"))
+            shapes.update(layer(f"model.layers.{i}", cfg.layer_is_moe(i)))
         if self.mtp is not None:
             shapes.update({"mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
                            "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)})
             for i in range(cfg.mtp_num_hidden_layers):
-                shapes.update(layer(f"mtp.layers.{i}"))
+                shapes.update(layer(f"mtp.layers.{i}", cfg.is_moe))
         if cfg.quant is not None:
             from engine.quant.scheme import quantized_shapes
             shapes = quantized_shapes(shapes, cfg.quant)

@@ -23,14 +23,16 @@ from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.reduce_add_norm import defer_reduce, reduce_add_norm
-from engine.models.qwen3 import MTPModule, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model, quant_format
+from engine.layers.moe import mlp_checkpoint_shapes
+from engine.models.qwen3 import MTPModule, Qwen3ForCausalLM, Qwen3Model, make_mlp, mlp_output, quant_format
 from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 LINEAR = "linear_attention"
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, rotary: RotaryEmbedding, tp: TPGroup, prefix: str):
+    def __init__(self, cfg: ModelConfig, layer_type: str, rotary: RotaryEmbedding, tp: TPGroup, prefix: str,
+                 sparse: bool = False):
         super().__init__()
         self.is_linear = layer_type == LINEAR
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -39,10 +41,10 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, rotary, tp, lambda parts: quant_format(cfg, f"{prefix}.self_attn", parts))
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Qwen3MLP(cfg, tp, f"{prefix}.mlp")
+        self.mlp = make_mlp(cfg, tp, f"{prefix}.mlp", sparse)
         self.tp = tp
         mixer = self.linear_attn.out_proj if self.is_linear else self.self_attn.o_proj
-        defer_reduce(tp, mixer, self.mlp.down_proj)
+        defer_reduce(tp, mixer, mlp_output(self.mlp))
 
     def forward(self, positions, x, residual):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
@@ -62,7 +64,7 @@ class HybridModel(Qwen3Model):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPGroup):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary, tp, f"model.layers.{i}")
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary, tp, f"model.layers.{i}", cfg.layer_is_moe(i))
                                     for i, t in enumerate(cfg.layer_types))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tp = tp
@@ -78,7 +80,7 @@ class HybridMTPModule(MTPModule):
         self.pre_fc_norm_embedding = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
         self.fc = ReplicatedLinear(2 * h, h, tp, quant_format(cfg, "mtp", ["fc"]))
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, "full_attention", rotary, tp, f"mtp.layers.{i}")
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, "full_attention", rotary, tp, f"mtp.layers.{i}", cfg.is_moe)
                                     for i in range(cfg.mtp_num_hidden_layers))
         self.norm = ZeroCentredRMSNorm(h, cfg.rms_norm_eps)
         self.tp = tp
@@ -128,15 +130,14 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         cfg, h, d = self.cfg, self.cfg.hidden_size, self.cfg.head_dim
-        q, kv, f = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+        q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         key = cfg.linear_num_key_heads * cfg.linear_key_head_dim
         value = cfg.linear_num_value_heads * cfg.linear_value_head_dim
         hv, conv = cfg.linear_num_value_heads, 2 * key + value
 
-        def layer(prefix: str, layer_type: str) -> dict[str, tuple[int, ...]]:
+        def layer(prefix: str, layer_type: str, sparse: bool) -> dict[str, tuple[int, ...]]:
             shapes = {f"{prefix}.input_layernorm.weight": (h,), f"{prefix}.post_attention_layernorm.weight": (h,),
-                      f"{prefix}.mlp.gate_proj.weight": (f, h), f"{prefix}.mlp.up_proj.weight": (f, h),
-                      f"{prefix}.mlp.down_proj.weight": (h, f)}
+                      **mlp_checkpoint_shapes(cfg, f"{prefix}.mlp", sparse)}
             a = f"{prefix}.linear_attn"
             if layer_type == LINEAR:
                 shapes.update({
@@ -156,12 +157,12 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         if not cfg.tie_word_embeddings:
             shapes["lm_head.weight"] = (cfg.vocab_size, h)
         for i, t in enumerate(cfg.layer_types):
-            shapes.update(layer(f"model.layers.{i}", t))
+            shapes.update(layer(f"model.layers.{i}", t, cfg.layer_is_moe(i)))
         if self.mtp is not None:
             shapes.update({"mtp.pre_fc_norm_embedding.weight": (h,), "mtp.pre_fc_norm_hidden.weight": (h,),
                            "mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,)})
             for i in range(cfg.mtp_num_hidden_layers):
-                shapes.update(layer(f"mtp.layers.{i}", "full_attention"))
+                shapes.update(layer(f"mtp.layers.{i}", "full_attention", cfg.is_moe))
         if cfg.quant is not None:
             from engine.quant.scheme import quantized_shapes
             shapes = quantized_shapes(shapes, cfg.quant)

@@ -123,9 +123,18 @@ def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if layer.quant == INT:
             from engine.kernels.linear import int_gemm
             return int_gemm.int_linear(layer, x)
-        if layer.quant == FP8_CHANNEL:
+        if layer.quant == FP8_CHANNEL and _has_quant_kernels(layer, x.device):
             from engine.kernels.linear import fp8_channel
             return fp8_channel.fp8_channel_linear(layer, x)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and layer.quant in (FP8, NVFP4) \
+            and _has_quant_kernels(layer, x.device):
         from engine.kernels.linear import quant_gemm
         return quant_gemm.quant_linear(layer, x)
+    # the CPU, and GPUs without an e4m3 decode (below sm89, engine/platform.py): weight-only, dequantized by torch
     return F.linear(x, dequantized_weight(layer).to(x.dtype))
+
+
+def _has_quant_kernels(layer: nn.Module, device: torch.device) -> bool:
+    from engine.platform import paths_for
+    paths = paths_for(device)
+    return (paths.nvfp4_linear if layer.quant == NVFP4 else paths.fp8_linear) != "torch-dequantize"

@@ -30,6 +30,11 @@ __all__ = ["FP8", "KEPT", "NVFP4", "QuantScheme", "canonical_weights", "check_he
            "from_hf_quant_config", "normalize_found", "quantized_shapes", "resolve_checkpoint"]
 
 KEPT = ("model.embed_tokens.weight", "lm_head.weight")
+# A mixture of experts' router and its shared expert's gate decide which weights run and how much of them
+# counts: kept in the model dtype when quantizing everything else, as ModelOpt's and Qwen's releases keep them.
+# Qwen3-Next's grouped DeltaNet input projections (`in_proj_qkvz`, `in_proj_ba`) are kept too: the loader
+# permutes their rows into Qwen3.5's order (engine/models/qwen3_next.py) and refuses them quantized.
+KEPT_MODULES = (".mlp.gate", ".shared_expert_gate", ".in_proj_qkvz", ".in_proj_ba")
 
 
 def _default_layout(fmt: str, exclude: tuple[str, ...]) -> Layout:
@@ -78,9 +83,11 @@ class QuantScheme:
 
     def over_linears(self, shapes: dict[str, tuple[int, ...]]) -> "QuantScheme":
         """The scheme quantizing every linear layer of a bf16 checkpoint's `shapes` that it does not
-        exclude (embeddings and lm_head are never quantized)."""
+        exclude (embeddings, lm_head, MoE routers, shared-expert gates and Qwen3-Next's grouped projections
+        are never quantized)."""
         modules = frozenset(n[:-len(".weight")] for n, s in shapes.items()
                             if n.endswith(".weight") and len(s) == 2 and n not in KEPT
+                            and not n[:-len(".weight")].endswith(KEPT_MODULES)
                             and not self.excludes(n[:-len(".weight")]))
         return replace(self, modules=modules)
 

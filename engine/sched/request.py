@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage, rate
 

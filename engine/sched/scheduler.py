@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sched.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
@@ -375,6 +375,7 @@ class Scheduler:
                 child.status = RequestStatus.PARKED
                 self.parked[child.request_id] = child
                 self._lease_deadline[child.request_id] = now + self.config.lease_s
+                self._parked_at[child.request_id] = now
             else:
                 child.status = RequestStatus.RUNNING
                 child.times.decode_start = now

@@ -26,12 +26,12 @@ pass unchanged.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from engine import envs
 from engine.sched.scheduler import DecodeWork, ModelOutput
 from engine.worker import logprobs as engine_logprobs
 from engine.worker.logprobs import as_token_logprobs, rows_to_host
@@ -44,8 +44,10 @@ from engine.models.qwen3 import Qwen3ForCausalLM
 # int64 rows per request at the head of a round's packed ints, float32 rows (RoundInputs.from_packed)
 ROWS = 12
 FLOAT_ROWS = 3
-# the round's bookkeeping on CUDA in one launch each (engine.kernels.elementwise.round_prep); 0 = the torch ops
-FUSED_ROUND_PREP = os.environ.get("NINFER_FUSED_ROUND_PREP", "1") != "0"
+# the round's bookkeeping on CUDA in one launch each (engine.kernels.elementwise.round_prep): the served qwen3-8b bf16
+# step 4.427 -> 4.393 ms (bench/results/2026-12-01-h200-gemv-tiles/b-ab-small-kernels-bf16-tiles); NINFER_FUSED_ROUND_PREP=0
+# restores the torch ops
+FUSED_ROUND_PREP = envs.FUSED_ROUND_PREP.read()
 
 
 def sampling_variant(works: list) -> sampler.SamplingVariant:

@@ -83,7 +83,11 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = model_class(model_config)(model_config, tp, with_mtp=draft_tokens > 0,
                                           max_position=self.max_seq_len)
-        self.model.load_weights(weights.on(self.device) if hasattr(weights, "on") else weights)
+        stream = weights.on(self.device) if hasattr(weights, "on") else weights
+        if self.dtype == torch.float16:
+            from engine.loading.checkpoint import checked_for_float16
+            stream = checked_for_float16(stream)      # a bf16 weight beyond float16's range is refused by name
+        self.model.load_weights(stream)
         self.model.eval()
         kv_dtype = torch.int8 if config.kv_dtype_name == "int8" else getattr(torch, config.kv_dtype_name)
         layers = self.model.attention_layers()

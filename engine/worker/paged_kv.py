@@ -3,10 +3,11 @@ a batch's pages into contiguous K/V (the TMA prefill kernel's input, engine/kern
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from engine import envs
 
 # A gather's output (K and V together) is bounded by this per call; past it one sequence is gathered segment by
 # segment (engine.kernels.attention.prefill_tma.prefill_segments) and anything else reads the pages in place. A packed
@@ -14,10 +15,11 @@ import torch
 # sits beside its float32 softmax state, so the memory plan (engine/worker/memory_plan.py) counts 1.5 times it
 PREFILL_GATHER_MAX_BYTES = 256 << 20
 # head_dims whose prefill takes the gather and the TMA kernel (engine.kernels.attention.paged). H200, one layer, chunk
-# 4096 (bench/results/2026-12-02-h200-s22): 128 at 1.4-2.5x the paged kernel (qwen3-8b/32b, 32k-196k keys, bf16
-# and int8 pages); 256, Qwen3.5-27B's gated attention (24 heads over 4 KV heads), at 3.1-4.1x (32k and 128k keys).
+# 4096 (bench/results/2026-12-02-h200-long-prefill-seed/): 128 at 1.4-2.5x the paged kernel (qwen3-8b/32b, 32k-196k keys, bf16
+# and int8 pages); 256, Qwen3.5-27B's gated attention (24 heads over 4 KV heads), at 3.1-4.1x (32k and 128k keys),
+# and the served hybrid's 196k-token prefill 2.0-2.1x (bench/results/2026-12-02-h200-hybrid-hd256/c-49d7006-hybrid-hd256-ab).
 # NINFER_PREFILL_TMA_HD256=0 keeps 256 on the paged kernel.
-PREFILL_TMA_HEAD_DIMS = (128,) if os.environ.get("NINFER_PREFILL_TMA_HD256") == "0" else (128, 256)
+PREFILL_TMA_HEAD_DIMS = (128, 256) if envs.PREFILL_TMA_HD256.read() else (128,)
 
 
 @dataclass

@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients see and ask for (default: the model directory's name)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu or cuda[:N]")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA sm80+, float16 below: no bf16 there; float32 on CPU), bfloat16, float16, float32")
     g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", type=kv_cache_dtype_flag,
                    help="KV cache dtype: auto (= --dtype), int8 (per token and head scales), or a float dtype")
     g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV page")

@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.errors import InvalidArgumentError
 from engine.engine_info import EngineInfo
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams,
                                     StructuredOutput)
 from engine.request_stats import RequestStats

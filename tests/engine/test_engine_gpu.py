@@ -113,67 +113,6 @@ def test_int8_kv_agrees_with_bf16_kv():
     assert rate >= 0.7
 
 
-@pytest.mark.parametrize("streams,k", [(1, 0), (2, 0), (1, 1)])
-def test_folded_norms_are_as_close_to_float32_as_the_unfolded_layers(monkeypatch, streams, k):
-    """bf16 decode rows with the RMSNorms and residual adds folded into the GEMVs (engine/layers/norm_fold.py, up to
-    two rows) and without, each against a float32 engine: the folded layers run, the switch keeps them out, and
-    the fold's greedy tokens stay as close to float32's as the unfolded ones (bf16 rounding decides near-ties
-    either way, so the two bf16 runs are not held to each other)."""
-    from engine.layers import norm_fold
-    from engine.models import qwen3
-    rows: list[int] = []
-    folded = qwen3.Qwen3DecoderLayer.forward_folded
-
-    def counted(self, positions, residual):
-        rows.append(residual.shape[0])
-        return folded(self, positions, residual)
-    monkeypatch.setattr(qwen3.Qwen3DecoderLayer, "forward_folded", counted)
-    prompts = PROMPTS[:streams]
-    reference = _generate(prompts, dtype="float32", draft_tokens=k)
-    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 2)
-    on = _generate(prompts, dtype="bfloat16", draft_tokens=k)
-    assert rows and set(rows) <= {1, 2}, sorted(set(rows))      # graphs of one and two rows fold
-    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 0)
-    taken = len(rows)
-    off = _generate(prompts, dtype="bfloat16", draft_tokens=k)
-    assert len(rows) == taken                       # the switch keeps every layer unfolded
-    rate_on, rate_off = _agreement(reference, on), _agreement(reference, off)
-    print(f"{streams} stream(s), k={k}: agreement with float32 before first divergence: folded {rate_on:.3f}, "
-          f"unfolded {rate_off:.3f}; folded vs unfolded {_agreement(off, on):.3f}")
-    assert rate_on >= rate_off - 0.15
-
-
-@pytest.mark.parametrize("rows", [1, 2])
-def test_folded_projections_match_the_unfolded_ones(monkeypatch, rows):
-    """One layer of the trained model, bf16 on CUDA, on decode rows of a residual stream: qkv(norm(h)) and the
-    MLP's norm -> gate_up -> SwiGLU -> down -> add, folded (engine/layers/norm_fold.py) against the layer's own
-    modules; the o_proj add bit-equal to o_proj then the add."""
-    from engine.layers import norm_fold
-    monkeypatch.setattr(norm_fold, "FOLD_ROWS", 2)
-    llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, dtype="bfloat16", draft_tokens=0)
-    try:
-        layer = llm.engine.executor.driver.model.model.layers[1]
-        assert layer.folds(rows) and not layer.folds(3)
-        gen = torch.Generator().manual_seed(rows)
-        hidden = layer.input_layernorm.weight.numel()
-        h = (torch.randn(rows, hidden, generator=gen) * 3).to("cuda", torch.bfloat16)
-        o = torch.randn(rows, layer.self_attn.o_proj.in_features, generator=gen).to("cuda", torch.bfloat16)
-
-        def close(a, b, steps):
-            err = float((a.float() - b.float()).abs().max())
-            assert err <= steps * float(b.float().abs().max()) * 2 ** -8, err
-
-        attn, mlp = layer.self_attn, layer.mlp
-        close(norm_fold.linear(h, attn.qkv_proj, norm=layer.input_layernorm), attn.qkv_proj(layer.input_layernorm(h)), 2)
-        assert torch.equal(norm_fold.linear(o, attn.o_proj, residual=h),
-                           (attn.o_proj(o).float() + h.float()).to(torch.bfloat16))
-        act = norm_fold.gate_up_act(h, mlp.gate_up_proj, layer.post_attention_layernorm)
-        unfolded = (mlp(layer.post_attention_layernorm(h)).float() + h.float()).to(torch.bfloat16)
-        close(norm_fold.linear(act, mlp.down_proj, residual=h), unfolded, 4)
-    finally:
-        llm.engine.executor.shutdown()
-
-
 def test_sampled_decoding_is_reproducible_on_gpu():
     params = [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)] * 2
     llm = LLM(str(MODEL), device="cuda", kv_capacity=8192, max_batch=8, draft_tokens=3)

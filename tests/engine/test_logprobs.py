@@ -17,7 +17,11 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "Line 1: the quick brown fox jumps over the lazy dog.\nLine 2:",
 ]
-TOL = 1e-3
+# make_llm's engine runs where the device is `auto`: on CUDA its float32 path multiplies in TF32 on the tensor
+# cores (Triton's dots, cuBLAS), which moved logprobs by up to 5e-3 from the CPU reference on an H200
+# (2026-12-05); on the CPU, 1e-3 holds
+TOL = 1e-2 if torch.cuda.is_available() else 1e-3
+SAME = 1e-3 if torch.cuda.is_available() else 1e-4      # k = 3 against k = 0, TP = 2 against TP = 1
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,7 @@ def test_speculation_reports_what_k0_reports(llm_k0, llm_k3):
         assert a.token_ids == b.token_ids
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert list(pa) == list(pb)                                       # same tokens, same order
-            assert max(abs(x.logprob - y.logprob) for x, y in zip(pa.values(), pb.values())) < 1e-4
+            assert max(abs(x.logprob - y.logprob) for x, y in zip(pa.values(), pb.values())) < SAME
     assert llm_k3.generate(PROMPTS[:1], params)[0].stats.speculative.accepted > 0
     assert_kv_idle(llm_k3.engine)
 
@@ -117,7 +121,7 @@ def test_tensor_parallel_two_ranks_report_what_one_rank_reports(shared_model, ll
             assert a.token_ids == b.token_ids
             for pa, pb in zip(a.outputs[0].logprobs + a.prompt_logprobs[1:], b.outputs[0].logprobs + b.prompt_logprobs[1:]):
                 assert list(pa) == list(pb)
-                assert max(abs(x.logprob - y.logprob) for x, y in zip(pa.values(), pb.values())) < 1e-4
+                assert max(abs(x.logprob - y.logprob) for x, y in zip(pa.values(), pb.values())) < SAME
         assert_kv_idle(tp2.engine)
     finally:
         tp2.engine.shutdown()

@@ -47,7 +47,8 @@ def check_snapshot(core, finished) -> dict:
     assert perf["mean_decode_tok_s"] == sum(s.rates.decode_tok_s for s in rated) / len(rated)
     assert perf["mean_prefill_tok_s"] == sum(s.rates.prefill_tok_s for s in rated) / len(rated)
     assert snap["kv"]["free_blocks"] == snap["kv"]["num_blocks"]
-    assert snap["queue"] == {"waiting": 0, "prefilling": 0, "running": 0, "parked": 0}
+    assert snap["queue"] == {"waiting": 0, "prefilling": 0, "running": 0, "parked": 0, "awaiting_seat": 0,
+                             "oldest_parked_s": 0.0, "oldest_awaiting_seat_s": 0.0}
     return snap
 
 

@@ -10,8 +10,10 @@ import os
 import pytest
 import torch
 
+from engine import envs
+
 CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1" and importlib.util.find_spec("triton") is not None
+INTERPRET = envs.TRITON_INTERPRET_TESTS.read() and importlib.util.find_spec("triton") is not None
 if INTERPRET and not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 DEV = "cuda" if CUDA else "cpu"

@@ -31,7 +31,9 @@ def patch_interpreter() -> None:
     - float32 -> bf16 casts truncate; the GPU rounds to nearest even: round here too;
     - int -> bf16 casts store the integer as raw bits: go through float32;
     - a dot of bf16 operands multiplies their raw uint16 bits: widen them to float32 first;
-    - a comparison of a scalar yields int64 data, which a load/store mask then rejects: cast to bool.
+    - a comparison of a scalar yields int64 data, which a load/store mask then rejects: cast to bool;
+    - (3.6) a scalar argument is a 1-element array, which `int()` refuses under numpy 2 when it bounds a
+      `range` loop: take its one element.
     Only for TRITON_INTERPRET=1 runs (tests on a CPU).
     """
     import numpy as np
@@ -74,6 +76,12 @@ def patch_interpreter() -> None:
     builder.create_masked_load = lambda self, ptrs, mask, *args, **kw: load(self, ptrs, as_bool(mask), *args, **kw)
     builder.create_masked_store = lambda self, ptrs, value, mask, *args, **kw: store(self, ptrs, value, as_bool(mask),
                                                                                      *args, **kw)
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def scalar_index(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+    interpreter._patch_lang_tensor = scalar_index
     builder._ninfer_patched = True
 
 

@@ -12,17 +12,13 @@ from pathlib import Path
 
 import torch
 
+from engine import envs
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-ENGINE_SWITCHES = ("NINFER_PDL", "NINFER_P2P_PUSH_MAX_BYTES", "NINFER_TP_FUSED_NORM", "NINFER_TP_K_SPLITS",
-                   "NINFER_PREFILL_TMA", "NINFER_SKINNY_DENSE", "NINFER_FUSED_ROUND_PREP", "NINFER_ATTN_FUSED_MERGE",
-                   "NINFER_GEMV_PAIRS", "NINFER_GEMV_BF16_ROWS", "NINFER_GEMV_FP8_TILE", "NINFER_GEMV_FP8_SILU",
-                   "NINFER_GEMV_SILU_ROWS", "NINFER_QUANT_MMA_GEMV", "NINFER_QUANT_MMA_CONTIG",
-                   "NINFER_QUANT_MMA_FP8_MIN_ROWS", "NINFER_ATTN_DECODE_TMA", "NINFER_ATTN_DECODE_TMA_MIN_KEYS",
-                   "NINFER_ATTN_DECODE_TMA_SHAPE", "NINFER_ATTN_INT8_LONG", "NINFER_ATTN_INT8_LONG_SHAPE",
-                   "NINFER_PREFILL_TMA_INT8", "NINFER_PREFILL_TMA_HD256", "NINFER_ATTN_BF16_LONG",
-                   "NINFER_GEMV_NORM_FOLD")
+# the engine's kill switches (engine/envs.py): a run records how it set them (unset: the engine's default)
+ENGINE_SWITCHES = tuple(name for name, s in envs.SWITCHES.items() if s.kind == "kill switch")
 
 
 def _version(dist: str) -> str | None:
@@ -40,11 +36,12 @@ def git_commit() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
         return out.stdout.strip() if out.returncode == 0 else None
-    if os.environ.get("NINFER_COMMIT"):            # set by whoever copied the tree (its .git may be stale)
-        return {"commit": os.environ["NINFER_COMMIT"], "dirty": None}
+    copied = envs.COMMIT.read()                     # set by whoever copied the tree (its .git may be stale)
+    if copied:
+        return {"commit": copied, "dirty": None}
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
-    return {"commit": commit or os.environ.get("NINFER_COMMIT"), "dirty": bool(status) if status is not None else None}
+    return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
 
 def device_info(device: str) -> dict:
@@ -68,8 +65,8 @@ def collect(device: str) -> dict:
                      "ninfer": _version("ninfer")},
         "git": git_commit(),
         "host": platform.node(),
-        # the engine's performance switches as this run set them (unset: the engine's default)
-        "switches": {k: os.environ.get(k) for k in ENGINE_SWITCHES},
+        # the engine's kill switches as this run set them (unset: the engine's default)
+        "switches": {name: envs.SWITCHES[name].raw() for name in ENGINE_SWITCHES},
     }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Interleaved A/B of several commits' served decode, in one call on the GPU machine. Across calls the same
-# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (session 15, d and e). So
+# tree's qwen3-8b step has read 4.43-4.52 ms; within a call it repeats to +-0.003 ms (bench/results/2026-12-01-h200-fp8-gemv/, d and e). So
 # a change worth a few percent is judged here, never across calls.
 #
 # Here (no GPU), one tree per commit, bench/results left out to keep the carry small:
@@ -10,7 +10,7 @@
 # AB_ARGS replaces the bench's section arguments, e.g. the cost of a draft round at one context:
 #   AB_ARGS="--sections roofline,decode --decode-ks 0 --decode-draft-vocab-ks 1,3 --decode-contexts 512"
 # A tree may carry engine switches after a "+", one tree run under each setting:
-#   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/main+NINFER_GEMV_PAIRS=bf16,fp8
+#   bash .scratch/ab/main/tools/ab_served.sh 2 .scratch/ab/main .scratch/ab/main+NINFER_GEMV_PAIRS=0
 # By default each tree runs `tools.bench --sections roofline,quant --quant-decode-only` (bf16, FP8 and NVFP4
 # qwen3-8b engines through EngineSession, decode batch 1) in the order A B A B ...; results.json per run under
 # $OUT/ab-<tree>-<rep>, packed into ab_runs.tar.gz at the end.
@@ -37,11 +37,19 @@ rows = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
     d = json.loads(f.read_text())
     tree = f.parent.name.rsplit("-", 1)[0]
-    for p in d["sections"].get("quant", {}).get("points", []):
-        if "decode_b1" in p:  # prefill-only and refused points carry no decode figure
-            rows.setdefault((p["format"], tree), []).append(p["decode_b1"]["ms_per_round_best"])
-        if "decode_b8" in p:  # 8 streams: the aggregate as ms per token (lower is better, like the rest)
-            rows.setdefault((p["format"] + "/b8", tree), []).append(1e3 / p["decode_b8"]["aggregate_tok_s"])
+    seen = set()
+    for pair in d["sections"].get("quant", {}).get("pairs", []):
+        # every format against bf16, interleaved: each side's reps (bf16 once, from its first pair)
+        for side in pair["sides"]:
+            if (side, pair["figure"]) in seen:
+                continue
+            seen.add((side, pair["figure"]))
+            for rep in pair["reps"][side]:
+                if pair["figure"] == "decode_b1":
+                    rows.setdefault((side, tree), []).append(rep["decode_s"] / (rep["completion_tokens"] - 1) * 1e3)
+                elif pair["figure"] == "decode_b8" and rep.get("aggregate_tok_s"):
+                    # 8 streams: the aggregate as ms per token (lower is better, like the rest)
+                    rows.setdefault((side + "/b8", tree), []).append(1e3 / rep["aggregate_tok_s"])
     for p in d["sections"].get("decode", {}).get("points", []):
         if "ms_per_round_best" in p:
             key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"

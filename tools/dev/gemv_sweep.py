@@ -57,42 +57,31 @@ VARIANTS = {
     "fp8": {"g8x512": G.GemvConfig(8, 512, 4), "g16x512": G.GemvConfig(16, 512, 4), "g4x512": G.GemvConfig(4, 512, 4),
             "g8x1024": G.GemvConfig(8, 1024, 4), "g16x256": G.GemvConfig(16, 256, 4),
             "g8x512w8": G.GemvConfig(8, 512, 8), "g8x512s2": G.GemvConfig(8, 512, 4, 1, 2),
-            "g8x512x1d": G.GemvConfig(8, 512, 4, x2d=False), "g8x512pf": G.GemvConfig(8, 512, 4, prefetch=True),
-            "g16x512pf": G.GemvConfig(16, 512, 4, prefetch=True), "g8x2048": G.GemvConfig(8, 2048, 4),
-            "g16x1024": G.GemvConfig(16, 1024, 4), "g8x1024pf": G.GemvConfig(8, 1024, 4, prefetch=True),
-            "g8x1024w8": G.GemvConfig(8, 1024, 8), "g4x1024": G.GemvConfig(4, 1024, 4),
-            "g4x2048": G.GemvConfig(4, 2048, 4), "g2x2048": G.GemvConfig(2, 2048, 4),
-            "g16x1024w8": G.GemvConfig(16, 1024, 8),
-            # codes read as 16-bit pairs, the activations as words (GemvConfig.pairs): 4.9 -> 4.0 instructions a value
-            "g8x1024p": G.GemvConfig(8, 1024, 4, pairs=True), "g8x1024w8p": G.GemvConfig(8, 1024, 8, pairs=True),
-            "g2x2048p": G.GemvConfig(2, 2048, 4, pairs=True), "g4x1024p": G.GemvConfig(4, 1024, 4, pairs=True)},
+            "g8x512x1d": G.GemvConfig(8, 512, 4, x2d=False), "g8x2048": G.GemvConfig(8, 2048, 4),
+            "g16x1024": G.GemvConfig(16, 1024, 4), "g8x1024w8": G.GemvConfig(8, 1024, 8),
+            "g4x1024": G.GemvConfig(4, 1024, 4), "g4x2048": G.GemvConfig(4, 2048, 4), "g2x2048": G.GemvConfig(2, 2048, 4),
+            "g16x1024w8": G.GemvConfig(16, 1024, 8)},
     "nvfp4": {"g8x1024": G.GemvConfig(8, 1024, 4), "g16x1024": G.GemvConfig(16, 1024, 4),
               "g4x1024": G.GemvConfig(4, 1024, 4), "g8x512": G.GemvConfig(8, 512, 4), "g8x2048": G.GemvConfig(8, 2048, 4),
               "g16x512": G.GemvConfig(16, 512, 4), "g8x1024noasm": G.GemvConfig(8, 1024, 4, asm=False),
-              "g8x1024s2": G.GemvConfig(8, 1024, 4, 1, 2), "g8x1024pf": G.GemvConfig(8, 1024, 4, prefetch=True),
-              "g4x1024pf": G.GemvConfig(4, 1024, 4, prefetch=True)},
+              "g8x1024s2": G.GemvConfig(8, 1024, 4, 1, 2)},
     "bf16": {"g8x256": G.GemvConfig(8, 256, 4), "g16x256": G.GemvConfig(16, 256, 4), "g4x512": G.GemvConfig(4, 512, 4),
              "g8x512": G.GemvConfig(8, 512, 4), "g8x256x1d": G.GemvConfig(8, 256, 4, x2d=False),
-             "g8x256pf": G.GemvConfig(8, 256, 4, prefetch=True), "g16x256pf": G.GemvConfig(16, 256, 4, prefetch=True),
              # fewer, larger steps per program: the small layers (8b o, qkv) look bound by each program's chain
              # of dependent tile loads (8 at 4x512 over K = 4096), not by bandwidth
              "g4x1024": G.GemvConfig(4, 1024, 4), "g4x2048": G.GemvConfig(4, 2048, 4),
              "g2x1024": G.GemvConfig(2, 1024, 4), "g2x2048": G.GemvConfig(2, 2048, 4),
              "g4x1024w8": G.GemvConfig(4, 1024, 8), "g4x512s2": G.GemvConfig(4, 512, 4, split=2),
-             "g4x512pf": G.GemvConfig(4, 512, 4, prefetch=True),
              # read as 32-bit words of two values (GemvConfig.pairs): ~30-45 % fewer instructions a value
              "g2x1024p": G.GemvConfig(2, 1024, 4, pairs=True), "g4x512p": G.GemvConfig(4, 512, 4, pairs=True),
              "g4x1024p": G.GemvConfig(4, 1024, 4, pairs=True), "g2x2048p": G.GemvConfig(2, 2048, 4, pairs=True),
-             # the next tile's loads before this tile's arithmetic, on the one-row rule's tile
-             "g2x1024pf": G.GemvConfig(2, 1024, 4, prefetch=True),
-             "g2x1024pfp": G.GemvConfig(2, 1024, 4, prefetch=True, pairs=True)},
+             # the one-row default: word pairs with the first tile read before the PDL wait (GemvConfig.preload)
+             "g2x1024pl": G.GemvConfig(2, 1024, 4, pairs=True, preload=True)},
 }
 # at M > 1 only these (compile time)
-MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512pf", "g8x512x1d", "g8x1024p", "g4x1024p"), "nvfp4": ("g8x1024", "g16x512", "g8x1024pf"),
+MULTI_ROW = {"fp8": ("g8x512", "g16x256", "g8x512x1d", "g4x1024"), "nvfp4": ("g8x1024", "g16x512"),
              "bf16": ("skinny_dense", "g8x256", "g2x1024", "g4x1024", "g4x512", "g2x2048", "g2x1024p", "g4x1024p",
                       "g4x512p", "g2x2048p")}
-
-
 
 
 def random_layer(fmt: str, n: int, k: int) -> dict:
@@ -133,14 +122,13 @@ def correctness(results: list) -> None:
     cases = [("fp8", 1, 6144, 4096, "g8x512"), ("fp8", 4, 4096, 12288, "g16x256"), ("fp8", 8, 5120, 2560, "g4x512"),
              ("fp8", 1, 4096, 4096, "g8x512s2"), ("nvfp4", 1, 6144, 4096, "g8x1024"),
              ("nvfp4", 4, 4096, 12288, "g16x512"), ("nvfp4", 8, 5120, 2560, "g4x1024"),
-             ("nvfp4", 1, 4096, 4096, "g8x1024noasm"), ("nvfp4", 3, 4096, 4096, "g8x1024s2"), ("nvfp4", 1, 6144, 4096, "g8x1024pf"),
-             ("fp8", 8, 4096, 4096, "g8x512pf"), ("bf16", 1, 4096, 4096, "g8x256pf"),
+             ("nvfp4", 1, 4096, 4096, "g8x1024noasm"), ("nvfp4", 3, 4096, 4096, "g8x1024s2"),
              ("bf16", 1, 6144, 4096, "g8x256"), ("bf16", 4, 4096, 12288, "g16x256"), ("bf16", 7, 3000, 1000, "g8x512"),
              ("bf16", 1, 4096, 4096, "g4x1024"), ("bf16", 1, 4096, 4096, "g4x512s2"), ("bf16", 1, 6144, 4096, "g4x2048"),
              ("bf16", 1, 4096, 12288, "g2x1024"), ("bf16", 2, 6144, 4096, "g2x1024"), ("bf16", 4, 4096, 12288, "g4x1024"),
              ("bf16", 3, 3000, 1000, "g2x2048"), ("bf16", 1, 6144, 4096, "g2x1024p"), ("bf16", 2, 4096, 12288, "g4x1024p"),
-             ("bf16", 4, 3000, 1000, "g4x512p"), ("fp8", 1, 6144, 4096, "g8x1024p"), ("fp8", 1, 4096, 12288, "g2x2048p"),
-             ("fp8", 1, 3000, 1024, "g8x1024w8p"), ("bf16", 1, 4096, 4096, "g2x1024pfp"), ("bf16", 1, 3000, 1000, "g2x1024pf"), ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
+             ("bf16", 4, 3000, 1000, "g4x512p"), ("bf16", 1, 4096, 4096, "g2x1024pl"), ("bf16", 1, 3000, 1000, "g2x1024pl"),
+             ("fp8", 1, 4096, 12288, "g2x2048"), ("fp8", 1, 6144, 4096, "g4x1024")]
     if DEV.type == "cpu":
         cases = [(f, m, 64 if n != 3000 else 60, 512 if k != 1000 else 96, v) for f, m, n, k, v in cases]
     for fmt, m, n, k, v in cases:

@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import SamplingParams
+from engine import SamplingParams, envs
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from tools.bench.runinfo import ENGINE_SWITCHES
@@ -166,7 +166,7 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
           f"({busy_ms / plain_ms:.0%}), idle {plain_ms - busy_ms:.3f} ms; {tokens_per_round:.2f} tokens per "
           f"request-round; busy by device: "
           + ", ".join(f"cuda:{d} {ms:.3f}" for d, ms in sorted(busy_by_device.items())))
-    switches = {k: os.environ.get(k) for k in ENGINE_SWITCHES}      # unset: the engine's default
+    switches = {k: envs.SWITCHES[k].raw() for k in ENGINE_SWITCHES}      # unset: the engine's default
     kernels_per_round = {d: n / args.steps for d, n in sorted(kernels_by_device.items())}
     print("  kernels per round: " + ", ".join(f"cuda:{d} {n:.0f}" for d, n in kernels_per_round.items())
           + "  (switches set: " + (", ".join(f"{k}={v}" for k, v in switches.items() if v is not None) or "none")
@@ -188,8 +188,8 @@ def profile_one(core: EngineCore, args, batch: int, mode: str) -> dict:
            "busy_ms": busy_ms, "idle_ms": plain_ms - busy_ms, "tokens_per_round": tokens_per_round,
            "busy_ms_by_device": busy_by_device,
            "all_reduce_us_by_device": {d: sorted(v) for d, v in reduce_us.items()}, "kernels_per_round_by_device": kernels_per_round,
-           "fused_norm": os.environ.get("NINFER_TP_FUSED_NORM", "1") != "0",
-           "pdl": os.environ.get("NINFER_PDL", "1") != "0",
+           "fused_norm": envs.TP_FUSED_NORM.read(),
+           "pdl": envs.PDL.read(),
            "switches": switches,
            "per_kind_ms": {k: v / 1e3 / args.steps for k, v in per_kind.items()},
            "top": [(n, us / 1e3 / args.steps, c // args.steps) for n, (us, c) in top]}

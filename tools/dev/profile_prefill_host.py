@@ -3,7 +3,7 @@
     python3 tools/dev/profile_prefill_host.py [--prompt 512] [--model preset:qwen3-8b] [--device cuda]
 
 A 512-token prefill of qwen3-8b was found host-bound on an H200 this way (26 ms of wall time for 11 ms of GPU
-work: bench/results/2026-12-02-h200-s25/h-ede9fe5-prefill-host-profile). Prints the wall time of five prefills,
+work: bench/results/2026-12-02-h200-bench-profiles/h-ede9fe5-prefill-host-profile). Prints the wall time of five prefills,
 then the profile of five more, sorted by own time and by cumulative time.
 """
 

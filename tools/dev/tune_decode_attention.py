@@ -26,10 +26,9 @@ it as JSON (after each phase, so a crash keeps what was measured).
 
 --variants (under 150 s on one H200): the switches of the decode kernel instead of the grid, over
 --cases (default batch 1 at 32768, 512, 2048 and batch 8 at 8192; --variant-qlens, default 1; bf16 and int8):
-  A. named variants of each case's plan: the pointer kernel's plan ("ptr", when the plan takes TMA
-     pages), `prefetch` 1 and 2 (software-pipelined whole-tile loop, num_stages 1), prefetch 1 capped
-     at 128 registers, prefetch 1 with 128-key tiles, and the TMA page kernel ("tma-sSwW": num_stages
-     S, W warps; "tma4-": four pages a step; split plans only);
+  A. named variants of each case's plan: `prefetch` 1 and 2 (software-pipelined whole-tile loop,
+     num_stages 1), prefetch 1 capped at 128 registers, prefetch 1 with 128-key tiles, and for int8
+     pages the 128-key shapes around INT8_LONG's and the 64-key plan with prefetch;
   B. num_splits /2, x2, x4 (min_tiles 1, so short contexts get one-tile splits) around the two
      fastest rows of A.
 Ends with a variant-by-case table (us) and the table "case | default us | best us | best config".
@@ -58,6 +57,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from engine import envs
 from engine.worker.forward_context import build_forward_context
 from engine.kernels.attention import paged as A
 from tests.support.kernel_checks import rel_err
@@ -106,8 +106,8 @@ class Case:
 
 
 def label(cfg: A.AttnConfig) -> str:
-    return (f"{'tma ' if cfg.tma_pages else ''}bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-            f"sp{cfg.num_splits} {f'pps{cfg.pages_per_step} ' if cfg.pages_per_step > 1 else ''}"
+    return (f"bm{cfg.block_m} bn{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+            f"sp{cfg.num_splits} "
             f"mt{cfg.min_tiles}{' up' if cfg.int8_upcast else ''}{f' pf{cfg.prefetch}' if cfg.prefetch else ''}"
             f"{f' r{cfg.max_regs}' if cfg.max_regs else ''}")
 
@@ -271,7 +271,7 @@ def main() -> int:
     info = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "decode_default": A.DECODE, "decode_int8_default": A.DECODE_INT8, "calls": CALLS, "replays": REPLAYS}
-    info["commit"] = os.environ.get("NINFER_COMMIT")        # set by whoever copied the tree (its .git may be stale)
+    info["commit"] = envs.COMMIT.read()        # set by whoever copied the tree (its .git may be stale)
     if not info["commit"]:
         try:
             info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
@@ -382,16 +382,11 @@ def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:
 
 # -- --variants: the decode switches ---------------------------------------------------------------
 
-VARIANT_TAGS = ["default", "ptr", "pf1", "pf2", "pf1-r128", "pf1-bn128", "i8-np-w4", "i8-np-w8", "i8-pf1-w8",
-                "i8-bn64-pf1-r128", "i8-bn64-pf1",
-                "tma-s9w2", "tma-s13w2", "tma4-s3w2", "tma4-s5w2", "tma4-s5w4", "splits"]
+VARIANT_TAGS = ["default", "pf1", "pf2", "pf1-r128", "pf1-bn128", "i8-np-w4", "i8-np-w8", "i8-pf1-w8",
+                "i8-bn64-pf1-r128", "i8-bn64-pf1", "splits"]
 # int8 128-key tiles around INT8_LONG's (prefetch 1, 4 warps: 249 registers, 2 programs per SM), each with the
-# splits halved until its programs fit one wave (sm_90 registers, s21): (tag, prefetch, warps, programs per SM)
+# splits halved until its programs fit one wave (sm_90 registers): (tag, prefetch, warps, programs per SM)
 INT8_LONG_SHAPES = [("i8-np-w4", 0, 4, 3), ("i8-np-w8", 0, 8, 2), ("i8-pf1-w8", 1, 8, 1)]
-# TMA page kernel (attention_decode_tma.py): (pages a step, num_stages, num_warps). Triton 3.6 splits the stages
-# between the block-table load and the page boxes that depend on it: num_stages 5 / 9 / 13 keep 2 / 4 / 6 steps in
-# flight. One page a step lost everywhere in s21 (s5w4 and s9w4 included, the slowest); four a step is untimed.
-TMA_SHAPES = [(1, 9, 2), (1, 13, 2), (4, 3, 2), (4, 5, 2), (4, 5, 4)]
 
 
 def variant_cases(text: str) -> list[tuple[int, int]]:
@@ -404,27 +399,24 @@ def variant_cases(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def pointer_plan(case: Case, int8_long: bool = True) -> A.AttnConfig:
-    """The plan with the TMA page kernel switched off: the pointer kernel's shape for this case (int8_long False:
-    without the int8 long-context tiles either, whose halved splits the TMA plan does not take)."""
-    was = A.DECODE_TMA_DTYPES, A.INT8_LONG
-    A.DECODE_TMA_DTYPES, A.INT8_LONG = (), int8_long and A.INT8_LONG
+def short_plan(case: Case) -> A.AttnConfig:
+    """The plan without the int8 long-context tiles: the 64-key plan, with its own splits."""
+    was = A.INT8_LONG
+    A.INT8_LONG = False
     try:
         return A.plan(case.q, case.kvs[0], case.ctx)
     finally:
-        A.DECODE_TMA_DTYPES, A.INT8_LONG = was
+        A.INT8_LONG = was
 
 
 def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
-    """The switches on top of a case's plan (the plan itself is timed as "default"): the pointer kernel's plan
-    ("ptr", when the plan takes TMA pages), its prefetch variants, and the TMA page kernel at its pipeline depths
-    (split plans, pages of 16 or more)."""
+    """The switches on top of a case's plan (the plan itself is timed as "default"): its prefetch variants, and
+    for int8 pages the 128-key shapes around INT8_LONG's and the 64-key plan with prefetch."""
     r = dataclasses.replace
-    plan = pointer_plan(case)
-    short = pointer_plan(case, int8_long=False)            # the 64-key plan, with its own splits
+    plan = case.plan
+    short = short_plan(case)
     pf1 = r(plan, prefetch=1, num_stages=1)
-    out = [("ptr", plan)] if case.plan.tma_pages else []
-    out += [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
+    out = [("pf1", pf1), ("pf2", r(plan, prefetch=2, num_stages=1)), ("pf1-r128", r(pf1, max_regs=128)),
             ("pf1-bn128", r(pf1, block_n=128, min_tiles=max(1, plan.min_tiles // 2)))]
     if case.dtype == "int8" and plan.block_n == 128 and plan.prefetch == 1 and plan.num_splits > 1:
         ctas = A._num_tiles(case.q.shape[0], case.ctx, plan.block_m // (H // KVH))[1] * KVH
@@ -437,13 +429,6 @@ def named_variants(case: Case) -> list[tuple[str, A.AttnConfig]]:
         # four programs an SM) and the uncapped loop the short-context one-tile splits take (158 registers, three)
         short_pf1 = r(short, prefetch=1, num_stages=1)
         out += [("i8-bn64-pf1-r128", r(short_pf1, max_regs=128)), ("i8-bn64-pf1", short_pf1)]
-    if plan.num_splits > 1 and PAGE >= 16:
-        splits = short.num_splits
-        for per_step, stages, warps in TMA_SHAPES:
-            tag = f"tma{per_step if per_step > 1 else ''}-s{stages}w{warps}"
-            out.append((tag, r(plan, tma_pages=True, pages_per_step=per_step, block_n=PAGE, num_stages=stages,
-                               num_warps=warps, num_splits=splits, prefetch=0, max_regs=0,
-                               min_tiles=max(1, A.DECODE_MIN_SPLIT_KEYS // PAGE), int8_upcast=case.dtype == "int8")))
     return out
 
 
@@ -451,7 +436,7 @@ def split_variants(cfg: A.AttnConfig) -> list[A.AttnConfig]:
     """num_splits /2, x2, x4 with one-tile splits allowed (min_tiles 1)."""
     out = []
     for splits in (cfg.num_splits // 2, cfg.num_splits * 2, cfg.num_splits * 4):
-        if (2 if cfg.tma_pages else 1) <= splits <= A.MAX_DECODE_SPLITS:     # the TMA kernel always splits
+        if 1 <= splits <= A.MAX_DECODE_SPLITS:
             out.append(dataclasses.replace(cfg, num_splits=splits, min_tiles=1))
     return out
 
@@ -581,7 +566,7 @@ def dry_run(args) -> int:
             case_like = types.SimpleNamespace(q=q, kvs=[kv], ctx=ctx, plan=plan, dtype=dtype)
             for tag, cfg in [("default", plan), *named_variants(case_like)]:
                 res = ""
-                if args.regs and not cfg.tma_pages:             # sm90_resources compiles the pointer kernel
+                if args.regs:
                     key = dataclasses.replace(cfg, num_splits=min(cfg.num_splits, 2), min_tiles=1)
                     if (key, dtype) not in seen:
                         seen[(key, dtype)] = sm90_resources(cfg, dtype)

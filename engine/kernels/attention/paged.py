@@ -12,7 +12,7 @@ mask), then the few that straddle the causal diagonal (masked); tiles past the d
 loaded.
 
 Prefill-shaped calls with host lengths on an sm90 GPU mostly leave this file: their keys are gathered into
-contiguous K/V (int8 pages dequantized on the way) for the TMA kernel of attention_prefill.py, all at once or,
+contiguous K/V (int8 pages dequantized on the way) for the TMA kernel of prefill_tma.py, all at once or,
 for one long sequence, segment by segment (`takes_tma_prefill`, `prefill_segment_keys`). The rest (short chunks
 after long contexts, graphs, other GPUs) use BLOCK_M = 128 here and one program per tile. Decode and verify
 (query_len * GROUP <= 128 rows) split each sequence's keys over `num_splits` programs and merge the
@@ -27,8 +27,7 @@ CUDA-graph capturable, and each program works out its own key range from `seq_le
 Decode/verify switches (`AttnConfig`, swept by tools/dev/tune_decode_attention.py --variants): `prefetch`
 software-pipelines the whole-tile loop (the next tile's loads issued before this tile's math); plans take
 it for one-tile splits, for int8 pages at long contexts and for 16-bit pages split 32 ways or more (batch 1-2
-at long contexts, registers capped so four programs share an SM). `tma_pages` (off by default) hands a call to
-the TMA page kernel of attention_decode_tma.py.
+at long contexts, registers capped so four programs share an SM).
 
 int8 pages are read as int8 and converted in registers: K's per-token scale multiplies the score
 column after the q·k product, V's scale multiplies the probability column before p·v. Decode and
@@ -40,13 +39,14 @@ rather than Triton's 8-bit ones (docs/kernels.md, "Attention").
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from engine import envs
+from engine.platform import paths_for
 from engine.worker.forward_context import ForwardContext
 from engine.kernels.attention.tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
                                             _split_range, _store_split, _unmasked_end)
@@ -60,10 +60,10 @@ MAX_SPLITS = 64             # prefill-shaped calls
 MAX_DECODE_SPLITS = 256
 DECODE_MIN_SPLIT_KEYS = 64    # one 64-key tile: short contexts split down to a tile per program
 # Decode and verify plans merge their splits inside the attention kernel (AttnConfig.fused_merge): served qwen3-8b
-# at ctx 512, k=0 4.216 -> 4.172 ms, NVFP4 step 2.758 -> 2.725, two interleaved reps each (bench/results/
-# 2026-12-02-h200-s20/b), where _merge_kernel had taken 0.117 ms a step. NINFER_ATTN_FUSED_MERGE=0 gives the
-# second kernel back.
-FUSED_MERGE = os.environ.get("NINFER_ATTN_FUSED_MERGE", "1") != "0"
+# at ctx 512, k=0 4.216 -> 4.172 ms, NVFP4 step 2.758 -> 2.725, two interleaved reps each
+# (bench/results/2026-12-02-h200-fused-merge-kv-32b/b-5388838-ab-fused-merge), where _merge_kernel had taken 0.117 ms a step.
+# NINFER_ATTN_FUSED_MERGE=0 gives the second kernel back.
+FUSED_MERGE = envs.ATTN_FUSED_MERGE.read()
 MERGE_TILE_FLOATS = 8192      # a fused merge's [rows, splits, head_dim] fp32 trip: 64 registers a thread at 4 warps
 MERGE_COUNTERS = 1 << 16      # (tile, KV head) arrival counters per device
 _MERGE_COUNTERS: dict[tuple, torch.Tensor] = {}
@@ -398,11 +398,6 @@ class AttnConfig:
     # split plans: the last split of a tile to finish merges the partials itself (_merge_tile), so a call is one
     # launch rather than the attention kernel and _merge_kernel
     fused_merge: bool = False
-    # split decode/verify over long contexts: one page a step, its K and V boxes loaded by TMA about
-    # (num_stages - 1) / 2 steps ahead (attention_decode_tma.py); block_n is then the page size
-    tma_pages: bool = False
-    # the TMA page kernel's pages per step (1 or 4: four under one softmax update)
-    pages_per_step: int = 1
 
 
 # Defaults, per call shape; tools/dev/gpu_kernel_suite.py sweeps the alternatives on the H200.
@@ -418,54 +413,27 @@ PREFILL_HD256 = dict(block_m=64, block_n=64, num_warps=8, num_stages=2)
 DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "int8_upcast": True}
 
 
-def _ints_env(name: str, default: str, allowed: tuple[tuple[int, ...], ...]) -> list[int]:
-    """A comma-separated shape switch, one value per position from its allowed set; anything else is refused
-    at import with the variable, its value and what it takes."""
-    raw = os.environ.get(name, default)
-    try:
-        values = [int(x) for x in raw.split(",")]
-    except ValueError:
-        values = []
-    if len(values) != len(allowed) or any(v not in ok for v, ok in zip(values, allowed)):
-        raise ValueError(f"{name}={raw!r}: want {len(allowed)} comma-separated integers from "
-                         + ", ".join("{" + ",".join(map(str, ok)) + "}" for ok in allowed))
-    return values
-
-
-# Long-context decode/verify with TMA page loads (attention_decode_tma.py): OFF, it lost. From this many keys
-# (the plan's max_seq_len) when NINFER_ATTN_DECODE_TMA=1. H200, qwen3-8b shapes, us per call in a CUDA graph
-# (bench/results/2026-12-02-h200-s21/b): int8 b1 32k 58-70 against the pointer plan's 45.0 (39.1 with INT8_LONG);
-# bf16 b1 32k 45.4-49.7 against 53.9 for the plan in that run but 43.8 for its prefetch variant; b8 slower for
-# both; served int8 KV at 32k 6.107 against 5.633 ms a step. One 16-key page a step is too little work per
-# pipeline stage: the loop is bound by its barriers and small MMAs, not by bytes. Four pages a step (s22 b): 43.5 at
-# bf16 b1 32k, a tie with BF16_LONG's 44.1.
-# NINFER_ATTN_DECODE_TMA_SHAPE="pages_per_step,num_stages,num_warps" picks another of the tuner's shapes (served A/Bs).
-_TMA_SHAPE = _ints_env("NINFER_ATTN_DECODE_TMA_SHAPE", "1,9,2", ((1, 4), tuple(range(1, 17)), (1, 2, 4, 8)))
-DECODE_TMA = {"pages_per_step": _TMA_SHAPE[0], "num_stages": _TMA_SHAPE[1], "num_warps": _TMA_SHAPE[2],
-              "int8_upcast": True}
-DECODE_TMA_MIN_KEYS = int(os.environ.get("NINFER_ATTN_DECODE_TMA_MIN_KEYS", "8192"))
-# the page dtypes that take it: "1" all, "bf16" or "int8" those pages only, anything else none
-DECODE_TMA_DTYPES = {"1": (torch.bfloat16, torch.float16, torch.int8), "bf16": (torch.bfloat16,),
-                     "int8": (torch.int8,)}.get(os.environ.get("NINFER_ATTN_DECODE_TMA", "0"), ())
 # int8 pages over long contexts (splits of several tiles): 128-key tiles, the next tile's K loaded before this
 # tile's math (prefetch 1), and at most 2 programs per SM (249 registers for sm_90: a third would start a second
-# wave). Measured for 16-row tiles only (decode; verify up to 4 tokens at group 4): larger tiles keep
-# DECODE_INT8.
-# H200 (s21 b, us per call): b1 32k 45.0 -> 39.1, b1 8k 18.1 -> 15.1, b8 8k 72.1 -> 70.1, b8 32k 263.9 -> 257.3;
-# s13 found the same row best at 32k. NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
-INT8_LONG = os.environ.get("NINFER_ATTN_INT8_LONG", "1") != "0"
-# NINFER_ATTN_INT8_LONG_SHAPE="prefetch,num_warps,programs_per_sm" picks another of the tuner's shapes (served A/Bs)
-_I8_SHAPE = _ints_env("NINFER_ATTN_INT8_LONG_SHAPE", "1,4,2", ((0, 1), (4, 8), (1, 2, 3, 4)))
-INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = _I8_SHAPE
+# wave). Measured for 16-row tiles only (decode; verify up to 4 tokens at group 4): larger tiles keep DECODE_INT8.
+# H200, us per call (bench/results/2026-12-02-h200-kv-int8-long/b-f5f35af-decode-tma): b1 32k 45.0 -> 39.1, b1 8k 18.1 ->
+# 15.1, b8 8k 72.1 -> 70.1, b8 32k 263.9 -> 257.3; served int8 KV at 32k 5.668 -> 5.504 ms a step
+# (bench/results/2026-12-02-h200-kv-int8-long/c-d8e4bed-kv-int8-long). NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
+INT8_LONG = envs.ATTN_INT8_LONG.read()
+# Its shape: the other shapes of the tuner lost at b1 32k (no prefetch at 4 warps 42.6 us, at 8 warps 48.0, prefetch
+# at 8 warps 57.6, against 39.5; bench/results/2026-12-02-h200-long-prefill-seed/b-e7e238c-tune-seed), and so did the 64-key plan
+# with prefetch (50.2-58.8 us; bench/results/2026-12-02-h200-preload-quant-8b/a-295b648-gpu-tests-int8-tune).
+INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = 1, 4, 2
 
 
 # 16-bit pages, split decode at small batch past one-tile splits: the next tile's K loaded before this tile's
 # math, registers capped at 128 so four programs share an SM (the plan's 512 programs of a batch-1 step in one
-# wave). H200, qwen3-8b, us per call (bench/results/2026-12-02-h200-s22/b): b1 32k 53.3 -> 44.1, b1 8k 22.0 ->
-# 18.4 (64 splits); at b8 8k (8 splits, already 0.90 of the byte floor) it lost, 70.2 -> 71.5. The rule reads the
-# split count, not keys per split: a graph's plan sees its context class (the engine's maximum past 16k), not
-# the length it replays at. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline.
-BF16_LONG = os.environ.get("NINFER_ATTN_BF16_LONG", "1") != "0"
+# wave). H200, qwen3-8b, us per call (bench/results/2026-12-02-h200-long-prefill-seed/b-e7e238c-tune-seed): b1 32k 53.3 -> 44.1,
+# b1 8k 22.0 -> 18.4 (64 splits); at b8 8k (8 splits, already 0.90 of the byte floor) it lost, 70.2 -> 71.5. Served
+# bf16 KV at 32k 5.891 -> 5.571 ms a step (bench/results/2026-12-02-h200-long-prefill-seed/f-5089f29-kv-ab-bf16-long). The rule
+# reads the split count, not keys per split: a graph's plan sees its context class (the engine's maximum past 16k),
+# not the length it replays at. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline.
+BF16_LONG = envs.ATTN_BF16_LONG.read()
 BF16_LONG_SHAPE = {"prefetch": 1, "num_stages": 1, "max_regs": 128}
 BF16_LONG_MIN_SPLITS = 32
 
@@ -515,11 +483,7 @@ def plan(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> AttnConfig:
             # pipelined loop's prologue). int8 carries K only (prefetch 1): 158 registers, 3 programs per SM;
             # int8 pages without the in-register conversion (fp16 q) keep their old route
             cfg.update(prefetch=1 if kv.quantized else 2, num_stages=1)
-        if splits > 1 and ctx.max_seq_len >= DECODE_TMA_MIN_KEYS and takes_tma_decode(q, kv, ctx, block_m):
-            page = kv.k.shape[1]
-            cfg = dict(DECODE_TMA, block_n=page, min_tiles=max(1, DECODE_MIN_SPLIT_KEYS // page), tma_pages=True,
-                       int8_upcast=DECODE_TMA["int8_upcast"] and q.dtype == torch.bfloat16)
-        elif INT8_LONG and base is DECODE_INT8 and not cfg.get("prefetch") and block_m == 16 and d <= 128:
+        if INT8_LONG and base is DECODE_INT8 and not cfg.get("prefetch") and block_m == 16 and d <= 128:
             cfg.update(block_n=128, prefetch=INT8_LONG_PREFETCH, num_stages=1, num_warps=INT8_LONG_WARPS)
             while splits > 1 and ctas * splits > INT8_LONG_PROGRAMS_PER_SM * sms:
                 splits //= 2
@@ -605,28 +569,16 @@ def paged_attention(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, scale: fl
         pacc = pm = pl = out                        # placeholders, never touched
     kp, vp, ks, vs, *strides = page_args(kv)
     counters = merge_counters(q.device) if merge else pm
-    if cfg.tma_pages:
-        if not split or ctx.uniform_query_len is None or cfg.pages_per_step not in (1, 4):
-            raise ValueError("the TMA page kernel needs a split plan (num_splits > 1), a uniform query length and "
-                             f"1 or 4 pages a step, got {cfg.num_splits} splits, {cfg.pages_per_step} pages a step")
-        from engine.kernels.attention.decode_tma import decode_attention_tma
-        decode_attention_tma(q, kv, ctx, scale, out, (kp, vp, ks, vs, *strides), block_m=cfg.block_m,
-                             num_splits=cfg.num_splits, min_pages=max(1, cfg.min_tiles * cfg.block_n // kv.k.shape[1]),
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages, pages_per_step=cfg.pages_per_step,
-                             upcast=upcast_int8(cfg, kv, q),
-                             merge=merge, merge_rows=merge_rows, merge_block=merge_block, pacc=pacc, pm=pm, pl=pl,
-                             counters=counters)
-    else:
-        _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
-            q, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
-            scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            *strides, ctx.block_tables.stride(0),
-            GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
-            PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
-            PREFETCH=int(cfg.prefetch), MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
+    _attn_kernel[(kvh, num_tiles, cfg.num_splits)](
+        q, kp, vp, ks, vs, out, pacc, pm, pl, counters, ctx.query_start_loc, ctx.seq_lens, ctx.block_tables,
+        scale * LOG2E, ctx.num_seqs, tiles_per_seq, H, cfg.num_splits, cfg.min_tiles,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        *strides, ctx.block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d,
+        PAGE=kv.k.shape[1], QUANT=kv.quantized, SPLIT=split, UPCAST=upcast_int8(cfg, kv, q),
+        PREFETCH=int(cfg.prefetch), MERGE=merge, MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_block,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_regs} if cfg.max_regs and q.is_cuda else {}))
     if split and not merge:
         merge_splits(pacc, pm, pl, out)
     return out
@@ -653,8 +605,9 @@ def merge_splits(pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, out: to
     return out
 
 
-# Prefill takes the TMA kernel of attention_prefill.py on gathered K/V: 1.2-1.7x this file's kernel on the H200
-# (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; session 13's prefill-attn.log). The gather is
+# Prefill takes the TMA kernel of prefill_tma.py on gathered K/V: 1.2-1.7x this file's kernel on the H200
+# (qwen3-8b, chunk 4096 at context 0 / 8k / 28k, chunk 1024 after 28k; prefill-attn.log in
+# bench/results/2026-12-01-h200-decode-variants-prefill-tma/d-6893c60-prefill-tma). The gather is
 # a transient copy of every key of the chunk's sequences (int8 pages dequantized into q's dtype by
 # engine/kernels/attention/kv_dequant.py), so it is bounded, and it must be paid for by the chunk's attention: a short chunk
 # after a long context (a new turn over a cached prefix; fewer than PREFILL_SEGMENT_MIN_QUERIES tokens when it is
@@ -663,13 +616,15 @@ PREFILL_GATHER_MIN_QUERIES_PER_KEY = 1 / 32     # the measured win at chunk 1024
 # One sequence that the rule above turns away (past the gather bound, or too few queries per key) takes the kernel
 # segment by segment (prefill_segments; one segment when its keys fit one gather) from this many new tokens: the
 # gather costs a fixed amount per key and the attention it speeds up grows with the queries, so the break-even is a
-# query count, whatever the context. 1,024 is s13's measured win (chunk 1024 after 28k keys). Chunks of several
-# sequences keep the per-key rule.
+# query count, whatever the context. 1,024 is the measured win at chunk 1024 after 28k keys
+# (bench/results/2026-12-01-h200-decode-variants-prefill-tma/d-6893c60-prefill-tma). Chunks of several sequences keep the per-key rule.
 PREFILL_SEGMENT_MIN_QUERIES = 1024
 # Segments are whole multiples of this (the kernel's key tiles, the page size) and at least SEGMENT_MIN_KEYS.
 SEGMENT_ALIGN, SEGMENT_MIN_KEYS = 256, 4096
-# int8 pages join both routes unless NINFER_PREFILL_TMA_INT8=0 (they used to stay on this file's kernel).
-PREFILL_TMA_INT8 = os.environ.get("NINFER_PREFILL_TMA_INT8", "1") != "0"
+# int8 pages join both routes through the one-pass dequantizing gather (kv_dequant.py): int8 prefill attention at 32k
+# 10.71 -> 4.55 ms a qwen3-8b layer (bench/results/2026-12-02-h200-long-prefill-seed/a-42f2ef9-long-prefill).
+# NINFER_PREFILL_TMA_INT8=0 keeps them on this file's kernel.
+PREFILL_TMA_INT8 = envs.PREFILL_TMA_INT8.read()
 
 
 def _tma_prefill_shape(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> bool:
@@ -690,7 +645,7 @@ def _tma_prefill_shape(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> boo
         return False
     if q.stride(2) != 1 or q.stride(1) != d or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
         return False
-    if os.environ.get("NINFER_PREFILL_TMA", "1") == "0" or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not envs.PREFILL_TMA.read() or paths_for(q.device).attention_prefill != "triton-tma-prefill":
         return False
     return not torch.cuda.is_current_stream_capturing()      # host lengths and descriptors must not be baked in
 
@@ -727,26 +682,8 @@ def _segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> int:
     return keys if keys >= SEGMENT_MIN_KEYS and keys % kv.k.shape[1] == 0 else 0
 
 
-def takes_tma_decode(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext, block_m: int) -> bool:
-    """Whether a split decode/verify call can take the TMA page kernel (its pages' dtype in DECODE_TMA_DTYPES): an sm90
-    GPU, a Triton with host-side descriptors, a uniform query length, the shapes compiled and tested on the
-    H200 (pages of 16 tokens, head_dim 128 or 256, tiles of 16-64 rows), each KV layer's pool contiguous and
-    16-byte aligned. Host shapes only: graph-safe."""
-    if not (q.is_cuda and kv.k.dtype in DECODE_TMA_DTYPES and ctx.uniform_query_len is not None and block_m <= 64):
-        return False
-    _, page, kvh, d = kv.k.shape
-    if not (d in (128, 256) and page == 16):
-        return False
-    from engine.kernels.attention.decode_tma import TensorDescriptor
-    if TensorDescriptor is None:
-        return False
-    if not (kv.k.is_contiguous() and kv.v.is_contiguous()):
-        return False
-    if kv.k.data_ptr() % 16 or kv.v.data_ptr() % 16 or (kvh * d * kv.k.element_size()) % 16:
-        return False
-    return torch.cuda.get_device_capability(q.device)[0] == 9
-
-
+from engine import envs
+from engine.platform import paths_for
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
     """Whether this call takes the in-register int8 conversion: asked for, int8 pages, bf16 q (the
     PTX makes bf16), and compiled (the interpreter runs no PTX; it takes the float32 route, same values)."""

@@ -50,7 +50,7 @@ Hopper features and why:
   other's MMAs do, with no schedule enforced. tools/dev/prefill_attention_check.py sweeps these against
   the one-per-SM 128 x 128 tiles.
 Tried and dropped, measured on the H200 at chunk 4096
-(bench/results/2026-12-01-h200-s13/d-6893c60-prefill-tma/prefill-attn.log): Triton's warp
+(bench/results/2026-12-01-h200-decode-variants-prefill-tma/d-6893c60-prefill-tma/prefill-attn.log): Triton's warp
 specialization of the key loop compiles to the same PTX as without (Triton 3.6, sm_90). FA3's
 intra-warpgroup overlap (the next tile's q·k issued before this tile's softmax) was slower, 4.84
 against 4.75 ms after 28k keys and 0.365 against 0.350 ms at context 0, as Triton waits on that
@@ -62,7 +62,7 @@ keys go through the kernel in segments (`prefill_segments`): each segment is gat
 launch, and the float32 softmax state (acc, m, l) is stored after a launch and loaded by the next (CARRY_OUT,
 CARRY_IN), so one accumulator sees every key and only the last launch normalizes. The segments before the chunk
 are seen whole by every query (`pos_shift` moves the rows' positions past them), so they run the unmasked loop
-only. H200, one layer, chunk 4096 (bench/results/2026-12-02-h200-s22/a): 500-520 TFLOP/s from 65k to 196k keys
+only. H200, one layer, chunk 4096 (bench/results/2026-12-02-h200-long-prefill-seed/a): 500-520 TFLOP/s from 65k to 196k keys
 against the paged kernel's 350 (bf16 pages) and 216 (int8 pages, dequantized by the gather).
 
 The interpreter (TRITON_INTERPRET=1) runs the same kernel on the CPU, descriptors included
@@ -230,7 +230,7 @@ class PrefillConfig:
 # head_dim 128: 128 x 64 tiles, 8 warps, capped at 128 registers so that two programs share an SM --
 # the fastest row of tools/dev/prefill_attention_check.py on the H200 after 28k keys (3.94 ms, 524 TFLOP/s,
 # against 4.75 for 128 x 128 at one per SM) and within 1 % of the fastest at context 0
-# (bench/results/2026-12-01-h200-s13/d-6893c60-prefill-tma/prefill-attn.log).
+# (bench/results/2026-12-01-h200-decode-variants-prefill-tma/d-6893c60-prefill-tma/prefill-attn.log).
 # head_dim 256: a 128 x 256 float32 accumulator is 128 registers a thread over 8 warps; 64-key tiles
 # keep the score tile and the K/V stages inside 227 KB of shared memory.
 DEFAULT = {128: PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2, maxnreg=128),

@@ -1,7 +1,6 @@
-"""The building blocks of the paged decode/prefill attention kernels, shared by `_attn_kernel` (attention.py)
-and the TMA page kernel (attention_decode_tma.py): the in-register int8 conversion, one step of the online
-softmax, one masked or unmasked key tile read through the block table, and a split's partial state with the
-fused merge its last arrival runs. Triton inlines them into each kernel."""
+"""The building blocks of the paged decode/prefill attention kernel `_attn_kernel` (paged.py): the in-register
+int8 conversion, one step of the online softmax, one masked or unmasked key tile read through the block table,
+and a split's partial state with the fused merge its last arrival runs. Triton inlines them into the kernel."""
 
 from __future__ import annotations
 

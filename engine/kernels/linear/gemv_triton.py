@@ -1,8 +1,7 @@
 """The Triton code of the decode GEMV (launched by engine/kernels/linear/gemv.py, whose docstring says how it works).
 
 One program: BLOCK_N output rows x one slice of K, walked BLOCK_K columns at a time; M (1, 2, 4 or 8,
-the rows past the caller's count masked) activation rows accumulated in separate registers. NORM and
-RESIDUAL fold an RMSNorm into the input and a residual add into the output (engine/layers/norm_fold.py).
+the rows past the caller's count masked) activation rows accumulated in separate registers.
 """
 
 from __future__ import annotations
@@ -17,22 +16,6 @@ FP8_CODE, NVFP4_CODE, BF16_CODE = 0, 1, 2
 # is the low half), for the weights and the activations alike, where the bf16 -> fp32 conversion took ~1.7
 # instructions per value in the sm_90 SASS
 BF16_PAIRS_CODE = 3
-# FP8 read as 16-bit pairs of codes beside the activations as 32-bit words: one cvt.rn.f16x2.e4m3x2 per pair and
-# the same shift / mask per activation (whole tiles only: EVEN_K and EVEN_N)
-FP8_PAIRS_CODE = 4
-
-# two e4m3 codes (the even column in the low byte) -> their two values in fp32
-E4M3X2_ASM = tl.constexpr("""
-{
-.reg .b16 lo, hi, p;
-.reg .b32 h2;
-cvt.u16.u32 p, $2;
-cvt.rn.f16x2.e4m3x2 h2, p;
-mov.b32 {lo, hi}, h2;
-cvt.f32.f16 $0, lo;
-cvt.f32.f16 $1, hi;
-}
-""")
 
 # four packed bytes -> the eight values (x 2^-14) in fp32: low nibbles of bytes 0..3, then high nibbles
 E2M1_ASM = tl.constexpr("""
@@ -73,11 +56,9 @@ def _x_cols(x_ptr, row_ok, k0, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw, ss, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr,
-              NORM: tl.constexpr):
-    """One activation row's in-thread partial sums over a tile: ([BLOCK_N, BLOCK_K // VEC] fp32, ss). NORM: the
-    row's squares summed into ss in the same per-thread runs, and x multiplied by the norm weight nw first."""
+def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
+    """One activation row's in-thread partial sums over a tile: [BLOCK_N, BLOCK_K // VEC] fp32."""
     if FMT == 1:
         offs_x = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -90,63 +71,24 @@ def _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw, ss, FMT: tl.constexpr
         part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 8)), axis=2) * s    # [BN, BK/16] group scales
     else:
         x2 = _x_cols(x_ptr, row_ok, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D)
-        if NORM:
-            ss += tl.sum(tl.reshape(x2 * x2, (ss.shape[0], BLOCK_K // VEC, VEC)), axis=2)
-            x2 = x2 * nw
         # FP8: s is the block scale of each thread's VEC columns, [1, BK/VEC] or per row [BN, BK/VEC] (1.0 for bf16)
         part = tl.sum(tl.reshape(w_lo * x2, (BLOCK_N, BLOCK_K // VEC, VEC)), axis=2) * s
-    return part, ss
+    return part
 
 
 @triton.jit
-def _accumulate(acc, ss, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw_a, nw_b, FMT: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr,
-                X2D: tl.constexpr, NORM: tl.constexpr):
-    """(acc, ss) plus one activation row's products with the tile, w_lo / w_hi the even / odd columns in the pair
-    codes. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per word position, two FFMAs a word. FP8 pairs (FMT 4):
-    each run of 16 products (8 words) is summed before its block scale s [1, BK/16] multiplies it, into acc
-    [BN, BK/16]. Else acc [BN, COLS] += _row_part. NORM (the RMSNorm folded in, `gemv`): ss gathers the row's
-    squares in the thread's own columns, and the products take x times the norm weight (nw_a / nw_b: the even /
-    odd columns of the pair codes, else the columns twice)."""
-    if FMT == 3 or FMT == 4:
+def _accumulate(acc, w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, VEC: tl.constexpr, EVEN_K: tl.constexpr, X2D: tl.constexpr):
+    """acc plus one activation row's products with the tile, w_lo / w_hi the even / odd columns in the pair
+    code. bf16 words (FMT 3): acc [BN, BK/2] keeps a sum per word position, two FFMAs a word. Else acc [BN, COLS]
+    += _row_part."""
+    if FMT == 3:
         x_even, x_odd = _bf16_pair(_x_words(x_ptr, row_ok, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
-        if NORM:
-            # summed over each thread's 16-byte run of 4 words first, so ss holds a quarter of x's registers
-            sq = tl.fma(x_even, x_even, x_odd * x_odd)
-            ss += tl.sum(tl.reshape(sq, (ss.shape[0], BLOCK_K // 8, 4)), axis=2)
-            x_even = x_even * nw_a
-            x_odd = x_odd * nw_b
-        if FMT == 3:
-            acc = tl.fma(w_lo, x_even, acc)
-            acc = tl.fma(w_hi, x_odd, acc)
-        else:
-            pe = tl.sum(tl.reshape(w_lo * x_even, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
-            po = tl.sum(tl.reshape(w_hi * x_odd, (BLOCK_N, BLOCK_K // 16, 8)), axis=2)
-            acc += (pe + po) * s
+        acc = tl.fma(w_lo, x_even, acc)
+        acc = tl.fma(w_hi, x_odd, acc)
     else:
-        part, ss = _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, nw_a, ss, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K,
-                             X2D, NORM)
-        acc += part
-    return acc, ss
-
-
-@triton.jit
-def _norm_weight(nw_ptr, k0, k_end, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, X2D: tl.constexpr):
-    """The folded RMSNorm's weight at columns k0.. in the activations' layout, fp32: the (even, odd) columns
-    [.., BK/2] of the pair codes, else the columns [.., BK] twice."""
-    if FMT == 3 or FMT == 4:
-        nw_a, nw_b = _bf16_pair(_x_words(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D))
-    else:
-        nw_a = _x_cols(nw_ptr, True, k0, k_end, BLOCK_N, BLOCK_K, EVEN_K, X2D)
-        nw_b = nw_a
-    return nw_a, nw_b
-
-
-@triton.jit
-def _norm_factor(ss, K, eps, SS_COPIES: tl.constexpr):
-    """1 / rms of a row from its squares ss (each column counted SS_COPIES times: the X2D tile's rows)."""
-    return tl.rsqrt(tl.sum(tl.sum(ss, axis=1), axis=0) / (SS_COPIES * K) + eps)
+        acc += _row_part(w_lo, w_hi, s, x_ptr, row_ok, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
+    return acc
 
 
 @triton.jit
@@ -183,8 +125,8 @@ def _fp8_scale_row(s_ptr, row_blk, stride_sn, k0, k_end, BLOCK_K: tl.constexpr, 
 @triton.jit
 def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
                EVEN: tl.constexpr, SCALE_BC: tl.constexpr):
-    """The raw weight tile at columns k0.. (packed bytes, fp8 or bf16) and its scales (NVFP4: fp8 [BN, BK/16];
-    FP8: fp32 [BK] of the program's scale row; bf16: the tile again, unused)."""
+    """The raw weight tile at columns k0.. (packed bytes, fp8, bf16 or its 32-bit words) and its scales (NVFP4: fp8
+    [BN, BK/16]; FP8: fp32 [BK/16] of the program's scale row; bf16: the tile again, unused)."""
     if FMT == 3:
         offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # 32-bit words of two bf16
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
@@ -193,11 +135,6 @@ def _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT: 
         else:
             raw = tl.load(w_rows + offs[None, :], mask=n_ok[:, None] & (offs[None, :] * 2 < k_end), other=0)
         s_raw = raw
-    elif FMT == 4:
-        offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # 16-bit pairs of e4m3 codes
-        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
-        raw = tl.load(w_rows + offs[None, :])                                # whole tiles only (EVEN)
-        s_raw = _fp8_scale_row(s_ptr, row_blk, stride_sn, k0, k_end, BLOCK_K, SCALE_BC, True)
     elif FMT == 1:
         offs = k0 // 2 + tl.arange(0, BLOCK_K // 2)                          # bytes
         offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK_K // 2), BLOCK_K // 2)
@@ -244,23 +181,16 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                  stride_om, k_per_split, scale_br,
                  FMT: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT: tl.constexpr, ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False,
-                 SILU: tl.constexpr = False, nw_ptr=None, res_ptr=None, stride_rm=0, eps=1e-6,
-                 NORM: tl.constexpr = False, RESIDUAL: tl.constexpr = False, PRELOAD: tl.constexpr = False):
-    # NORM (one or two rows, no split): x is the residual stream, and the RMSNorm that would have made the input
-    # is folded in: every program walks all of K, so it sums each row's squares on the way and multiplies x by
-    # the norm weight nw; the row's 1 / rms scales its outputs at the end. RESIDUAL (no split): the output is
-    # the residual stream res plus the projection, rounded where the unfused add rounds. PRELOAD (without
-    # PREFETCH; gemv() sets it for the word codes 3 and 4 only, and never with the folds): the plain loop's one tile
-    # in flight, but the first tile is read before the PDL wait and each next one at the end of the iteration before
-    # it. Carried over the loop's back edge as words a tile costs few registers; as bytes (the plain FP8 code) it took
-    # 48 -> 81 (sm_90).
-    tl.static_assert(not NORM or (M <= 2 and FMT != 1 and SPLIT == 1), "a folded norm: 1-2 rows, no NVFP4, no split")
-    tl.static_assert(not RESIDUAL or (SPLIT == 1 and not SILU), "a folded residual add: no split, no SwiGLU")
+                 SCALE_BC: tl.constexpr, X2D: tl.constexpr, USE_PDL: tl.constexpr = False,
+                 SILU: tl.constexpr = False, PRELOAD: tl.constexpr = False):
+    # PRELOAD (gemv() sets it for the bf16 word code 3 only): the plain loop's one tile in flight, but the first
+    # tile is read before the PDL wait and each next one at the end of the iteration before it. Carried over the
+    # loop's back edge as words a tile costs few registers; as bytes (the plain FP8 code) it took 48 -> 81 (sm_90).
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     if SILU:
-        # a fused gate/up projection (N = 2F rows, gate then up): this program's first BLOCK_N / 2 rows are gate
-        # rows, the rest the up rows of the same outputs, and it stores silu(gate) * up (one or two rows, no split)
+        # a fused gate/up projection (N = 2F rows of bf16 or fp16, gate then up): this program's first BLOCK_N / 2
+        # rows are gate rows, the rest the up rows of the same outputs, and it stores silu(gate) * up (one or two
+        # rows, no split)
         HB: tl.constexpr = BLOCK_N // 2
         j = tl.arange(0, BLOCK_N)
         out_row = pid_n * HB + j % HB
@@ -271,11 +201,9 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         n_ok = offs_n < N
     if FMT == 3:
         w_rows = w_ptr.to(tl.pointer_type(tl.uint32)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)
-    elif FMT == 4:
-        w_rows = w_ptr.to(tl.pointer_type(tl.uint16)) + offs_n[:, None].to(tl.int64) * (stride_wn // 2)
     else:
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    VEC: tl.constexpr = 16 if FMT == 0 or FMT == 4 else 8
+    VEC: tl.constexpr = 16 if FMT == 0 else 8
     COLS: tl.constexpr = BLOCK_K // 16 if FMT == 1 else (BLOCK_K // 2 if FMT == 3 else BLOCK_K // VEC)
     acc0 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
@@ -285,35 +213,18 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
     acc5 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc6 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
     acc7 = tl.zeros((BLOCK_N, COLS), dtype=tl.float32)
-    # the folded norm's squares, in the layout the thread reads x in (X2D: every row of the tile holds x)
-    SS_COPIES: tl.constexpr = BLOCK_N if X2D else 1
-    SS_COLS: tl.constexpr = BLOCK_K // 8 if FMT == 3 or FMT == 4 else BLOCK_K // VEC
-    if NORM:
-        ss0 = tl.zeros((SS_COPIES, SS_COLS), dtype=tl.float32)
-        ss1 = tl.zeros((SS_COPIES, SS_COLS), dtype=tl.float32)
-    else:
-        ss0 = tl.zeros((1, 1), dtype=tl.float32)
-        ss1 = tl.zeros((1, 1), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    if SILU and FMT == 0:
-        # the gate rows and the up rows lie in different rows of FP8 block scales: one scale row per weight row
-        row_blk = (tl.minimum(offs_n, N - 1) // scale_br)[:, None]                      # [BN, 1]
-    else:
-        row_blk = (pid_n * BLOCK_N) // scale_br
-    if PREFETCH or PRELOAD:
+    row_blk = (pid_n * BLOCK_N) // scale_br
+    if PRELOAD:
         raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k_start, k_end, FMT, BLOCK_K,
                                 EVEN_K and EVEN_N, SCALE_BC)
-    # the first weight tile (with PREFETCH or PRELOAD) is read before the kernel ahead has finished; the
-    # activations, the split-K workspace and the output only after
+    # the first weight tile (with PRELOAD) is read before the kernel ahead has finished; the activations, the
+    # split-K workspace and the output only after
     pdl.wait_for_inputs(USE_PDL)
     for k0 in range(k_start, k_end, BLOCK_K):
         k0 = tl.multiple_of(k0, BLOCK_K)            # k_per_split is a multiple of BLOCK_K
-        if PREFETCH:
-            # the next tile's loads go out before this tile's arithmetic: two tiles in flight per program
-            raw_next, s_next = _load_next_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT,
-                                               BLOCK_K, EVEN_K and EVEN_N, SCALE_BC)
-        elif not PRELOAD:
+        if not PRELOAD:
             raw, s_raw = _load_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT, BLOCK_K,
                                     EVEN_K and EVEN_N, SCALE_BC)
         if FMT == 1:
@@ -325,14 +236,6 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
                 w_lo = _e2m1_x2p14(pi & 15)
                 w_hi = _e2m1_x2p14(pi >> 4)
             s = s_raw.to(tl.float32)                                        # [BN, BK/16]
-        elif FMT == 4:
-            if ASM:
-                w_lo, w_hi = tl.inline_asm_elementwise(E4M3X2_ASM, "=r,=r,r", [raw.to(tl.uint32)],
-                                                       dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-            else:
-                w_lo = (raw & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                w_hi = (raw >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            s = s_raw[None, :]                                              # [1, BK/16]
         elif FMT == 3:
             w_lo, w_hi = _bf16_pair(raw)                                    # even, odd columns: [BN, BK/2]
             s = 1.0
@@ -340,41 +243,33 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
             w_lo = raw.to(tl.float32)
             w_hi = w_lo
             if FMT == 0:
-                # [1, BK/16] (or [BN, BK/16] under SILU): applied to each run of 16 products, not to every weight
-                s = s_raw if SILU else s_raw[None, :]
+                # [1, BK/16]: applied to each run of 16 products, not to every weight
+                s = s_raw[None, :]
             else:
                 s = 1.0
-        if NORM:
-            nw_a, nw_b = _norm_weight(nw_ptr, k0, k_end, FMT, BLOCK_N, BLOCK_K, EVEN_K, X2D)
-        else:
-            nw_a = 1.0
-            nw_b = 1.0
-        acc0, ss0 = _accumulate(acc0, ss0, w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end, nw_a, nw_b,
-                                FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, NORM)
+        acc0 = _accumulate(acc0, w_lo, w_hi, s, x_ptr, M_rows > 0, k0, k_end, FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D)
         if M > 1:
-            acc1, ss1 = _accumulate(acc1, ss1, w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end, nw_a, nw_b,
-                                    FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, NORM)
+            acc1 = _accumulate(acc1, w_lo, w_hi, s, x_ptr + stride_xm, M_rows > 1, k0, k_end, FMT, BLOCK_N, BLOCK_K,
+                               VEC, EVEN_K, X2D)
         if M > 2:
-            acc2, _ = _accumulate(acc2, ss0, w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end, nw_a, nw_b,
-                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
+            acc2 = _accumulate(acc2, w_lo, w_hi, s, x_ptr + 2 * stride_xm, M_rows > 2, k0, k_end, FMT, BLOCK_N,
+                               BLOCK_K, VEC, EVEN_K, X2D)
         if M > 3:
-            acc3, _ = _accumulate(acc3, ss0, w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end, nw_a, nw_b,
-                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
+            acc3 = _accumulate(acc3, w_lo, w_hi, s, x_ptr + 3 * stride_xm, M_rows > 3, k0, k_end, FMT, BLOCK_N,
+                               BLOCK_K, VEC, EVEN_K, X2D)
         if M > 4:
-            acc4, _ = _accumulate(acc4, ss0, w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end, nw_a, nw_b,
-                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
+            acc4 = _accumulate(acc4, w_lo, w_hi, s, x_ptr + 4 * stride_xm, M_rows > 4, k0, k_end, FMT, BLOCK_N,
+                               BLOCK_K, VEC, EVEN_K, X2D)
         if M > 5:
-            acc5, _ = _accumulate(acc5, ss0, w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end, nw_a, nw_b,
-                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
+            acc5 = _accumulate(acc5, w_lo, w_hi, s, x_ptr + 5 * stride_xm, M_rows > 5, k0, k_end, FMT, BLOCK_N,
+                               BLOCK_K, VEC, EVEN_K, X2D)
         if M > 6:
-            acc6, _ = _accumulate(acc6, ss0, w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end, nw_a, nw_b,
-                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
+            acc6 = _accumulate(acc6, w_lo, w_hi, s, x_ptr + 6 * stride_xm, M_rows > 6, k0, k_end, FMT, BLOCK_N,
+                               BLOCK_K, VEC, EVEN_K, X2D)
         if M > 7:
-            acc7, _ = _accumulate(acc7, ss0, w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end, nw_a, nw_b,
-                                  FMT, BLOCK_N, BLOCK_K, VEC, EVEN_K, X2D, False)
-        if PREFETCH:
-            raw, s_raw = raw_next, s_next
-        elif PRELOAD:
+            acc7 = _accumulate(acc7, w_lo, w_hi, s, x_ptr + 7 * stride_xm, M_rows > 7, k0, k_end, FMT, BLOCK_N,
+                               BLOCK_K, VEC, EVEN_K, X2D)
+        if PRELOAD:
             # this tile's registers are free now: the next tile's load goes out
             raw, s_raw = _load_next_tile(w_rows, s_ptr, offs_n, n_ok, stride_sn, row_blk, k0, k_end, FMT, BLOCK_K,
                                          EVEN_K and EVEN_N, SCALE_BC)
@@ -382,41 +277,35 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, rs_ptr, o_ptr, ws_ptr, cnt_ptr, M_rows, N, 
         rs = tl.load(rs_ptr + offs_n, mask=n_ok, other=0.0) * 16384.0
     else:
         rs = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if NORM:
-        rs0 = rs * _norm_factor(ss0, K, eps, SS_COPIES)
-        rs1 = rs * _norm_factor(ss1, K, eps, SS_COPIES)
-    else:
-        rs0 = rs
-        rs1 = rs
     if SILU:
         # one or two rows (M <= 2, no split): each row's silu(gate) * up
-        _finish_silu(tl.sum(acc0, axis=1) * rs0, o_ptr, pid_n, N // 2, BLOCK_N, True)
+        _finish_silu(tl.sum(acc0, axis=1) * rs, o_ptr, pid_n, N // 2, BLOCK_N, True)
         if M > 1:
-            _finish_silu(tl.sum(acc1, axis=1) * rs1, o_ptr + stride_om, pid_n, N // 2, BLOCK_N, M_rows > 1)
+            _finish_silu(tl.sum(acc1, axis=1) * rs, o_ptr + stride_om, pid_n, N // 2, BLOCK_N, M_rows > 1)
     else:
-        _finish(tl.sum(acc0, axis=1) * rs0, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+        _finish(tl.sum(acc0, axis=1) * rs, 0, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 1 and not SILU:
-        _finish(tl.sum(acc1, axis=1) * rs1, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+        _finish(tl.sum(acc1, axis=1) * rs, 1, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 2:
         _finish(tl.sum(acc2, axis=1) * rs, 2, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 3:
         _finish(tl.sum(acc3, axis=1) * rs, 3, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 4:
         _finish(tl.sum(acc4, axis=1) * rs, 4, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 5:
         _finish(tl.sum(acc5, axis=1) * rs, 5, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 6:
         _finish(tl.sum(acc6, axis=1) * rs, 6, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+                pid_n, pid_k, SPLIT, M, M_rows)
     if M > 7:
         _finish(tl.sum(acc7, axis=1) * rs, 7, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om,
-                pid_n, pid_k, SPLIT, M, M_rows, res_ptr, stride_rm, RESIDUAL)
+                pid_n, pid_k, SPLIT, M, M_rows)
     if SPLIT > 1:
         _reduce_splits(o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, SPLIT, M, M_rows)
 
@@ -435,16 +324,10 @@ def _finish_silu(y, o_ptr, pid_n, F, BLOCK_N: tl.constexpr, row_ok):
 
 @triton.jit
 def _finish(y, m, o_ptr, ws_ptr, cnt_ptr, offs_n, n_ok, N, stride_om, pid_n, pid_k, SPLIT: tl.constexpr,
-            M: tl.constexpr, M_rows, res_ptr, stride_rm, RESIDUAL: tl.constexpr):
-    # y: [BN] fp32 of row m: the output (one split) or this split's partial in the workspace [SPLIT, M, N];
-    # RESIDUAL (one split): the projection rounded, then added to the residual row and rounded again, as the
-    # unfused projection and add (engine/kernels/elementwise/norm_rope.py rms_norm) round
+            M: tl.constexpr, M_rows):
+    # y: [BN] fp32 of row m: the output (one split) or this split's partial in the workspace [SPLIT, M, N]
     if SPLIT == 1:
-        dt = o_ptr.dtype.element_ty
-        if RESIDUAL:
-            res = tl.load(res_ptr + m * stride_rm + offs_n, mask=n_ok & (m < M_rows), other=0.0).to(tl.float32)
-            y = y.to(dt).to(tl.float32) + res
-        tl.store(o_ptr + m * stride_om + offs_n, y.to(dt), mask=n_ok & (m < M_rows))
+        tl.store(o_ptr + m * stride_om + offs_n, y.to(o_ptr.dtype.element_ty), mask=n_ok & (m < M_rows))
     else:
         tl.store(ws_ptr + (pid_k * M + m).to(tl.int64) * N + offs_n, y, mask=n_ok)
 

@@ -27,7 +27,7 @@ values go to `mma.sync.m16n8k16` (fp16 in, fp32 accumulate), whose 8 columns hol
     block's first weights are in flight while this one's sums meet.
 x is converted to fp16 (saturating at +-65504: a bf16 activation beyond fp16's range is clamped).
 
-Measured on the H200 (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps, fraction of copy
+Measured on the H200 (bench/results/2026-12-01-h200-quant-gemv-mma/d-41c76c8-mma-persistent-warps, fraction of copy
 bandwidth summed over one qwen3-8b layer): NVFP4 0.48 at one row (Triton 0.42) and 0.46 at two (0.22); FP8
 0.70 at two rows (0.38), 0.71 at one (Triton 0.76, which keeps that case). What holds NVFP4 at 0.58 on
 its largest layer (gate_up) is not settled: a lane spends ~26 instructions per 32-bit word of 8 codes
@@ -39,27 +39,28 @@ the likely limit is latency (per warp, two batches of 2 KB in flight). No hardwa
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
+
+from engine import envs
+from engine.platform import paths_for
 
 from engine.kernels.cuda_source import read_cuda_source
 from engine.kernels.linear.splitk import num_sms
 
 # Decode rows that go to this tensor-core GEMV where it takes the layer (engine/kernels/linear/quant_gemm.py routes them);
 # the Triton GEMV and skinny kernels keep the rest (and all of them with NINFER_QUANT_MMA_GEMV=0). From the H200
-# sweep (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps), fraction of copy summed over a
+# sweep (bench/results/2026-12-01-h200-quant-gemv-mma/d-41c76c8-mma-persistent-warps), fraction of copy summed over a
 # qwen3-8b layer: NVFP4 1 row 0.48 (Triton 0.42), 2 rows 0.46 (0.22); FP8 2 rows 0.70 (0.38). FP8 at one row
 # stays on the Triton GEMV, 0.76 against 0.71: with so few instructions per byte it was not issue-bound.
-# NINFER_QUANT_MMA_FP8_MIN_ROWS=1 sends FP8's one-row decode there too (a served A/B switch).
-MMA_GEMV_ROWS = {"nvfp4": range(1, 9), "fp8": range(int(os.environ.get("NINFER_QUANT_MMA_FP8_MIN_ROWS", "2")), 9)}
+MMA_GEMV_ROWS = {"nvfp4": range(1, 9), "fp8": range(2, 9)}
 
 CUDA_SOURCE = read_cuda_source(__file__, "quant_gemv_mma.cu")
 
 NVFP4_CHUNK, FP8_CHUNK = 128, 64
 MAX_ROWS = 8                       # the mma's 8 columns
 # 16 warps per CTA (one CTA per SM at 75 registers): the best or within 0.01 of it on every per-model sum of
-# the H200 sweep (bench/results/2026-12-01-h200-s14/d-41c76c8-mma-persistent-warps), e.g. FP8 at 2 rows,
+# the H200 sweep (bench/results/2026-12-01-h200-quant-gemv-mma/d-41c76c8-mma-persistent-warps), e.g. FP8 at 2 rows,
 # qwen3-8b: 0.70 of copy against 0.62 with 8 warps and 0.53 with 4
 WARPS = 16
 MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (a CTA may have 227 KiB)
@@ -68,23 +69,13 @@ MAX_SMEM_BYTES = 200 * 1024        # x staged as fp16, M * K * 2 bytes per CTA (
 BATCH = 2                          # chunks per batch (two batches in flight per warp)
 
 
-def contig_formats(setting: str) -> frozenset[str]:
-    """The formats a NINFER_QUANT_MMA_CONTIG setting names ("1": both, "0" or empty: neither)."""
-    names = [f.strip() for f in setting.split(",") if f.strip() not in ("", "0")]
-    if names == ["1"]:
-        return frozenset(("fp8", "nvfp4"))
-    unknown = [f for f in names if f not in ("fp8", "nvfp4")]
-    if unknown:
-        raise ValueError(f"NINFER_QUANT_MMA_CONTIG: {unknown} is not fp8, nvfp4, 1 or 0")
-    return frozenset(names)
-
-
 # CONTIG: a warp's batch is U adjacent chunks (128 contiguous bytes of each row at U = 2) rather than chunks
-# interleaved across the warps (64 bytes of a row each). NINFER_QUANT_MMA_CONTIG names the formats that take
-# it: "fp8,nvfp4", "1" (both, the default) or "0" (neither). Served on the H200 (qwen3-8b, s19, three
+# interleaved across the warps (64 bytes of a row each), for both formats. Served on the H200 (qwen3-8b, three
 # interleaved reps): NVFP4 one row 2.763 -> 2.749 ms a step; FP8 at 2-8 rows +0.03 of copy per model in the
 # sweep (0.713 -> 0.745 at 2 rows), its 8-stream decode within the run-to-run noise (0.704 -> 0.683 ms a token)
-CONTIG_FORMATS = contig_formats(os.environ.get("NINFER_QUANT_MMA_CONTIG", "1"))
+# (bench/results/2026-12-02-h200-mma-chunks-fp8-tiles/a-de4097e-mma-tests-ab-contig, b-f9fcd47-mma-tests-ab-contig-per-format).
+# NINFER_QUANT_MMA_CONTIG=0 restores the interleaved order.
+CONTIG_FORMATS = frozenset(("fp8", "nvfp4")) if envs.QUANT_MMA_CONTIG.read() else frozenset()
 
 # (warps, batch, contig) compiled on first use; tools/dev/quant_gemv_mma_check.py sweeps these
 VARIANTS = ((16, 2, False), (16, 2, True), (16, 4, True), (8, 4, True))
@@ -100,7 +91,7 @@ _GRID: dict[tuple, int] = {}                       # (device, kernel, shared byt
 
 
 def enabled() -> bool:
-    return os.environ.get("NINFER_QUANT_MMA_GEMV", "1") != "0"
+    return envs.QUANT_MMA_GEMV.read()
 
 
 def _cupy():
@@ -144,7 +135,7 @@ def available(device: torch.device) -> bool:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _AVAILABLE:
-        _AVAILABLE[idx] = enabled() and _cupy() is not None and torch.cuda.get_device_capability(idx)[0] >= 9
+        _AVAILABLE[idx] = enabled() and _cupy() is not None and paths_for(device).nvfp4_linear == "mma-gemv+triton-gemv"
     return _AVAILABLE[idx]
 
 

@@ -98,7 +98,7 @@ class DenseConfig:
 DENSE_MAX_ROWS = 16
 
 
-# From tools/dev/skinny_bf16_sweep.py on the H200 (bench/results/2026-12-01-h200-s13/e-8432489-skinny-sweep/skinny-sweep.log), M = 2..8:
+# From tools/dev/skinny_bf16_sweep.py on the H200 (bench/results/2026-12-01-h200-decode-variants-prefill-tma/e-8432489-skinny-sweep/skinny-sweep.log), M = 2..8:
 # 64 x 256 tiles, 3 stages, one program per SM is the best single shape over the qwen3-8b layers (0.89 of copy
 # bandwidth for qkv + o + gate_up + down against cuBLAS's 0.86; TP=2 shards 0.76 against 0.75); lm_head-sized
 # outputs take 128 x 128 tiles (1.05-1.06 against cuBLAS's 0.99).

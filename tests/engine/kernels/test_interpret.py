@@ -18,7 +18,9 @@ import sys
 import pytest
 import torch
 
-ENABLED = os.environ.get("NINFER_TRITON_INTERPRET_TESTS") == "1"
+from engine import envs
+
+ENABLED = envs.TRITON_INTERPRET_TESTS.read()
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -46,8 +48,7 @@ TOL = 1e-2
 def interpreted_kernels():
     """Define (or redefine) the kernels in interpreter mode and patch two interpreter gaps."""
     from tests.support import kernel_checks as testing
-    for name in ("engine.kernels.attention.tiles", "engine.kernels.attention.paged", "engine.kernels.attention.decode_tma",
-                 "engine.kernels.elementwise.norm_rope"):
+    for name in ("engine.kernels.attention.tiles", "engine.kernels.attention.paged", "engine.kernels.elementwise.norm_rope"):
         if name in sys.modules:
             importlib.reload(sys.modules[name])
         else:
@@ -245,50 +246,6 @@ def test_prefetch_matches_the_plain_loop(interpreted_kernels):
     for depth in (1, 2):
         b = A.paged_attention(q, kv, ctx, 0.2, config=dataclasses.replace(plain, prefetch=depth))
         assert torch.equal(a, b), depth
-
-
-# the TMA page kernel (attention_decode_tma.py): pages of 16 (the engine's), so a page is one step; a batch of
-# unequal lengths whose last pages are partial (the masked pointer tail), verify rows that straddle the
-# diagonal, splits that end inside a sequence and splits past its end; merged by _merge_kernel and fused
-TMA_CASES = {
-    "decode_b3": ([1] * 3, [1, 40, 300], 8, 2, 32),
-    "verify_q4_b2": ([4] * 2, [4, 150], 8, 2, 32),
-    "decode_b1_d128": ([1], [260], 8, 2, 128),
-    "decode_b2_d256_g6": ([1] * 2, [37, 200], 6, 1, 256),
-}
-
-
-@pytest.mark.parametrize("pages_per_step", [1, 4])
-@pytest.mark.parametrize("fused", [False, True], ids=["merge_kernel", "fused_merge"])
-@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
-@pytest.mark.parametrize("case", list(TMA_CASES), ids=list(TMA_CASES))
-def test_tma_page_decode_matches_twin(interpreted_kernels, case, kv_dtype, fused, pages_per_step):
-    # four pages a step: splits of 2-3 whole steps plus pages left over (the masked loop takes them)
-    from engine.kernels.attention import paged as A
-    query_lens, seq_lens, heads, kv_heads, d = TMA_CASES[case]
-    q, kv, ctx = interpreted_kernels.attention_case(query_lens, seq_lens, heads, kv_heads, d, 16, kv_dtype, BF16,
-                                                    "cpu", seed=sum(map(ord, case)))
-    cfg = _decode_config(query_lens[0], heads // kv_heads, num_splits=4, min_tiles=2, tma_pages=True,
-                         num_stages=3, fused_merge=fused, pages_per_step=pages_per_step)
-    r = interpreted_kernels.check_attention(q, kv, ctx, config=cfg)
-    assert r["unwritten"] == 0 and r["rel_err"] < TOL, (cfg, r)
-    if fused:
-        assert int(A.merge_counters(q.device).abs().sum()) == 0
-
-
-def test_tma_page_decode_plan_rules(monkeypatch):
-    """Switched on, the plan still takes TMA pages only on an sm90 GPU: a CPU call keeps the pointer kernel
-    whatever the context. A TMA config without splits is refused rather than run (its partials would land in
-    the output)."""
-    from engine.kernels.attention import paged as A
-    from tests.support import kernel_checks as testing
-    monkeypatch.setattr(A, "DECODE_TMA_DTYPES", (BF16, torch.float16, I8))
-    q, kv, ctx = testing.attention_case([1], [20000], 32, 8, 128, 16, BF16, BF16, "cpu", seed=1)
-    assert not A.plan(q, kv, ctx).tma_pages
-    assert not A.takes_tma_decode(q, kv, ctx, 16)
-    one_split = _decode_config(1, 4, tma_pages=True, num_stages=3, min_tiles=4)
-    with pytest.raises(ValueError, match="split plan"):
-        A.paged_attention(q, kv, ctx, 0.1, config=one_split)
 
 
 def test_bf16_long_context_plan_matches_twin(interpreted_kernels):

@@ -59,10 +59,10 @@ def test_multimodal_layout_serves_its_language_model(tmp_path):
     assert float((ours - ref).abs().max()) < 1e-4
 
 
-def test_qwen3_next_is_refused_with_the_reason():
-    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'qwen3_next'.*mixtures of experts.*"
-                                             r"supported: qwen3, qwen3_5_text, qwen3_5"):
-        ModelConfig.from_hf({"model_type": "qwen3_next", "vocab_size": 8, "hidden_size": 8})
+def test_an_unknown_model_type_is_refused_naming_the_supported_ones():
+    with pytest.raises(ModelLoadError, match=r"unsupported model_type 'qwen2_moe'; supported: qwen3, qwen3_moe, "
+                                             r"qwen3_5_text, qwen3_5, qwen3_next, qwen3_5_moe_text, qwen3_5_moe"):
+        ModelConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 8, "hidden_size": 8})
 
 
 def test_bad_layer_types_are_named():

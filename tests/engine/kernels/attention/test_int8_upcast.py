@@ -152,7 +152,6 @@ def test_plan_takes_128_key_tiles_for_int8_at_long_contexts(monkeypatch):
         assert cfg.block_n == block_n and (splits is None or cfg.num_splits == splits), (q_len, batch, cfg)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device for the Triton kernels")
 @pytest.mark.parametrize("query_len", [1, 4])
 def test_int8_upcast_matches_the_float32_route(query_len):

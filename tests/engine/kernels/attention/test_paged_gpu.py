@@ -136,11 +136,6 @@ def _decode_config(query_len: int, kv_dtype, **kw):
     return AttnConfig(**{**base, **kw})
 
 
-def _needs_tma():
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the TMA page kernel needs Hopper's tensor memory accelerator (sm_90)")
-
-
 DECODE_VARIANTS = {
     "prefetch1": {"prefetch": 1},
     "prefetch2": {"prefetch": 2},
@@ -150,13 +145,6 @@ DECODE_VARIANTS = {
     "prefetch1_one_split": {"prefetch": 1, "num_splits": 1},           # no split: no merge kernel
     "prefetch1_fused_merge": {"prefetch": 1, "fused_merge": True},     # the last split merges: no merge kernel
     "prefetch1_64_splits_fused_merge": {"prefetch": 1, "num_splits": 64, "fused_merge": True},
-    # the TMA page kernel (attention_decode_tma.py): a page a step, 4 pages in flight at num_stages 9
-    "tma_pages": {"tma_pages": True, "block_n": 16, "num_stages": 9, "num_warps": 2, "min_tiles": 4},
-    "tma_pages_64_splits_fused_merge_w4": {"tma_pages": True, "block_n": 16, "num_stages": 5, "num_warps": 4,
-                                           "min_tiles": 4, "num_splits": 64, "fused_merge": True},
-    # four pages a step under one softmax update (NOT yet run on a GPU when written)
-    "tma_4_pages_a_step": {"tma_pages": True, "pages_per_step": 4, "block_n": 16, "num_stages": 5, "num_warps": 2,
-                           "min_tiles": 4},
 }
 
 
@@ -165,8 +153,6 @@ DECODE_VARIANTS = {
 @pytest.mark.parametrize("variant", list(DECODE_VARIANTS))
 def test_decode_variants(variant, query_len, kv_dtype):
     """Batch 3 of unequal lengths, none a multiple of the key tile (qwen3-8b heads), and batch 1."""
-    if DECODE_VARIANTS[variant].get("tma_pages"):
-        _needs_tma()
     for lens, seed in (([query_len, 1000, 33001], 51), ([8191], 52)):
         q, kv, ctx = testing.attention_case([query_len] * len(lens), lens, 32, 8, 128, 16, kv_dtype, BF16, DEV,
                                             seed + query_len)
@@ -175,13 +161,11 @@ def test_decode_variants(variant, query_len, kv_dtype):
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, (variant, lens, r)
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma_pages"])
 @pytest.mark.parametrize("fused_merge", [False, True], ids=["merge_kernel", "fused_merge"])
 @pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=["bf16", "int8"])
-def test_decode_variants_graph_replays(kv_dtype, fused_merge, tma):
-    """The prefetching loop or the TMA page loop, and its merge, captured once and replayed over changed
-    seq_lens: each replay right and equal to an eager run bit for bit (the fused merge's counters re-armed by
-    every launch; the TMA descriptors are kernel parameters, captured by value)."""
+def test_decode_variants_graph_replays(kv_dtype, fused_merge):
+    """The prefetching loop and its merge, captured once and replayed over changed seq_lens: each replay right and
+    equal to an eager run bit for bit (the fused merge's counters re-armed by every launch)."""
     from engine.worker.forward_context import build_forward_context
     from engine.kernels.attention import paged as A
     from engine.layers.attention import paged_attention_reference
@@ -189,9 +173,6 @@ def test_decode_variants_graph_replays(kv_dtype, fused_merge, tma):
     q, kv, ctx = testing.attention_case([1] * 3, [cap] * 3, 32, 8, 128, 16, kv_dtype, BF16, DEV, 71)
     tables = [row.tolist() for row in ctx.block_tables.cpu()]
     cfg = _decode_config(1, kv_dtype, prefetch=1, num_splits=32, fused_merge=fused_merge)
-    if tma:
-        _needs_tma()
-        cfg = _decode_config(1, kv_dtype, num_splits=32, fused_merge=fused_merge, **DECODE_VARIANTS["tma_pages"])
     scale = 128 ** -0.5
     out = torch.full_like(q, float("nan"))
     A.paged_attention(q, kv, ctx, scale, out=out, config=cfg)          # compiles outside capture

@@ -20,14 +20,14 @@ def _twin(monkeypatch):
 
 
 def _round_inputs(bsz: int, k: int, max_batch: int, seed: int):
-    from engine.worker.decode_round import ROWS, RoundInputs
+    from engine.worker.decode_round import FLOAT_ROWS, ROWS, RoundInputs
     g = torch.Generator().manual_seed(seed)
     ints = torch.randint(0, 500, (ROWS * bsz + bsz * (k + 1),), generator=g)
     carry = ints[10 * bsz:11 * bsz]                                                   # -1 = not carried
     carry.copy_(torch.randint(-1, max_batch, (bsz,), generator=g))
     carry[0] = 3
     carry[1:2] = -1                                                                    # both kinds where B > 1
-    floats = torch.rand(2 * bsz, generator=g)
+    floats = torch.rand(FLOAT_ROWS * bsz, generator=g)
     tables = torch.randint(0, 1000, (bsz, 64), generator=g, dtype=torch.int32)
     inp = RoundInputs.from_packed(ints.to(DEV), floats.to(DEV), tables.to(DEV), k)
     # each row of the last round: accepted + 1 tokens, then -1 (a row of all -1 too: never read, still defined)
@@ -37,7 +37,6 @@ def _round_inputs(bsz: int, k: int, max_batch: int, seed: int):
     return inp, last.to(DEV)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("bsz,query_len,block_size", [(1, 1, 16), (5, 4, 16), (16, 1, 64), (3, 8, 16), (64, 2, 32)])
 def test_uniform_context_equals_the_torch_ops(monkeypatch, bsz, query_len, block_size):
     from engine.kernels.elementwise import round_prep
@@ -53,7 +52,6 @@ def test_uniform_context_equals_the_torch_ops(monkeypatch, bsz, query_len, block
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("bsz,k", [(1, 1), (4, 3), (8, 0), (13, 2)])
 def test_carry_forward_equals_the_torch_ops(monkeypatch, bsz, k):
     from engine.kernels.elementwise import round_prep
@@ -67,7 +65,6 @@ def test_carry_forward_equals_the_torch_ops(monkeypatch, bsz, k):
     assert (inp.carry_rows >= 0).any() and (bsz == 1 or (inp.carry_rows < 0).any())
 
 
-@pytest.mark.gpu
 def test_carry_forward_refuses_mismatched_widths():
     from engine.kernels.elementwise import round_prep
     z = torch.zeros(2, dtype=torch.int64, device=DEV)
@@ -76,7 +73,6 @@ def test_carry_forward_refuses_mismatched_widths():
                                  torch.zeros(2, 2, dtype=torch.int64, device=DEV), z)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs")
 def test_captured_round_prep_replays_new_inputs(monkeypatch):
     from engine.kernels.elementwise import round_prep

@@ -1,44 +1,77 @@
-"""The decode GEMV's launch rules (engine/kernels/linear/gemv.py), which need Triton importable but no device: the FP8
-one-row tile per layer shape, and the scale blocks the FP8 path refuses. The kernel itself is checked against
-the reference dequantizer in tests/engine/kernels/linear/test_quant_kernels.py."""
+"""The decode GEMV's launch rules (engine/kernels/linear/gemv.py), which need Triton importable but no device: the
+launch tile per format, row count and layer shape, the scale blocks the FP8 path refuses, and what the kill switches
+NINFER_GEMV_PAIRS and NINFER_GEMV_PRELOAD restore. The kernel itself is checked against the reference dequantizer
+in tests/engine/kernels/linear/test_quant_kernels.py."""
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 G = pytest.importorskip("engine.kernels.linear.gemv", reason="the GEMV is a Triton kernel")
 
+# The switches are read at import: one child interpreter reloads the module under each setting and prints, per
+# setting, the default launch configs of bf16 / FP8 / NVFP4 at one and two rows, or the error that stopped the import
+SETTINGS = [{}, {"NINFER_GEMV_PAIRS": "0"}, {"NINFER_GEMV_PRELOAD": "0"}, {"NINFER_GEMV_PAIRS": "bf16"}]
+RULES = """
+import importlib, json, os, sys
+from engine.kernels.linear import gemv as G
+out = []
+for setting in json.loads(sys.argv[1]):
+    for k in [k for k in os.environ if k.startswith("NINFER_GEMV_")]:
+        del os.environ[k]
+    os.environ.update(setting)
+    try:
+        importlib.reload(G)
+    except ValueError as e:
+        out.append(str(e))
+        continue
+    out.append([[c.block_n, c.block_k, c.num_warps, c.pairs, c.preload] for c in (G.default_config(f, m, 12288, 4096)
+                for f, m in (("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2), ("nvfp4", 1), ("nvfp4", 2)))])
+print(json.dumps(out))
+"""
 
-def _json_under(code: str, env: dict[str, str]) -> list:
-    # the switches are read at import, so each setting gets its own interpreter; `code` prints one JSON line
-    import json
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+
+@functools.lru_cache(maxsize=1)
+def _rules() -> list:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NINFER_GEMV_")}
+    out = subprocess.run([sys.executable, "-c", RULES, json.dumps(SETTINGS)], env=env, capture_output=True,
+                         text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _fp8_configs(tile: str | None, shapes) -> list:
-    env = {k: v for k, v in os.environ.items() if k != "NINFER_GEMV_FP8_TILE"}
-    if tile is not None:
-        env["NINFER_GEMV_FP8_TILE"] = tile
-    return _json_under("import json; from engine.kernels.linear import gemv as G; print(json.dumps([[c.block_n, c.block_k, "
-                       "c.num_warps] for c in (G.default_config('fp8', m, n, k) for m, n, k in "
-                       f"{list(shapes)!r})]))", env)
+def test_default_tiles_by_format_and_rows():
+    # bf16: one row 2x1024 word pairs with the preload, two rows 4x1024 pairs; FP8 4x2048 at one row, 8x512 at two;
+    # NVFP4 16x1024 on wide layers at one row, 8x1024 at two; the quantized formats take their plain codes
+    assert _rules()[0] == [[2, 1024, 4, True, True], [4, 1024, 4, True, False], [4, 2048, 4, False, False],
+                           [8, 512, 4, False, False], [16, 1024, 4, False, False], [8, 1024, 4, False, False]]
+    assert G.GEMV_ROWS == {"fp8": 2, "nvfp4": 2, "bf16": 2}
+
+
+def test_kill_switches_restore_the_plain_code_and_loop():
+    # NINFER_GEMV_PAIRS=0: the plain bf16 code (two rows on 8x256 tiles) and so no preload; NINFER_GEMV_PRELOAD=0:
+    # the word pairs without the preload. The quantized formats do not move.
+    default, no_pairs, no_preload = _rules()[:3]
+    assert no_pairs[:2] == [[2, 1024, 4, False, False], [8, 256, 4, False, False]] and no_pairs[2:] == default[2:]
+    assert no_preload[:2] == [[2, 1024, 4, True, False], [4, 1024, 4, True, False]] and no_preload[2:] == default[2:]
+
+
+def test_a_malformed_switch_stops_the_import():
+    # the old format list of NINFER_GEMV_PAIRS ("bf16") is refused by name, not read as "on"
+    assert _rules()[3] == "NINFER_GEMV_PAIRS='bf16': takes 1 or 0"
 
 
 def test_fp8_one_row_tiles_by_layer_shape():
     shapes = [(1, 6144, 4096), (1, 10240, 5120), (1, 4096, 4096), (1, 24576, 4096), (1, 4096, 12288), (2, 6144, 4096)]
-    # the default: 4x2048 on every one-row layer (a K that 2048 does not divide halves the tile: 32B's 5120);
-    # two rows keep 8x512
-    assert _fp8_configs(None, shapes) == [[4, 2048, 4], [4, 1024, 4], [4, 2048, 4], [4, 2048, 4], [4, 2048, 4],
-                                          [8, 512, 4]]
-    # NINFER_GEMV_FP8_TILE= (empty): the old rules, 8x1024 with 8 warps on the q/k/v shapes
-    assert _fp8_configs("", shapes) == [[8, 1024, 8], [8, 1024, 8], [8, 1024, 4], [8, 1024, 4], [8, 1024, 4],
-                                        [8, 512, 4]]
+    # 4x2048 on every one-row layer (a K that 2048 does not divide halves the tile: 32B's 5120); two rows keep 8x512
+    assert [[c.block_n, c.block_k, c.num_warps] for c in (G.default_config("fp8", m, n, k) for m, n, k in shapes)] == [
+        [4, 2048, 4], [4, 1024, 4], [4, 2048, 4], [4, 2048, 4], [4, 2048, 4], [8, 512, 4]]
 
 
 def test_fp8_scale_blocks_must_span_16_columns():
@@ -49,45 +82,8 @@ def test_fp8_scale_blocks_must_span_16_columns():
         G.gemv(x, "fp8", w, torch.ones(1, 8), None, 32, (32, 8))
 
 
-def _rules_under(env: dict[str, str], base: dict[str, str] | None = None) -> list:
-    code = ("import json; from engine.kernels.linear import gemv as G; "
-            "print(json.dumps([G.GEMV_ROWS['bf16'], sorted(G.PAIRS_FORMATS)] + "
-            "[G.default_config(f, m, 4096, 4096).pairs for f, m in (('bf16', 1), ('bf16', 2), ('fp8', 1), ('nvfp4', 1))]"
-            " + [G.default_config('bf16', 2, 4096, 4096).block_n]))")
-    return _json_under(code, {**(os.environ if base is None else base), **env})
-
-
-def test_pairs_and_bf16_rows_switches():
-    # the defaults: bf16 word pairs at one row and at the two verify rows (4x1024 tiles); FP8 keeps its plain codes
-    env = {k: v for k, v in os.environ.items() if k not in ("NINFER_GEMV_PAIRS", "NINFER_GEMV_BF16_ROWS")}
-    assert _rules_under({}, base=env) == [2, ["bf16"], True, True, False, False, 4]
-    # switched off: the plain codes and the one-row bf16 GEMV
-    assert _rules_under({"NINFER_GEMV_PAIRS": "", "NINFER_GEMV_BF16_ROWS": "1"}) == [1, [], False, False, False,
-                                                                                     False, 8]
-    # the A/B settings: each format named takes pairs (NVFP4 has no pairs code); bf16 verify rows take 4x1024 pairs
-    assert _rules_under({"NINFER_GEMV_PAIRS": "bf16,fp8", "NINFER_GEMV_BF16_ROWS": "4"}) == [
-        4, ["bf16", "fp8"], True, True, True, False, 4]
-    assert _rules_under({"NINFER_GEMV_PAIRS": "fp8"})[2:6] == [False, False, True, False]
-
-
-def test_fp8_one_row_tile_switch():
-    # NINFER_GEMV_FP8_TILE replaces the one-row FP8 tile of every layer (warps 4 unless named); more rows keep theirs
-    assert G._row_tile("") is None
-    assert G._row_tile("4x1024") == (4, 1024, 4) and G._row_tile("2X2048x8") == (2, 2048, 8)
-    for bad in ("4", "4x1000", "0x1024", "4x1024x3", "ax1024"):
-        with pytest.raises(ValueError, match="NINFER_GEMV_FP8_TILE"):
-            G._row_tile(bad)
-    assert _fp8_configs("2x4096x8", [(1, 6144, 4096), (2, 6144, 4096)]) == [[2, 4096, 8], [8, 512, 4]]
-
-
-def test_two_row_tile_and_preload_rows_switches():
-    # defaults: two bf16 rows take 4x1024 pairs without the preload, one row preloads; the A/B settings of s25 d
-    # (4x512 tiles, the preload at two rows) reach default_config, and a bad tile names its variable
-    code = ("import json; from engine.kernels.linear import gemv as G; print(json.dumps([[c.block_n, c.block_k, c.preload] "
-            "for c in (G.default_config('bf16', m, 12288, 4096) for m in (1, 2))]))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NINFER_GEMV_")}
-    assert _json_under(code, env) == [[2, 1024, True], [4, 1024, False]]
-    assert _json_under(code, {**env, "NINFER_GEMV_BF16_TWO_ROW_TILE": "4x512", "NINFER_GEMV_PRELOAD_ROWS": "2"}) == [
-        [2, 1024, True], [4, 512, True]]
-    with pytest.raises(ValueError, match="NINFER_GEMV_BF16_TWO_ROW_TILE"):
-        G._row_tile("4x1000", "NINFER_GEMV_BF16_TWO_ROW_TILE")
+def test_the_swiglu_epilogue_takes_bf16_weights_only():
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    w = torch.zeros(32, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="SwiGLU epilogue takes one or two rows of a bf16/fp16 weight, got 1 of fp8"):
+        G.gemv(x, "fp8", w, torch.ones(1, 1), None, 32, silu=True)

@@ -41,9 +41,18 @@ def test_routing_keeps_one_fp8_row_on_the_triton_gemv():
     assert 1 not in MMA_GEMV_ROWS["fp8"] and 2 in MMA_GEMV_ROWS["fp8"]
 
 
-def test_chunk_order_setting_names_formats():
-    assert mma.contig_formats("0") == frozenset() and mma.contig_formats("") == frozenset()
-    assert mma.contig_formats("1") == {"fp8", "nvfp4"}
-    assert mma.contig_formats("fp8") == {"fp8"} and mma.contig_formats(" fp8 , nvfp4") == {"fp8", "nvfp4"}
-    with pytest.raises(ValueError, match="NINFER_QUANT_MMA_CONTIG.*int4"):
-        mma.contig_formats("fp8,int4")
+def test_chunk_order_is_contiguous_for_both_formats_unless_switched_off():
+    # read at import (one child interpreter reloads the module under each setting): NINFER_QUANT_MMA_CONTIG=0 restores
+    # chunks interleaved across the warps, for both formats
+    import json
+    import os
+    import subprocess
+    import sys
+    code = ("import importlib, json, os, sys\nfrom engine.kernels.linear import quant_gemv_mma as m\nout = []\n"
+            "for v in json.loads(sys.argv[1]):\n    os.environ.pop('NINFER_QUANT_MMA_CONTIG', None)\n"
+            "    os.environ.update({'NINFER_QUANT_MMA_CONTIG': v} if v else {})\n"
+            "    out.append(sorted(importlib.reload(m).CONTIG_FORMATS))\nprint(json.dumps(out))")
+    env = {k: v for k, v in os.environ.items() if k != "NINFER_QUANT_MMA_CONTIG"}
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(["", "0", "1"])], env=env, capture_output=True,
+                         text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [["fp8", "nvfp4"], [], ["fp8", "nvfp4"]]

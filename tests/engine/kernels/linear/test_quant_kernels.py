@@ -34,7 +34,6 @@ def test_interpreter_mode():
     assert os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in SHAPES])
 def test_skinny_matches_the_reference(qt, fmt, shape):
@@ -42,7 +41,6 @@ def test_skinny_matches_the_reference(qt, fmt, shape):
     assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_skinny_forced_splits_and_small_scale_blocks(qt, split_k):
     """FP8 scale blocks of 64 (a TP rank's slice inside a 128 block) and K split over programs."""
@@ -54,7 +52,6 @@ def test_skinny_forced_splits_and_small_scale_blocks(qt, split_k):
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, (fmt, r)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_dequantize_is_the_reference_rounded_once(qt, fmt):
     n, k = (3072, 4096) if CUDA else (48, 256)
@@ -62,7 +59,6 @@ def test_dequantize_is_the_reference_rounded_once(qt, fmt):
     assert r["unwritten"] == 0 and r["exact_in_bf16"], r
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="torch's block-scaled FP8 GEMM runs on CUDA only")
 @pytest.mark.parametrize("shape", [(300, 4096, 4096), (4096, 6144, 4096), (129, 1024, 12288)])
 def test_blockwise_fp8_prefill_matches_the_reference_with_quantized_activations(qt, shape):
@@ -83,7 +79,6 @@ GEMV_SHAPES = ([(1, 6144, 4096), (2, 4096, 12288), (4, 24576, 4096), (8, 5120, 2
                [(1, 48, 256), (3, 40, 160), (8, 64, 512)])
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "bf16"])
 @pytest.mark.parametrize("shape", GEMV_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GEMV_SHAPES])
 def test_gemv_matches_the_reference(qt, fmt, shape):
@@ -91,11 +86,10 @@ def test_gemv_matches_the_reference(qt, fmt, shape):
     assert r["unwritten"] == 0 and r["rel_err"] < TOL, r
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("tile", [(2, 2048, 4), (4, 1024, 4), (4, 2048, 4), (16, 512, 8)],
                          ids=lambda t: "x".join(map(str, t)))
 def test_fp8_one_row_tiles(qt, tile):
-    """The one-row FP8 tiles NINFER_GEMV_FP8_TILE can name, on a whole and a ragged layer."""
+    """One-row FP8 tiles around the default (gemv.FP8_ROW_TILE), on a whole and a ragged layer."""
     from engine.kernels.linear.gemv import GemvConfig
     cfg = GemvConfig(*tile)
     for n, k in ((1024, 4096), (200, 4160)) if CUDA else ((32, 512), (20, 320)):
@@ -103,15 +97,13 @@ def test_fp8_one_row_tiles(qt, tile):
         assert r["unwritten"] == 0 and r["rel_err"] < TOL, (n, k, r)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["split3", "prefetch", "split2_prefetch", "no_asm"])
+@pytest.mark.parametrize("variant", ["split3", "split2", "no_asm"])
 def test_gemv_launch_variants_and_small_scale_blocks(qt, variant):
     """FP8 scale blocks of 64 x 32 (a TP rank's slice inside a 128 block), K split over programs with the
-    last one summing (run twice: its counters must be re-armed), the next tile loaded ahead, and NVFP4's
-    nibbles decoded by Triton ops instead of PTX."""
+    last one summing (run twice: its counters must be re-armed), and NVFP4's nibbles decoded by Triton ops
+    instead of PTX."""
     from engine.kernels.linear.gemv import GemvConfig
-    cfg = {"split3": GemvConfig(8, 128, 4, split=3), "prefetch": GemvConfig(8, 128, 4, prefetch=True),
-           "split2_prefetch": GemvConfig(4, 128, 4, split=2, prefetch=True),
+    cfg = {"split3": GemvConfig(8, 128, 4, split=3), "split2": GemvConfig(4, 128, 4, split=2),
            "no_asm": GemvConfig(8, 128, 4, asm=False)}[variant]
     n, k = (512, 2048) if CUDA else (32, 512)
     for fmt in ("fp8", "nvfp4", "bf16"):
@@ -121,7 +113,6 @@ def test_gemv_launch_variants_and_small_scale_blocks(qt, variant):
                 assert r["unwritten"] == 0 and r["rel_err"] < TOL, (fmt, m, r)
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the interpreter's float32 -> e4m3 cast does not round to nearest")
 @pytest.mark.parametrize("rows", [1, 7, 300, 4096])
 def test_fused_activation_quantization_is_the_torch_one(rows):

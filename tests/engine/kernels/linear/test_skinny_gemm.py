@@ -111,7 +111,6 @@ GPU_SHAPES = [(2, 6144, 4096), (2, 4096, 4096), (3, 24576, 4096), (4, 4096, 1228
               (8, 4096, 2048), (1, 151936, 4096), (5, 1000, 1000), (12, 4096, 4096), (16, 151936, 4096)]
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=[f"{m}x{n}x{k}" for m, n, k in GPU_SHAPES])
@@ -124,7 +123,6 @@ def test_gpu_shapes(Q, shape, tma):
         assert torch.equal(y, Q.skinny_dense(x, w, cfg)), cfg          # deterministic, counters re-armed
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_gpu_graph_replays(Q):
     """Captured once, replayed with new activations: the split's counters stay armed across replays."""

@@ -1,0 +1,84 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): the Qwen3.5-MoE model (engine.models.qwen3_5_moe) in another checkpoint layout.
+
+The token mixers, norms, MoE blocks (with the gated shared expert) and the MTP layer compute exactly what
+Qwen3.5-MoE's do; the one structural difference is how the Gated DeltaNet's input projections are stored.
+Qwen3-Next fuses them per key-head group g (r = value heads per key head):
+
+    in_proj_qkvz [Hk (2 dk + 2 r dv), H]    rows of group g: q_g (dk) | k_g (dk) | v_g (r dv) | z_g (r dv)
+    in_proj_ba   [Hk 2 r, H]                rows of group g: b_g (r) | a_g (r)
+
+Qwen3.5 keeps them flat: in_proj_qkv = [all q | all k | all v] (the conv's channel order), in_proj_z,
+in_proj_b, in_proj_a. The loader permutes the rows at load (`split_projections`) and the layer is
+Qwen3.5's GatedDeltaNet, so both architectures run one code path. Qwen3-Next also honours
+decoder_sparse_step / mlp_only_layers (dense layers where they say; none in published checkpoints)
+and renormalises its top k only when norm_topk_prob.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import ModelConfig
+from engine.distributed.tp_group import SINGLE_RANK, TPGroup
+from engine.errors import ModelLoadError
+from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+FLAT = (".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight")
+
+
+def split_projections(cfg: ModelConfig, qkvz: torch.Tensor | None, ba: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's grouped in_proj_qkvz / in_proj_ba rows as Qwen3.5's in_proj_qkv, _z, _b, _a (either may be None)."""
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    out = {}
+    if qkvz is not None:
+        q, k, v, z = qkvz.reshape(hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], dim=1)
+        h = qkvz.shape[-1]
+        out["qkv"] = torch.cat([q.reshape(-1, h), k.reshape(-1, h), v.reshape(-1, h)])
+        out["z"] = z.reshape(-1, h)
+    if ba is not None:
+        b, a = ba.reshape(hk, 2 * r, -1).split([r, r], dim=1)
+        out["b"], out["a"] = b.reshape(-1, ba.shape[-1]), a.reshape(-1, ba.shape[-1])
+    return out
+
+
+class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
+                 max_position: int | None = None):
+        quantized = sorted(m for m in (cfg.quant.modules or ()) if m.endswith((".in_proj_qkvz", ".in_proj_ba"))) \
+            if cfg.quant is not None else []
+        if quantized:
+            raise ModelLoadError(f"Qwen3-Next: quantized grouped input projections are not supported ({quantized[0]}, "
+                                 f"{len(quantized)} in all); keep in_proj_qkvz / in_proj_ba unquantized")
+        super().__init__(cfg, tp, with_mtp, max_position)
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        cfg, h = self.cfg, self.cfg.hidden_size
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        shapes = {}
+        for name, shape in super().checkpoint_shapes().items():
+            if name.endswith(FLAT):
+                base = name.rsplit(".in_proj_", 1)[0]
+                shapes[f"{base}.in_proj_qkvz.weight"] = (hk * (2 * dk) + hv * 2 * dv, h)
+                shapes[f"{base}.in_proj_ba.weight"] = (2 * hv, h)
+            else:
+                shapes[name] = shape
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def converted():
+            for name, tensor in weights:
+                for packed, parts in ((".in_proj_qkvz.weight", ("qkv", "z")), (".in_proj_ba.weight", ("b", "a"))):
+                    if name.endswith(packed):
+                        base = name[:-len(packed)]
+                        split = split_projections(self.cfg, tensor if parts[0] == "qkv" else None,
+                                                  tensor if parts[0] == "b" else None)
+                        for part in parts:
+                            yield f"{base}.in_proj_{part}.weight", split[part]
+                        break
+                else:
+                    yield name, tensor
+        super().load_weights(converted())
