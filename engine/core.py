@@ -58,6 +58,18 @@ def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
     return normalize_found(found, model_config.quant)
 
 
+def _quantize_at_load(config: EngineConfig, model_config, weights):
+    """`--quantization`: the model config with every linear layer of the (unquantized) checkpoint in FP8."""
+    from engine.quant.online import online_scheme
+    from engine.quant.scheme import check_header_dtypes
+    shapes = (weights.without(MTP_PREFIX) if config.speculative_model is not None else weights).shapes()
+    scheme = online_scheme(config.quantization, model_config, shapes)
+    if hasattr(weights, "dtypes"):
+        check_header_dtypes(weights.dtypes(), scheme)
+    log.info("quantize_at_load", method=config.quantization, linear_layers=len(scheme.modules))
+    return replace(model_config, quant=scheme)
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one sequence of a request (`index` among its n; 0 when n = 1).
@@ -101,10 +113,14 @@ class EngineCore:
         self.config = config
         self.clock = clock
         self.pooling: Pooling | None = None      # an embedding checkpoint's pooling (engine.loading.pooling)
+        if config.speculative_model is not None and (config.model is None or config.model.startswith(PRESET_PREFIX)):
+            raise InvalidArgumentError("speculative_model", "needs a checkpoint directory as the model")
         if config.model is None:
             self.model_name = DEFAULT_MODEL_NAME
             model_config, weights, self.tokenizer = DEFAULT_CONFIG, build_default_weights(), build_default_tokenizer()
         elif config.model.startswith(PRESET_PREFIX):
+            if config.quantization is not None:
+                raise InvalidArgumentError("quantization", "presets choose their format by name (preset:NAME-fp8)")
             # a reference shape with random weights, made on the device (benchmarks)
             self.model_name = config.model[len(PRESET_PREFIX):]
             model_config = preset(config.model)
@@ -130,6 +146,12 @@ class EngineCore:
                 weights = embedder_weights(weights)
                 if "lm_head.weight" not in weights.shapes():       # an embedder's head is never read
                     model_config = replace(model_config, tie_word_embeddings=True)
+        if config.quantization is not None:
+            model_config = _quantize_at_load(config, model_config, weights)
+        if config.speculative_model is not None:
+            from engine.loading.speculative import read_mtp_head, with_mtp_head
+            head = read_mtp_head(config.speculative_model, model_config)
+            model_config, weights = with_mtp_head(model_config, weights, head, config.quantization)
         self.model_config = model_config
         found = _shapes(weights, model_config)
         has_mtp = any(n.startswith(MTP_PREFIX) for n in found)

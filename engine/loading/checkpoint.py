@@ -76,6 +76,16 @@ class CheckpointWeights:
     def without(self, prefix: str) -> "CheckpointWeights":
         return CheckpointWeights({n: f for n, f in self._file_of.items() if not n.startswith(prefix)}, self._stored)
 
+    def only(self, prefix: str) -> "CheckpointWeights":
+        return CheckpointWeights({n: f for n, f in self._file_of.items() if n.startswith(prefix)}, self._stored)
+
+    def merged(self, other: "CheckpointWeights") -> "CheckpointWeights":
+        """These tensors and `other`'s (names must not repeat), each read from its own files."""
+        both = set(self._file_of) & set(other._file_of)
+        if both:
+            raise ModelLoadError(f"tensors in both checkpoints: {', '.join(sorted(both)[:4])}")
+        return CheckpointWeights({**self._file_of, **other._file_of}, {**self._stored, **other._stored})
+
     def renamed(self, rename: Callable[[str], str | None]) -> "CheckpointWeights":
         """The tensors under new names (`rename` returns None to drop one); nothing is read."""
         files, stored = {}, {}
@@ -145,6 +155,16 @@ class ModelDir:
 
 
 def read_model_dir(path: str | Path) -> ModelDir:
+    path, config, weights = read_checkpoint(path)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ModelLoadError(f"{path}: no tokenizer.json")
+    return ModelDir(path, config, tokenizer_file, weights)
+
+
+def read_checkpoint(path: str | Path) -> tuple[Path, ModelConfig, "CheckpointWeights"]:
+    """A checkpoint directory's config (with its quantization, ModelOpt's hf_quant_config.json included)
+    and its weights (a Qwen3.5 vision-language checkpoint's as its language model); no tokenizer needed."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
@@ -165,13 +185,10 @@ def read_model_dir(path: str | Path) -> ModelDir:
         value = json.loads(gen.read_text()).get("eos_token_id")
         eos = tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
     config = ModelConfig.from_hf(hf, eos)
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise ModelLoadError(f"{path}: no tokenizer.json")
     weights = CheckpointWeights.from_dir(path)
     if config.model_type in ("qwen3_5", "qwen3_5_moe"):
         weights = language_model_weights(weights, path)
-    return ModelDir(path, config, tokenizer_file, weights)
+    return path, config, weights
 
 
 def language_model_weights(weights: CheckpointWeights, path: Path) -> CheckpointWeights:
