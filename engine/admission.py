@@ -3,7 +3,8 @@ vocabulary, bad words through the tokenizer, n against the decode batch, prompt 
 the context. Run by `EngineCore.add_request` before anything is enqueued; every refusal is an
 InvalidArgumentError naming the field and the limit. No torch.
 
-Structured output is refused here, in this one place, until the engine's grammar support lands.
+Structured output is checked where its grammar compiles (engine.structured: GrammarError names
+`structured_output.<kind>`), before the request reaches the engine thread.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ class AdmittedOptions:
 
 def admit_options(params: SamplingParams, vocab_size: int, tokenizer, max_batch: int,
                   max_model_len: int) -> AdmittedOptions:
-    if params.structured_output is not None:
-        refuse_structured_output(params)
     if params.n > max_batch:
         raise InvalidArgumentError("n", f"{params.n} sequences exceed the decode batch of {max_batch} "
                                         f"(--max-num-seqs): the n sequences of a request decode together")
@@ -36,12 +35,6 @@ def admit_options(params: SamplingParams, vocab_size: int, tokenizer, max_batch:
         truncate = max_model_len
     words = bad_words_token_ids(params.bad_words, tokenizer, vocab_size) if params.bad_words else ()
     return AdmittedOptions(truncate, words)
-
-
-def refuse_structured_output(params: SamplingParams) -> None:
-    """The engine has no grammar engine yet: a constrained request is refused, never run unconstrained."""
-    kind = params.structured_output.kind
-    raise InvalidArgumentError(f"structured_output.{kind}", "structured output is not supported by this engine yet")
 
 
 def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:

@@ -163,7 +163,7 @@ class EngineConfig:
     model: str | None = None                # HF directory; None = the embedded default model
     served_model_name: str | None = None    # the name clients see and ask for; None = the model directory's name
     device: str = "auto"                    # "auto" (CUDA when present, else CPU), "cpu" or "cuda[:N]"
-    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA, float32 on CPU
+    dtype: str = "auto"                     # "auto" = bfloat16 on CUDA (float16 below sm80), float32 on CPU
     kv_dtype: str = "auto"                  # "auto" = dtype; "int8" = per token-and-head scales
     block_size: int = 16                    # tokens per KV page
     prefill_chunk: int = 2048               # tokens per prefill step of the one prefill lane
@@ -189,8 +189,14 @@ class EngineConfig:
     # prefill/decode across engines (docs/disaggregation.md): "producer" prefills and lends the prompt's KV,
     # "consumer" pulls it and decodes, "both" (the default) serves whole requests and either leg
     kv_role: str = "both"
+    quantization: str | None = None         # "fp8" / "ptpc_fp8": an unquantized checkpoint's linears in FP8 at load
+    speculative_model: str | None = None    # a checkpoint whose mtp.* head drafts (when the model's has none)
+    # vLLM's spelling: {"model": DIR, "num_speculative_tokens": k, "method": "mtp"} sets the two fields above
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            self._apply_speculative_config(self.speculative_config)
         if self.device == "auto":
             import torch                    # only here: a config made with an explicit device needs no torch
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,6 +244,43 @@ class EngineConfig:
         if self.kv_role != "both" and self.tensor_parallel_size != 1:
             raise InvalidArgumentError("kv_role", f"a {self.kv_role} moves one rank's KV pool: it needs "
                                        f"tensor_parallel_size 1, got {self.tensor_parallel_size}")
+
+        if self.quantization is not None and self.quantization not in ("fp8", "ptpc_fp8"):
+            raise InvalidArgumentError("quantization", f"must be fp8 or ptpc_fp8, got {self.quantization!r}")
+        if self.speculative_model is not None and self.draft_tokens < 1:
+            raise InvalidArgumentError("speculative_model", "drafts nothing with num_speculative_tokens 0; "
+                                       "set --num-speculative-tokens K (K >= 1)")
+
+    def _apply_speculative_config(self, spec: Any) -> None:
+        """vLLM's `speculative_config` (a dict, or its JSON text) as speculative_model and draft_tokens."""
+        import json
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise InvalidArgumentError("speculative_config", f"is not valid JSON ({e})") from None
+        if not isinstance(spec, dict):
+            raise InvalidArgumentError("speculative_config", f"must be a JSON object, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - {"model", "num_speculative_tokens", "method"})
+        if unknown:
+            raise InvalidArgumentError(f"speculative_config.{unknown[0]}", "is not supported; supported: model, "
+                                       "num_speculative_tokens, method")
+        if spec.get("method", "mtp") != "mtp":
+            raise InvalidArgumentError("speculative_config.method", f"must be mtp (the model's MTP head), "
+                                       f"got {spec['method']!r}")
+        k = spec.get("num_speculative_tokens")
+        if k is not None:
+            if self.draft_tokens not in (0, k):
+                raise InvalidArgumentError("speculative_config.num_speculative_tokens",
+                                           f"{k} differs from num_speculative_tokens {self.draft_tokens}")
+            self.draft_tokens = k
+        model = spec.get("model")
+        if model is not None:
+            if self.speculative_model not in (None, model):
+                raise InvalidArgumentError("speculative_config.model",
+                                           f"{model!r} differs from speculative_model {self.speculative_model!r}")
+            self.speculative_model = str(model)
+        self.speculative_config = None                      # applied
 
     @property
     def torch_dtype_name(self) -> str:

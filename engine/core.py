@@ -8,18 +8,22 @@ import secrets
 import sys
 import time
 import uuid
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 import torch
 
+from engine.platform import engine_paths
 from engine.worker.memory_plan import plan_memory
 from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
-from engine.errors import InvalidArgumentError, RequestNotFoundError
+from engine.errors import InvalidArgumentError, RequestNotFoundError, UnsupportedError
 from engine.cache.block_manager import KVCacheManager
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
+from engine.loading.pooling import Pooling, embedder_weights, read_pooling
 from engine.engine_info import EngineInfo, WarmupReport
 from engine.metrics import EngineMetrics
 from engine.models.registry import model_class
@@ -33,8 +37,9 @@ from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, Sche
 from engine.loading.hybrid_config import state_slot_counts
 from engine.cache.state_slots import StateSlotPool
 from engine.cache.state_snapshots import StateSnapshots
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.request_stats import FinishReason, RequestStats
+from engine.structured.grammars import Grammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, stop_cut
 
 log = structlog.get_logger(__name__)
@@ -51,6 +56,18 @@ def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
         return found
     from engine.quant.scheme import normalize_found
     return normalize_found(found, model_config.quant)
+
+
+def _quantize_at_load(config: EngineConfig, model_config, weights):
+    """`--quantization`: the model config with every linear layer of the (unquantized) checkpoint in FP8."""
+    from engine.quant.online import online_scheme
+    from engine.quant.scheme import check_header_dtypes
+    shapes = (weights.without(MTP_PREFIX) if config.speculative_model is not None else weights).shapes()
+    scheme = online_scheme(config.quantization, model_config, shapes)
+    if hasattr(weights, "dtypes"):
+        check_header_dtypes(weights.dtypes(), scheme)
+    log.info("quantize_at_load", method=config.quantization, linear_layers=len(scheme.modules))
+    return replace(model_config, quant=scheme)
 
 
 @dataclass
@@ -71,6 +88,7 @@ class RequestOutput:
     # None for the first (nothing precedes it)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0
+    embedding: list[float] | None = None         # an embedding request's vector (engine.core.EngineCore.add_embedding)
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -94,10 +112,15 @@ class EngineCore:
         logs_to_stderr()
         self.config = config
         self.clock = clock
+        self.pooling: Pooling | None = None      # an embedding checkpoint's pooling (engine.loading.pooling)
+        if config.speculative_model is not None and (config.model is None or config.model.startswith(PRESET_PREFIX)):
+            raise InvalidArgumentError("speculative_model", "needs a checkpoint directory as the model")
         if config.model is None:
             self.model_name = DEFAULT_MODEL_NAME
             model_config, weights, self.tokenizer = DEFAULT_CONFIG, build_default_weights(), build_default_tokenizer()
         elif config.model.startswith(PRESET_PREFIX):
+            if config.quantization is not None:
+                raise InvalidArgumentError("quantization", "presets choose their format by name (preset:NAME-fp8)")
             # a reference shape with random weights, made on the device (benchmarks)
             self.model_name = config.model[len(PRESET_PREFIX):]
             model_config = preset(config.model)
@@ -118,6 +141,17 @@ class EngineCore:
             if model_config.quant is not None:
                 from engine.quant.scheme import resolve_checkpoint
                 model_config = replace(model_config, quant=resolve_checkpoint(model_config.quant, weights))
+            self.pooling = read_pooling(md.path)
+            if self.pooling is not None:
+                weights = embedder_weights(weights)
+                if "lm_head.weight" not in weights.shapes():       # an embedder's head is never read
+                    model_config = replace(model_config, tie_word_embeddings=True)
+        if config.quantization is not None:
+            model_config = _quantize_at_load(config, model_config, weights)
+        if config.speculative_model is not None:
+            from engine.loading.speculative import read_mtp_head, with_mtp_head
+            head = read_mtp_head(config.speculative_model, model_config)
+            model_config, weights = with_mtp_head(model_config, weights, head, config.quantization)
         self.model_config = model_config
         found = _shapes(weights, model_config)
         has_mtp = any(n.startswith(MTP_PREFIX) for n in found)
@@ -145,7 +179,12 @@ class EngineCore:
             self.model_name = config.served_model_name
         if config.draft_vocab > model_config.vocab_size:
             raise InvalidArgumentError("draft_vocab", f"must be <= vocab_size {model_config.vocab_size}")
-        self.memory = plan_memory(config, model_config, k, self.max_model_len)
+        # the kernel family of each operation on this device; "auto" dtype means float16 where there is no bf16
+        self.kernel_paths = engine_paths(config, model_config)
+        if config.dtype == "auto" and self.kernel_paths.dtype != config.torch_dtype_name:
+            config.dtype = self.kernel_paths.dtype
+        log.info("kernel_paths", **self.kernel_paths.as_dict())
+        self.memory = plan_memory(config, model_config, k, self.max_model_len, paths=self.kernel_paths)
         log.info("memory_plan", plan=self.memory.describe(), model=self.model_name, draft_tokens=k)
         t0 = time.perf_counter()
         self.executor = Executor(config, model_config, weights, self.memory.num_blocks, k, self.max_model_len)
@@ -175,6 +214,9 @@ class EngineCore:
         log.info("scheduling", overlapped=self.async_scheduling, why_synchronous=self.sync_reason or None)
         self._stops: dict[str, IncrementalDetokenizer] = {}
         self._stop_text: dict[str, str] = {}
+        self._pooled: dict[str, list[torch.Tensor]] = {}      # embedding requests: their last hidden rows
+        # structured output: the grammar compiler (built at the first constrained request)
+        self.grammars = Grammars(self.tokenizer.to_json, model_config.vocab_size, model_config.eos_token_ids)
         # n > 1: request id -> the ids of its sequences (0 first), until every one has finished
         self._groups: dict[str, list[str]] = {}
 
@@ -219,12 +261,29 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
 
+    def grammar_future(self, params: SamplingParams) -> Future | None:
+        """Future of the request's compiled grammar (None when unconstrained), compiling off the engine
+        thread (a front door waits for it before it hands the request to the engine thread). Raises
+        GrammarError (INVALID_ARGUMENT) naming the field at once for a bad shape, UnsupportedError without
+        xgrammar; a grammar that does not compile (or not in time) fails the future with a GrammarError."""
+        if params.structured_output is None:
+            return None
+        return self.grammars.compile(params.structured_output)
+
+    def compile_grammar(self, params: SamplingParams):
+        """The request's compiled grammar (None when unconstrained), waited for on the calling thread."""
+        future = self.grammar_future(params)
+        return future.result() if future is not None else None
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     park_after_prefill: bool = False, arrival: float | None = None,
-                    prefix_cache: bool = True, output_token_ids: list[int] | None = None) -> Request:
+                    prefix_cache: bool = True, output_token_ids: list[int] | None = None,
+                    grammar=None) -> Request:
         """`output_token_ids`: a request resumed from another engine (a migrated stream): the tokens it
         generated there. Its prefill covers prompt + those and samples nothing; decoding continues
-        after them with the same seed and output counters (engine.sched.scheduler: resumed requests)."""
+        after them with the same seed and output counters (engine.sched.scheduler: resumed requests).
+        `grammar`: the compiled grammar of params.structured_output (compile_grammar), compiled here
+        -- on the calling thread -- when not given; each of the n sequences gets a matcher of its own."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidArgumentError("prompt", "must not be empty")
@@ -249,20 +308,28 @@ class EngineCore:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(self.model_config.eos_token_ids)
+        if params.structured_output is not None:
+            grammar = grammar if grammar is not None else self.compile_grammar(params)
+            matchers = [self.grammars.matcher(grammar, sorted(stop_ids)) for _ in range(params.n)]
+            if resumed and matchers[0].accept_tokens(resumed) != len(resumed):
+                raise InvalidArgumentError("output_token_ids", "the tokens already generated do not follow "
+                                                               "the request's structured_output")
+        else:
+            matchers = [None] * params.n
         req = Request(
             request_id=request_id or uuid.uuid4().hex, prompt_token_ids=ids, sampling=params,
             seed=params.seed if params.seed is not None else secrets.randbits(63),
             times=PhaseTimes(arrival=self.clock() if arrival is None else arrival),
             draft_tokens=k_r, park_after_prefill=park_after_prefill,
             spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-            stop_token_ids=frozenset(stop_ids),
+            stop_token_ids=frozenset(stop_ids), grammar=matchers[0],
             # prompt logprobs need every prompt position computed: a cached prefix would skip some
             prefix_cache=prefix_cache and params.prompt_logprobs is None,
             bad_words_token_ids=checked.bad_words_token_ids, output_token_ids=resumed, resuming=bool(resumed))
         req.forks = [replace(req, request_id=f"{req.request_id}#{i}", seed=sequence_seed(req.seed, i), index=i,
                              times=PhaseTimes(arrival=req.times.arrival), output_token_ids=[], block_ids=[],
                              spec=SpecStats(draft_tokens=k_r, accepted_per_position=[0] * k_r),
-                             prompt_logprobs=[], forks=[]) for i in range(1, params.n)]
+                             prompt_logprobs=[], forks=[], grammar=matchers[i]) for i in range(1, params.n)]
         self.scheduler.add_request(req)
         members = [req, *req.forks]
         if params.n > 1:
@@ -275,6 +342,39 @@ class EngineCore:
                     detok.push(resumed)      # a stop string may span the tokens sent before the migration
                     detok.flush()
         return req
+
+    def add_embedding(self, prompt: str | list[int], request_id: str | None = None,
+                      arrival: float | None = None) -> Request:
+        """An embedding request (embedding checkpoints only): one prefill; its final output carries the
+        last prompt token's final-normed hidden state, L2-normalised when the pipeline says so.
+        A text prompt is tokenized with the tokenizer's special tokens (Qwen3-Embedding appends EOS)."""
+        self.check_embedding()
+        ids = self.tokenizer.inner.encode(prompt, add_special_tokens=True).ids if isinstance(prompt, str) else prompt
+        req = self.add_request(ids, SamplingParams(max_tokens=1, ignore_eos=True), request_id, arrival=arrival)
+        self._pooled[req.request_id] = self.executor.collect_last_hidden(req.request_id)
+        return req
+
+    def check_embedding(self) -> None:
+        """UnsupportedError unless this engine serves an embedding checkpoint it can pool."""
+        if self.pooling is None:
+            raise UnsupportedError(
+                f"embeddings: {self.model_name} is a generative model (its directory has no sentence-transformers "
+                "pooling in modules.json); serve an embedding checkpoint such as Qwen3-Embedding")
+        if not self.pooling.last_token:
+            raise UnsupportedError(f"embeddings: {self.model_name} pools by {', '.join(self.pooling.modes) or 'nothing'}; "
+                                   "ninfer embeds by last-token pooling (Qwen3-Embedding)")
+
+    def _embedding(self, request_id: str) -> list[float] | None:
+        rows = self._pooled.pop(request_id, None)
+        if rows is None:
+            return None
+        self.executor.stop_collecting(request_id)
+        if not rows:                     # finished before its prefill ended (aborted)
+            return None
+        vector = rows[-1].float()                                                   # [hidden]
+        if self.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector.tolist()
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
         """End a request (every sequence of it); -> sequence 0's final output (`abort_all`: every one)."""
@@ -333,13 +433,34 @@ class EngineCore:
             return outputs
         prefilling = list(self.scheduler.lane.requests)
         # an empty step still runs when requests left: the runner frees their state (hidden-pool rows)
-        result = (self.executor.execute(sched) if not sched.empty or sched.finished_request_ids
-                  else ModelOutput())
+        if not sched.empty or sched.finished_request_ids:
+            with self._grammar_masks(sched):
+                result = self.executor.execute(sched)
+        else:
+            result = ModelOutput()
         return outputs + self._outputs(sched, prefilling, self.scheduler.update(sched, result))
 
     def _launch(self, sched: SchedulerOutput) -> InflightRound:
-        host, arrived = self._readback.start(self.executor.launch(sched))
+        with self._grammar_masks(sched):
+            host, arrived = self._readback.start(self.executor.launch(sched))
         return InflightRound(sched, [self.scheduler.requests[w.request_id] for w in sched.decode], host, arrived)
+
+    @contextmanager
+    def _grammar_masks(self, sched: SchedulerOutput):
+        """Structured output: the step's mask rows filled from the matchers before it is enqueued; the
+        matchers rolled back to their accepted tokens after (its drafts advanced them)."""
+        reqs = self.scheduler.requests
+        decode = [reqs[w.request_id].grammar for w in sched.decode]
+        prefill = [reqs[p.request_id].grammar for p in sched.prefills if p.sample]
+        if not any(g is not None for g in decode) and not any(g is not None for g in prefill):
+            yield
+            return
+        masks = self.executor.masks
+        masks.begin(decode, prefill)
+        try:
+            yield
+        finally:
+            masks.end()
 
     def _land(self, inflight: InflightRound) -> list[RequestOutput]:
         """Round N's bookkeeping, once its tokens arrived (rows of requests gone since are dropped)."""
@@ -349,6 +470,8 @@ class EngineCore:
 
     def _outputs(self, sched: SchedulerOutput, prefilling: list[Request], events) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        for ev in events:
+            self._advance_grammar(ev.request, ev.new_token_ids)
         for ev in events:                # tokens past a stop string are neither delivered nor counted
             ev.new_token_ids = self._apply_stop_strings(ev.request, ev.new_token_ids)
             if ev.logprobs is not None:
@@ -368,6 +491,16 @@ class EngineCore:
                 req.prompt_logprobs_sent = True
             outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _advance_grammar(req: Request, tokens: list[int]) -> None:
+        """Structured output: the matcher accepts the tokens the request just appended (each was sampled
+        under its mask, so a refusal is a bug: logged, and the request is left to its limits)."""
+        if req.grammar is None or not tokens:
+            return
+        taken = req.grammar.accept_tokens(tokens)
+        if taken != len(tokens):
+            log.error("grammar_refused_token", request_id=req.request_id, token=tokens[taken])
 
     def _apply_stop_strings(self, req: Request, tokens: list[int]) -> list[int]:
         detok = self._stops.get(req.request_id)
@@ -400,7 +533,8 @@ class EngineCore:
         if group is not None and all(rid not in self.scheduler.requests for rid in group):
             del self._groups[req.group_id]
         return RequestOutput(req.group_id, tokens, True, req.finish_reason, stats,
-                             self._stop_text.pop(req.request_id, None), index=req.index)
+                             self._stop_text.pop(req.request_id, None), index=req.index,
+                             embedding=self._embedding(req.request_id))
 
     def _record(self, sched, prefilling: list[Request], events) -> None:
         prefill = sum(len(p.token_ids) for p in sched.prefills)
@@ -438,7 +572,8 @@ class EngineCore:
             draft_tokens=self.draft_tokens, eos_token_ids=tuple(self.model_config.eos_token_ids),
             tokenizer_json=self.tokenizer.to_json(), device=c.device, dtype=c.torch_dtype_name,
             kv_dtype=c.kv_dtype_name, tensor_parallel_size=self.executor.num_ranks, lease_seconds=c.lease_seconds,
-            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending)
+            warmup=self.warmup_report, max_num_seqs=c.max_batch, max_pending=c.max_pending,
+            kernel_paths=tuple(self.kernel_paths.as_dict().items()), embedding=self.pooling is not None)
 
     @torch.inference_mode()
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
@@ -452,4 +587,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Release the model, KV and graphs on every rank (the core is unusable afterwards)."""
+        self.grammars.shutdown()
         self.executor.shutdown()

@@ -44,6 +44,8 @@ class EngineInfo:
     warmup: WarmupReport
     max_num_seqs: int = 0                    # the decode batch (--max-num-seqs)
     max_pending: int = 0                     # the queue (--max-pending)
+    kernel_paths: tuple[tuple[str, str], ...] = ()   # operation -> kernel family (engine/platform.py)
+    embedding: bool = False                  # an embedding checkpoint (engine.loading.pooling): Embed serves
 
     def log_fields(self) -> dict[str, Any]:
         """Everything but the tokenizer, for a log line."""
@@ -51,4 +53,5 @@ class EngineInfo:
                 "draft_tokens": self.draft_tokens, "prefill_chunk": self.prefill_chunk,
                 "max_model_len": self.max_model_len, "kv_capacity_tokens": self.kv_capacity_tokens,
                 "block_size": self.block_size, "tensor_parallel_size": self.tensor_parallel_size,
+                "kernel_paths": dict(self.kernel_paths),
                 **self.warmup.log_fields()}

@@ -18,6 +18,11 @@ class InvalidArgumentError(EngineError, ValueError):
         self.field = field
 
 
+class UnsupportedError(EngineError):
+    """This engine cannot do what the request asks (an embedding of a generative model, structured
+    output without its grammar engine installed): UNIMPLEMENTED, with what would make it work."""
+
+
 class CapacityError(EngineError):
     """The configuration cannot fit in memory; raised before any weight is loaded."""
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestOutput
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, RequestStats
 
@@ -59,6 +59,18 @@ class CompletionOutput:
     finished: bool = True
 
 
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+
+
 class LLM:
     def __init__(self, model: str | None = None, device: str = "auto", dtype: str = "auto",
                  kv_dtype: str = "auto", prefill_chunk: int = 2048, kv_capacity: int | None = None,
@@ -79,7 +91,10 @@ class LLM:
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError("one SamplingParams per prompt, or one for all")
-        reqs = [self.engine.add_request(p, sp) for p, sp in zip(prompts, per_prompt)]
+        # structured output: every distinct grammar compiles at once on the compiler's pool
+        pending = [self.engine.grammar_future(sp) for sp in per_prompt]
+        grammars = [f.result() if f is not None else None for f in pending]
+        reqs = [self.engine.add_request(p, sp, grammar=g) for p, sp, g in zip(prompts, per_prompt, grammars)]
         sequences = {(req.request_id, i): _Collected() for req in reqs for i in range(req.sampling.n)}
         remaining = len(sequences)
         while remaining:
@@ -114,6 +129,21 @@ class LLM:
         for rank, (tid, value) in enumerate(lp.top, start=1):
             out.setdefault(tid, Logprob(value, rank, decode(tid)))
         return out
+
+    def embed(self, prompts: str | list[int] | list[str | list[int]]) -> list[EmbeddingRequestOutput]:
+        """Embeddings of an embedding checkpoint (Qwen3-Embedding: last-token pooling, L2-normalised), as
+        vLLM's `LLM.embed` answers them: `out[i].outputs.embedding`. UnsupportedError for a generative model."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        self.engine.check_embedding()
+        reqs = [self.engine.add_embedding(p) for p in prompts]
+        vectors: dict[str, list[float]] = {}
+        while len(vectors) < len(reqs):
+            for out in self.engine.step():
+                if out.finished:
+                    vectors[out.request_id] = out.embedding
+        return [EmbeddingRequestOutput(r.request_id, r.prompt_token_ids, EmbeddingOutput(vectors[r.request_id]))
+                for r in reqs]
 
     def prompt_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """Logits [P, vocab] at every prompt position, computed by the engine's chunked prefill."""

@@ -154,27 +154,59 @@ class EngineLoop:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                park_after_prefill: bool = False) -> RequestStream:
-        """Admit a request; raises the engine's validation and queue errors synchronously."""
-        return self._call(self._add(prompt, params, request_id, park_after_prefill))
+        """Admit a request; raises the engine's validation and queue errors synchronously. A request for
+        structured output waits for its grammar's compile here, on the caller's thread: the engine thread
+        keeps stepping the other streams meanwhile."""
+        arrival = self.clock()
+        future = self.core.grammar_future(params)
+        grammar = future.result() if future is not None else None
+        return self._call(self._add(prompt, params, request_id, park_after_prefill, grammar=grammar, arrival=arrival))
 
     async def submit_async(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                            park_after_prefill: bool = False,
                            output_token_ids: list[int] | None = None) -> RequestStream:
         """`submit` for an asyncio caller; a caller cancelled while the request is being admitted leaves
         nothing behind (the request is aborted once admitted). `output_token_ids`: a resumed stream
-        (EngineCore.add_request)."""
-        return await self._call_async(self._add(prompt, params, request_id, park_after_prefill, output_token_ids),
+        (EngineCore.add_request). A grammar compiles on the compiler's threads, awaited here: neither
+        the event loop nor the engine thread waits for it."""
+        arrival = self.clock()
+        future = self.core.grammar_future(params)
+        grammar = await asyncio.wrap_future(future) if future is not None else None
+        return await self._call_async(self._add(prompt, params, request_id, park_after_prefill, output_token_ids,
+                                                grammar, arrival),
                                       orphaned=lambda stream: self.abort(stream.request_id))
 
     def _add(self, prompt, params: SamplingParams, request_id: str | None, park_after_prefill: bool,
-             output_token_ids: list[int] | None = None) -> Callable[[], RequestStream]:
-        arrival = self.clock()
+             output_token_ids: list[int] | None = None, grammar=None,
+             arrival: float | None = None) -> Callable[[], RequestStream]:
+        arrival = self.clock() if arrival is None else arrival
 
         def add() -> RequestStream:
             req = self.core.add_request(prompt, params, request_id, park_after_prefill, arrival,
-                                        output_token_ids=output_token_ids)
+                                        output_token_ids=output_token_ids, grammar=grammar)
             stream = self._streams[req.request_id] = RequestStream(req.request_id, self, params.n)
             stream.seed = req.seed
+            return stream
+        return add
+
+    def embed(self, prompt: str | list[int], request_id: str | None = None) -> RequestStream:
+        """An embedding request (embedding checkpoints only; UnsupportedError at once otherwise): its
+        stream's final output carries `embedding`."""
+        self.core.check_embedding()
+        return self._call(self._embed(prompt, request_id))
+
+    async def embed_async(self, prompt: str | list[int], request_id: str | None = None) -> RequestStream:
+        """`embed` for an asyncio caller (a caller cancelled while it is admitted aborts it)."""
+        self.core.check_embedding()
+        return await self._call_async(self._embed(prompt, request_id),
+                                      orphaned=lambda stream: self.abort(stream.request_id))
+
+    def _embed(self, prompt: str | list[int], request_id: str | None) -> Callable[[], RequestStream]:
+        arrival = self.clock()
+
+        def add() -> RequestStream:
+            req = self.core.add_embedding(prompt, request_id, arrival)
+            stream = self._streams[req.request_id] = RequestStream(req.request_id, self)
             return stream
         return add
 

@@ -45,8 +45,8 @@ def _is_number(x) -> bool:
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """Constrain the output to a language: exactly one kind is set. The grammar engine that honours
-    it lives in the engine; until it lands the engine refuses a set `structured_output`."""
+    """Constrain the output to a language: exactly one kind is set. The engine compiles it with its
+    grammar engine (engine/structured, docs/structured-output.md) and masks every sampled token."""
 
     json_schema: str | None = None      # a JSON Schema document (text)
     json_object: bool = False           # any JSON object
@@ -249,3 +249,19 @@ class SamplingParams:
     def filters(self) -> bool:
         """top-k, top-p or min_p: a sampled row's distribution is cut (the vocabulary is sorted)."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position of `logprobs` / `prompt_logprobs`: the token there, its log-probability and rank, and the
+    most likely tokens. Every value is from the model's raw distribution: log_softmax of the target model's
+    logits at that position, before temperature, penalties, bias or filters (vLLM's default, `raw_logprobs`):
+    a property of the model and the text alone, which scoring (lm-evaluation-harness' loglikelihood) needs,
+    equal for greedy and sampled requests, and under speculation the verify pass's logits, which are the
+    target's (docs/sampling.md). Under structured output the grammar's mask comes first: the distribution
+    is over the tokens it allows (as vLLM's)."""
+
+    token_id: int
+    logprob: float
+    rank: int                                   # 1 = the most likely token at this position
+    top: tuple[tuple[int, float], ...] = ()     # (token id, logprob), most likely first; len = the N asked for

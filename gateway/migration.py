@@ -1,5 +1,5 @@
 """Streams that outlive their engine: when the engine under a stream dies or stops answering, the
-gateway resumes the stream on another engine (DESIGN.md, "Streams outlive engines").
+gateway resumes the stream on another engine (docs/serving-edge.md, "Streams outlive engines").
 
 When an engine is lost:
     - its decode stream fails UNAVAILABLE (the process died: the connection broke; or it drained

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.errors import InvalidArgumentError
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import (MAX_BAD_WORDS, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                     SamplingParams, StructuredOutput)
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage

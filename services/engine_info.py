@@ -22,7 +22,7 @@ def model_info_to_proto(info: EngineInfo) -> engine_info_pb2.ModelInfo:
         tokenizer_sha256=hashlib.sha256(info.tokenizer_json.encode()).hexdigest(),
         device=info.device, dtype=info.dtype, kv_dtype=info.kv_dtype,
         tensor_parallel_size=info.tensor_parallel_size, lease_seconds=info.lease_seconds,
-        max_num_seqs=info.max_num_seqs, max_pending=info.max_pending,
+        max_num_seqs=info.max_num_seqs, max_pending=info.max_pending, kernel_paths=dict(info.kernel_paths),
         warmup=engine_info_pb2.Warmup(done=w.done, seconds=w.seconds, cuda_graphs=w.cuda_graphs,
                                       graph_buckets=list(w.graph_buckets),
                                       graph_capture_seconds=w.graph_capture_seconds,

@@ -10,6 +10,9 @@ from tests.conftest import device_kind
 
 TESTS = Path(__file__).resolve().parent
 CUDA_WORDS = ("torch.cuda", "device_count", "device=\"cuda", "device='cuda")
+ASKING = "torch.cuda.is_available()"           # asking whether there is a device is not using one
+# modules that name CUDA without touching a device, and why
+CPU_MODULES = {"engine/loading/test_moe_loading.py": "plans memory for a CUDA config on the CPU (plan_memory)"}
 
 
 def _imports(tree: ast.AST) -> set[str]:
@@ -41,7 +44,9 @@ def test_every_module_that_touches_cuda_is_a_gpu_module_by_the_rule():
             continue
         source = path.read_text()
         tree = ast.parse(source)
-        code = _code_without_strings(source, tree)
+        code = _code_without_strings(source, tree).replace(ASKING, "")
+        if str(path.relative_to(TESTS)) in CPU_MODULES:
+            continue
         if any(w in code for w in CUDA_WORDS) and device_kind(path, _imports(tree)) is None:
             offenders.append(str(path.relative_to(TESTS)))
     assert not offenders, ("these test modules use CUDA but are not GPU modules by the rule of tests/conftest.py "

@@ -31,6 +31,8 @@ from engine.worker.decode_round import sampling_variant
 from engine.worker.decode_round import RoundOutput, read_round
 from engine.worker.model_runner import ModelRunner, PromptLogits
 from engine.sched.scheduler import ModelOutput, SchedulerOutput
+from engine.structured.bitmask import words_for
+from engine.structured.round_masks import RoundMasks
 
 log = structlog.get_logger(__name__)
 
@@ -84,9 +86,12 @@ class Executor:
         self.devices = rank_devices(config)
         groups = make_groups(config, self.devices, p2p_limit(config, model_config, draft_tokens))
         self._comm = groups[0].comm                      # closed at shutdown (CUDA: buffers, NCCL)
+        # structured output: a step's grammar masks, filled once on the host, copied to every rank
+        self.masks = RoundMasks(config.max_batch, draft_tokens, words_for(model_config.vocab_size),
+                                pin_memory=self.devices[0].type == "cuda")
         # built one after the other on this thread: construction touches process-wide defaults
         self.runners = [ModelRunner(config, model_config, weights, num_blocks, draft_tokens, max_model_len,
-                                    tp=g, device=d) for g, d in zip(groups, self.devices)]
+                                    tp=g, device=d, masks=self.masks) for g, d in zip(groups, self.devices)]
         self._workers = [_RankThread(r, d) for r, d in enumerate(self.devices)] if len(self.runners) > 1 else []
 
     @property
@@ -136,12 +141,15 @@ class Executor:
             # every rank assigns hidden-pool rows and option slots in the same order
             if runner.round_setup.pool_rows != rows or runner.options.slots != slots:
                 raise RuntimeError("hidden-pool rows or option slots differ between ranks")
-        cap, key = driver.graphs.select(works, sampling_variant(works))
+        variant = sampling_variant(works)
+        cap, key = driver.graphs.select(works, variant)
         cap.pack(works)              # once every rank's copy out of this turn's staging arrays is done
         caps = [cap] + [runner.graphs.bucket(cap.batch) for runner in self.runners[1:]]
         for runner, mine in zip(self.runners, caps):
             with _on(runner.device):
                 mine.upload(cap.host)
+                if variant.constrained:
+                    runner.upload_masks(cap.batch)
                 if mine is not cap and runner.device.type == "cuda":
                     cap.note_copy(torch.cuda.current_stream().record_event())
         # the launches back to back: a rank launched early waits in its first collective for the rest
@@ -172,6 +180,16 @@ class Executor:
         finally:
             for runner in self.runners:
                 runner.prompt_logits.pop(request_id, None)
+
+    def collect_last_hidden(self, request_id: str) -> list[torch.Tensor]:
+        """From now on the request's prefill appends its last prompt token's final hidden state [hidden]
+        (host) to the returned list (embeddings; every rank computes it, rank 0's is kept)."""
+        rows: list[torch.Tensor] = []
+        self.driver.last_hidden[request_id] = rows
+        return rows
+
+    def stop_collecting(self, request_id: str) -> None:
+        self.driver.last_hidden.pop(request_id, None)
 
     def shutdown(self) -> None:
         """Stop the rank threads and drop the shards (weights, KV, graphs), returning device memory."""

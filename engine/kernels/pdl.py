@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from engine import envs
+from engine.platform import paths_for
 
 _ON: dict[int, bool] = {}
 
@@ -48,7 +49,7 @@ def enabled(device: torch.device) -> bool:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _ON:                 # the environment is read once per device, not per launch
         _ON[idx] = (envs.PDL.read() and os.environ.get("TRITON_INTERPRET") != "1"
-                    and _triton_launches_pdl() and torch.cuda.get_device_capability(idx)[0] >= 9)
+                    and _triton_launches_pdl() and paths_for(device).pdl)
     return _ON[idx]
 
 

@@ -65,9 +65,12 @@ class GatedDeltaInProj(MergedColumnParallelLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         first, sections = self.first_section[shard_id]
-        loaded = expand_loaded(param, loaded)                 # rows in units of param.row_div
+        if getattr(param, "along_cols", False):               # an act-order g_idx: over the input, not the sections
+            self.load_rows(param, loaded, first)
+            return
+        per_tensor = loaded.numel() == 1                      # a per-tensor scale: every section's rows
+        loaded = loaded if per_tensor else expand_loaded(param, loaded)     # rows in units of param.row_div
         rdiv, start = getattr(param, "row_div", 1), 0
-        per_tensor = param.dim() == 1 and loaded.numel() == 1
         for i, size in enumerate(sections):
             part = loaded if len(sections) == 1 or per_tensor else loaded.narrow(0, start // rdiv, size // rdiv)
             self.load_rows(param, part, first + i)

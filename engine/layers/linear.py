@@ -23,20 +23,24 @@ from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, quant: str | None = None,
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, quant=None,
                  row_parts: list[int] | None = None, cols_sharded: bool = False):
+        # quant: None (the model dtype), or the layer's kind (engine.quant.layouts.LinearQuant, or its kind name)
         super().__init__()
         self.tp = tp
         self.in_features, self.out_features = in_features, out_features
-        self.quant = quant
         if quant is None:
+            self.quant = None
             self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
             self.weight.weight_loader = self.weight_loader
         else:
+            from engine.quant.layouts import LinearQuant
             from engine.quant.linear import create_weights
+            spec = quant if isinstance(quant, LinearQuant) else LinearQuant(quant)
+            self.quant = spec.kind                      # the kernels' family: fp8, fp8_channel, nvfp4, int
             # the finest row/column granule a rank's slice or a fused part may start at
             row_granule = math.gcd(*(row_parts or [out_features]))
-            create_weights(self, quant, in_features, out_features, row_granule, cols_sharded)
+            create_weights(self, spec, in_features, out_features, row_granule, cols_sharded, tp.size)
 
     def _row_range(self, shard_id) -> tuple[int, int, int]:
         """(first local row, first checkpoint row, rows) of part `shard_id` on this rank."""
@@ -47,23 +51,40 @@ class _Linear(nn.Module):
         return 0, self.in_features
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        self.load_rows(param, expand_loaded(param, loaded), shard_id)
+        self.load_rows(param, loaded if loaded.numel() == 1 else expand_loaded(param, loaded), shard_id)
 
     def load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Copy this rank's rows of part `shard_id` from `loaded` (already expanded to the param's
         row granule: see `expand_loaded`)."""
-        if param.dim() == 1 and loaded.numel() == 1:            # a per-tensor scale kept per row
-            dst0, _, rows = self._row_range(shard_id)
-            param.data.narrow(0, dst0, rows).fill_(loaded.reshape(()).item())
+        if getattr(param, "along_cols", False):
+            self._load_cols(param, loaded, shard_id)
             return
         rdiv, cdiv = getattr(param, "row_div", 1), getattr(param, "col_div", 1)
         dst0, src0, rows = self._row_range(shard_id)
         dst = param.data.narrow(0, dst0 // rdiv, -(-rows // rdiv))
+        if getattr(param, "quantized", False) and loaded.numel() == 1:
+            dst.fill_(loaded.reshape(()).item())               # a per-tensor scale: every row of the part
+            return
         src = loaded.narrow(0, src0 // rdiv, -(-rows // rdiv))
-        if param.dim() == 2:
+        if param.dim() == 2 and not getattr(param, "cols_whole", False):
             c0, cols = self._col_range()
             src = src.narrow(1, c0 // cdiv, -(-cols // cdiv))
         dst.copy_(src)
+
+    def _load_cols(self, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        """A vector over the input columns (an act-order g_idx): this rank's columns. Fused parts share the
+        input, so they share it: GPTQ orders the columns by the Hessian of that input, the same for q, k
+        and v (and for gate and up); a checkpoint where they differ is refused."""
+        c0, cols = self._col_range()
+        mine = loaded.narrow(0, c0, cols)
+        if getattr(param, "loaded_once", False):
+            if not torch.equal(param.data, mine.to(param.dtype)):
+                from engine.errors import ModelLoadError
+                raise ModelLoadError(f"differs from the other fused parts' (shard {shard_id!r}): one act-order "
+                                     "g_idx per fused layer is supported")
+            return
+        param.data.copy_(mine)
+        param.loaded_once = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
@@ -172,7 +193,7 @@ class RowParallelLinear(_Linear):
                 and x.shape[0] <= self.split_rows)
 
 
-def quant_format(cfg, prefix: str, parts: list[str]) -> str | None:
-    """The quantized format of the linear layer made of checkpoint modules prefix.part (a `ModelConfig`'s
-    scheme), or None."""
+def quant_format(cfg, prefix: str, parts: list[str]):
+    """The quantized kind (engine.quant.layouts.LinearQuant) of the linear layer made of checkpoint modules
+    prefix.part (a `ModelConfig`'s scheme), or None."""
     return None if cfg.quant is None else cfg.quant.layer_format(prefix, parts)

@@ -89,7 +89,11 @@ def experts_format(quant, prefix: str, num_experts: int) -> str | None:
     formats_seen = {quant.layer_format(f"{prefix}.{e}", list(PARTS)) for e in range(num_experts)}
     if len(formats_seen) > 1:
         raise ModelLoadError(f"{prefix}: some experts are quantized and some are not; all or none must be")
-    return formats_seen.pop()
+    spec = formats_seen.pop()                       # an engine.quant.layouts.LinearQuant, or None
+    if spec is not None and spec.kind not in (FP8, NVFP4):
+        raise ModelLoadError(f"{prefix}: experts quantized as {spec.kind} ({quant.format}) are not supported; "
+                             "supported: FP8 128x128 blocks, NVFP4")
+    return None if spec is None else spec.kind
 
 
 def _param(shape, dtype, row_div: int = 1, col_div: int = 1, expand=None) -> nn.Parameter:

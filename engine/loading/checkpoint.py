@@ -7,7 +7,7 @@ wrong checkpoint fails with one error naming every problem and nothing half-load
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,16 @@ class CheckpointWeights:
 
     def without(self, prefix: str) -> "CheckpointWeights":
         return CheckpointWeights({n: f for n, f in self._file_of.items() if not n.startswith(prefix)}, self._stored)
+
+    def only(self, prefix: str) -> "CheckpointWeights":
+        return CheckpointWeights({n: f for n, f in self._file_of.items() if n.startswith(prefix)}, self._stored)
+
+    def merged(self, other: "CheckpointWeights") -> "CheckpointWeights":
+        """These tensors and `other`'s (names must not repeat), each read from its own files."""
+        both = set(self._file_of) & set(other._file_of)
+        if both:
+            raise ModelLoadError(f"tensors in both checkpoints: {', '.join(sorted(both)[:4])}")
+        return CheckpointWeights({**self._file_of, **other._file_of}, {**self._stored, **other._stored})
 
     def renamed(self, rename: Callable[[str], str | None]) -> "CheckpointWeights":
         """The tensors under new names (`rename` returns None to drop one); nothing is read."""
@@ -145,6 +155,16 @@ class ModelDir:
 
 
 def read_model_dir(path: str | Path) -> ModelDir:
+    path, config, weights = read_checkpoint(path)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.exists():
+        raise ModelLoadError(f"{path}: no tokenizer.json")
+    return ModelDir(path, config, tokenizer_file, weights)
+
+
+def read_checkpoint(path: str | Path) -> tuple[Path, ModelConfig, "CheckpointWeights"]:
+    """A checkpoint directory's config (with its quantization, ModelOpt's hf_quant_config.json included)
+    and its weights (a Qwen3.5 vision-language checkpoint's as its language model); no tokenizer needed."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
@@ -165,13 +185,10 @@ def read_model_dir(path: str | Path) -> ModelDir:
         value = json.loads(gen.read_text()).get("eos_token_id")
         eos = tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
     config = ModelConfig.from_hf(hf, eos)
-    tokenizer_file = path / "tokenizer.json"
-    if not tokenizer_file.exists():
-        raise ModelLoadError(f"{path}: no tokenizer.json")
     weights = CheckpointWeights.from_dir(path)
     if config.model_type in ("qwen3_5", "qwen3_5_moe"):
         weights = language_model_weights(weights, path)
-    return ModelDir(path, config, tokenizer_file, weights)
+    return path, config, weights
 
 
 def language_model_weights(weights: CheckpointWeights, path: Path) -> CheckpointWeights:
@@ -218,3 +235,20 @@ def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[i
             problems.append(f"{label} tensors ({len(names)}): {shown}")
     if problems:
         raise ModelLoadError(f"{where}: " + "; ".join(problems))
+
+
+FLOAT16_MAX = 65504.0
+
+
+def checked_for_float16(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint loaded into a float16 model (--dtype float16: GPUs without bfloat16), each
+    refused, by name, when a finite value lies beyond float16's range (it would load as infinity). bfloat16
+    keeps float32's exponent, so a trained weight may; Qwen3's and Qwen3.5's do not (the tests load both).
+    Quantized codes and FP8 scales (|x| <= 448) pass unchecked."""
+    for name, tensor in weights:
+        if tensor.dtype in (torch.bfloat16, torch.float32, torch.float64) and tensor.numel():
+            largest = float(tensor.abs().amax())
+            if FLOAT16_MAX < largest < float("inf"):
+                raise ModelLoadError(f"{name}: holds {largest:.6g}, beyond float16's range (+-{FLOAT16_MAX:.0f}); "
+                                     "this checkpoint cannot load with --dtype float16: use bfloat16 or float32")
+        yield name, tensor

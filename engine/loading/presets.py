@@ -70,8 +70,14 @@ PRESETS: dict[str, ModelConfig] = {
 PREFIX = "preset:"
 
 
-# "preset:qwen3-8b-nvfp4": the shape with every linear layer but lm_head in that format
-QUANT_SUFFIXES = ("-fp8", "-nvfp4")
+# "preset:qwen3-8b-nvfp4": the shape with every linear layer but lm_head in that format; "-w4a16" is
+# compressed-tensors pack-quantized INT4, groups of 128, symmetric (llmcompressor's W4A16 scheme)
+QUANT_SUFFIXES = ("-fp8", "-nvfp4", "-w4a16")
+W4A16_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                              "weights": {"type": "int", "num_bits": 4, "strategy": "group",
+                                                          "group_size": 128, "symmetric": True}}}}
 
 
 def preset(name: str) -> ModelConfig:
@@ -91,7 +97,8 @@ def _quantized(cfg: ModelConfig, fmt: str) -> ModelConfig:
     import torch
 
     from engine.models.registry import model_class
-    from engine.quant.scheme import QuantScheme
+    from engine.quant.scheme import QuantScheme, from_hf
     with torch.device("meta"):
         shapes = model_class(cfg)(cfg, with_mtp=True).checkpoint_shapes()
-    return replace(cfg, quant=QuantScheme(fmt).over_linears(shapes))
+    scheme = from_hf(W4A16_CONFIG) if fmt == "w4a16" else QuantScheme(fmt)
+    return replace(cfg, quant=scheme.over_linears(shapes))

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.errors import ModelLoadError
 from engine.worker.forward_context import get_forward_context
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -218,21 +219,23 @@ class Qwen3ForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (names already checked by the loader) into this rank's parameters."""
+        from engine.quant.scheme import canonical_weights
         params = dict(self.named_parameters(remove_duplicate=False))
-        for name, tensor in weights:
+        # quantized modules' tensors as the layers hold them (engine.quant.layouts: repacked, transposed, ...)
+        for name, tensor in canonical_weights(weights, self.cfg.quant):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
-                continue
-            if name.endswith(".input_scale"):         # NVFP4 activation scale: W4A16 does not use it
                 continue
             checkpoint_name = name
             name, shard_id = self.fused_name(name)
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if getattr(param, "quantized", False) and tensor.dtype != param.dtype:
-                from engine.errors import ModelLoadError
                 raise ModelLoadError(f"{checkpoint_name}: dtype {tensor.dtype}, the quantized layout needs {param.dtype}")
             tensor = tensor.to(device=param.device, dtype=param.dtype)
             if loader is None:
                 param.data.copy_(tensor)
-            else:
+                continue
+            try:
                 loader(param, tensor, shard_id)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{checkpoint_name}: {e}") from None

@@ -78,6 +78,7 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
                 else:
                     tensors[name] = t.contiguous()
         save_file(tensors, str(out / file.name), metadata={"format": "pt"})
+        _readable_as_created(out / file.name)
         weight_map.update({n: file.name for n in tensors})
     if (model / "model.safetensors.index.json").exists():
         total = sum((out / f).stat().st_size for f in set(weight_map.values()))
@@ -95,6 +96,15 @@ def quantize_checkpoint(model: Path, out: Path, fmt: str, keep_mtp: bool = False
             "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
                              "exclude_modules": list(exclude)}}, indent=2) + "\n")
     return scheme
+
+
+def _readable_as_created(path: Path) -> None:
+    """safetensors creates its files 0600; give them the mode any new file gets (0666 less the umask), so that
+    a checkpoint written for a server running as another user can be read by it."""
+    import os
+    mask = os.umask(0)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from engine.loading.checkpoint import RandomWeights
-from engine.quant import formats
+from engine.quant import formats, int_formats
 from engine.quant.scheme import NVFP4, QuantScheme
 
 
@@ -22,6 +22,12 @@ def quantize_tensor(name: str, w: torch.Tensor, scheme: QuantScheme,
     """The checkpoint tensors of module `name[:-7]` (`X.weight` [out, in]) in `scheme`'s format
     (`search`: NVFP4 group-scale fractions to try, see `formats.quantize_nvfp4`)."""
     module = name[:-len(".weight")]
+    if scheme.format == "compressed-tensors":         # pack-quantized INT, symmetric (the "-w4a16" presets)
+        spec = scheme.spec(module)
+        q = int_formats.quantize_int(w, spec.bits, spec.group_size, symmetric=True)
+        # codes u = q + 2^(bits-1) packed along the input: compressed-tensors' weight_packed as it is
+        return {f"{module}.weight_packed": q["qweight"], f"{module}.weight_scale": q["scales"].to(torch.bfloat16),
+                f"{module}.weight_shape": torch.tensor(list(w.shape), dtype=torch.int64, device=w.device)}
     if scheme.format == NVFP4:
         packed, scale, scale_2 = formats.quantize_nvfp4(w, search=search)
         return {name: packed, f"{module}.weight_scale": scale, f"{module}.weight_scale_2": scale_2}

@@ -1,33 +1,33 @@
-"""A checkpoint's quantization: which format, read from its config, and which linear layers use it.
+"""A checkpoint's quantization: its layout (engine.quant.layouts, read from the config), which linear layers it
+quantizes (read from the tensors), and each layer's kind.
 
-Config, as the publishers write it:
-  NVFP4 (ModelOpt): `hf_quant_config.json` {"quantization": {"quant_algo": "NVFP4", "group_size": 16,
-      "exclude_modules": [...]}} or config.json `quantization_config` {"quant_method": "modelopt",
-      "quant_algo": "NVFP4", "group_size": 16, "exclude_modules": [...]}.
-  FP8 (Qwen): config.json `quantization_config` {"quant_method": "fp8", "fmt": "e4m3",
-      "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, optional "modules_to_not_convert".
+Config, as the producers write it (engine.quant.layouts has one module per family):
+  ModelOpt (NVFP4, FP8): `hf_quant_config.json` {"quantization": {"quant_algo": ..., "exclude_modules": [...]}}
+      or config.json `quantization_config` {"quant_method": "modelopt", "quant_algo": ..., "ignore": [...]}.
+  Qwen FP8 blocks: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+      "weight_block_size": [128, 128]}, optional "modules_to_not_convert".
+  compressed-tensors, GPTQ, AWQ: see their layout modules.
 
-Which layers are quantized is read from the tensors themselves: a linear layer is quantized when
-the checkpoint holds its scale (`weight_scale` / `weight_scale_inv`). The exclusion list must agree
-(a layer it excludes may not carry a scale), and so must the fused parts (q/k/v, gate/up).
+A linear layer is quantized when the checkpoint holds its marker tensor (`weight_scale`, `qweight`, ...).
+The config's exclusions must agree (an excluded module may not carry one), and so must the fused parts
+(q/k/v, gate/up: all quantized alike, or none).
 """
 
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelLoadError
+from engine.quant.layouts import FP8, NVFP4, Layout, LinearQuant, layout_from_hf
+from engine.quant.layouts.base import ByPrefix, Unquantized
 
-NVFP4, FP8 = "nvfp4", "fp8"
-# the tensors (besides `weight`) of one quantized linear layer, and the one that marks it
-SCALE_NAMES = {NVFP4: ("weight_scale", "weight_scale_2"), FP8: ("weight_scale_inv",)}
-OPTIONAL_NAMES = {NVFP4: ("input_scale",), FP8: ()}
-# safetensors header dtypes each tensor must have
-HEADER_DTYPES = {NVFP4: {"weight": "U8", "weight_scale": "F8_E4M3", "weight_scale_2": "F32", "input_scale": "F32"},
-                 FP8: {"weight": "F8_E4M3", "weight_scale_inv": "F32"}}
+if TYPE_CHECKING:
+    import torch
 
+__all__ = ["FP8", "KEPT", "NVFP4", "QuantScheme", "canonical_weights", "check_header_dtypes", "from_hf",
+           "from_hf_quant_config", "normalize_found", "quantized_shapes", "resolve_checkpoint"]
 
 KEPT = ("model.embed_tokens.weight", "lm_head.weight")
 # A mixture of experts' router and its shared expert's gate decide which weights run and how much of them
@@ -37,31 +37,49 @@ KEPT = ("model.embed_tokens.weight", "lm_head.weight")
 KEPT_MODULES = (".mlp.gate", ".shared_expert_gate", ".in_proj_qkvz", ".in_proj_ba")
 
 
+def _default_layout(fmt: str, exclude: tuple[str, ...]) -> Layout:
+    from engine.quant.layouts.modelopt import ModelOptNVFP4, QwenFP8Blocks
+    if fmt == NVFP4:
+        return ModelOptNVFP4(exclude)
+    if fmt == FP8:
+        return QwenFP8Blocks(exclude)
+    raise ModelLoadError(f"a quantization scheme of format {fmt!r} needs its checkpoint layout")
+
+
 @dataclass(frozen=True)
 class QuantScheme:
-    format: str                                  # "nvfp4" or "fp8"
+    format: str                                  # "nvfp4", "fp8", "modelopt_fp8", "compressed-tensors", "gptq", "awq"
     group_size: int = 16                         # NVFP4 values per E4M3 scale
     block: tuple[int, int] = (128, 128)          # FP8 weight block
-    exclude: tuple[str, ...] = ()                # module names or patterns kept unquantized
+    exclude: tuple[str, ...] = ()                # module names or patterns kept unquantized (nvfp4, fp8)
     # modules (checkpoint prefixes such as "model.layers.0.mlp.up_proj") the checkpoint quantizes;
     # None until read from the tensors (`resolve`)
     modules: frozenset[str] | None = None
+    layout: Layout | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def marker(self) -> str:
-        return SCALE_NAMES[self.format][0]
+    def __post_init__(self) -> None:
+        if self.layout is None:
+            object.__setattr__(self, "layout", _default_layout(self.format, self.exclude))
 
     def excludes(self, module: str) -> bool:
-        return any(module == p or module.startswith(p + ".") or fnmatch.fnmatchcase(module, p) for p in self.exclude)
+        return self.layout.excluded_by(module) is not None
 
-    def resolve(self, names) -> "QuantScheme":
+    def spec(self, module: str) -> LinearQuant:
+        """The kind of the (quantized) checkpoint module `module`."""
+        return self.layout.linear_quant(module).at(module)
+
+    def resolve(self, names: Iterable[str]) -> "QuantScheme":
         """The scheme with its quantized modules read from the checkpoint's tensor names."""
-        suffix = "." + self.marker
-        modules = frozenset(n[:-len(suffix)] for n in names if n.endswith(suffix))
+        modules = {}
+        for n in names:
+            module, _, suffix = n.rpartition(".")
+            if suffix in self.layout.markers:
+                modules.setdefault(module, n)
         for m in sorted(modules):
-            if self.excludes(m):
-                raise ModelLoadError(f"{m}.{self.marker}: the module is in exclude_modules but carries a scale")
-        return replace(self, modules=modules)
+            why = self.layout.excluded_by(m)
+            if why is not None:
+                raise ModelLoadError(f"{modules[m]}: the module is in {why} but carries quantized tensors")
+        return replace(self, modules=frozenset(modules))
 
     def over_linears(self, shapes: dict[str, tuple[int, ...]]) -> "QuantScheme":
         """The scheme quantizing every linear layer of a bf16 checkpoint's `shapes` that it does not
@@ -73,17 +91,23 @@ class QuantScheme:
                             and not self.excludes(n[:-len(".weight")]))
         return replace(self, modules=modules)
 
-    def layer_format(self, prefix: str, parts: list[str]) -> str | None:
-        """The format of one (possibly fused) linear layer whose checkpoint parts are prefix.part."""
+    def layer_format(self, prefix: str, parts: list[str]) -> LinearQuant | None:
+        """The kind of one (possibly fused) linear layer whose checkpoint parts are prefix.part, or None."""
         names = [f"{prefix}.{p}" if p else prefix for p in parts]
         quantized = [n in (self.modules or ()) for n in names]
         if any(quantized) and not all(quantized):
             mixed = ", ".join(f"{n} ({'quantized' if q else 'not'})" for n, q in zip(names, quantized))
             raise ModelLoadError(f"fused parts must all be quantized or none: {mixed}")
-        return self.format if all(quantized) else None
+        if not all(quantized):
+            return None
+        specs = [self.spec(n) for n in names]
+        if any(s != specs[0] for s in specs):
+            shown = ", ".join(f"{s.module} ({s.kind}, {s.bits} bits, group {s.group_size})" for s in specs)
+            raise ModelLoadError(f"fused parts must be quantized alike: {shown}")
+        return specs[0]
 
     def to_hf(self) -> dict[str, Any]:
-        """The config.json `quantization_config` of this scheme."""
+        """The config.json `quantization_config` of this scheme (the formats `ninfer quantize` writes)."""
         if self.format == NVFP4:
             return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": self.group_size,
                     "exclude_modules": list(self.exclude)}
@@ -98,30 +122,20 @@ def from_hf(qc: dict[str, Any] | None) -> QuantScheme | None:
     """The scheme of a `quantization_config` (or hf_quant_config.json's "quantization"); None when absent."""
     if not qc:
         return None
-    method = str(qc.get("quant_method", "")).lower()
-    algo = qc.get("quant_algo")
-    if algo is not None or method == "modelopt":
-        if str(algo).upper() != "NVFP4":
-            raise ModelLoadError(f"quantization_config.quant_algo={algo!r} is not supported; supported: NVFP4")
-        group = qc.get("group_size", 16)
-        if group != 16:
-            raise ModelLoadError(f"quantization_config.group_size={group} is not supported; NVFP4 needs 16")
-        if qc.get("kv_cache_quant_algo") not in (None, "none", "None"):
-            raise ModelLoadError(f"quantization_config.kv_cache_quant_algo={qc['kv_cache_quant_algo']!r} is not "
-                                 "supported (KV scales from the checkpoint); use kv_dtype=int8 instead")
-        return QuantScheme(NVFP4, group_size=16, exclude=tuple(qc.get("exclude_modules") or ()))
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        if list(block or ()) != [128, 128]:
-            raise ModelLoadError(f"quantization_config.weight_block_size={block!r} is not supported; FP8 needs [128, 128]")
-        fmt = qc.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise ModelLoadError(f"quantization_config.fmt={fmt!r} is not supported; FP8 needs e4m3")
-        act = qc.get("activation_scheme", "dynamic")
-        if act != "dynamic":
-            raise ModelLoadError(f"quantization_config.activation_scheme={act!r} is not supported; FP8 needs dynamic")
-        return QuantScheme(FP8, block=(128, 128), exclude=tuple(qc.get("modules_to_not_convert") or ()))
-    raise ModelLoadError(f"quantization_config.quant_method={method!r} is not supported; supported: fp8, modelopt (NVFP4)")
+    fmt, layout = layout_from_hf(qc)
+    exclude = tuple(getattr(layout, "exclude", ()) or ())
+    return QuantScheme(fmt, exclude=exclude, layout=layout)
+
+
+def joined(base: QuantScheme | None, prefix: str, part: QuantScheme | None) -> QuantScheme | None:
+    """`base` for every module but those under `prefix`, which follow `part` (the MTP head of another
+    checkpoint, quantized in its own layout or not at all); None when neither is quantized."""
+    if base is None and part is None:
+        return None
+    modules = {m for m in (base.modules or ()) if not m.startswith(prefix)} if base else set()
+    modules |= {m for m in (part.modules or ()) if m.startswith(prefix)} if part else set()
+    layout = ByPrefix(base.layout if base else Unquantized(), prefix, part.layout if part else Unquantized())
+    return QuantScheme((base or part).format, exclude=(base or part).exclude, modules=frozenset(modules), layout=layout)
 
 
 def from_hf_quant_config(doc: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +148,7 @@ def from_hf_quant_config(doc: dict[str, Any]) -> dict[str, Any]:
 
 def quantized_shapes(shapes: dict[str, tuple[int, ...]], scheme: QuantScheme) -> dict[str, tuple[int, ...]]:
     """The tensors a checkpoint holds for `shapes` (bf16 names and shapes) once `scheme` quantizes
-    its modules: each quantized `X.weight` [out, in] becomes the format's tensors."""
+    its modules: each quantized `X.weight` [out, in] becomes its layout's tensors."""
     out: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
         module = name[:-len(".weight")] if name.endswith(".weight") else None
@@ -142,40 +156,38 @@ def quantized_shapes(shapes: dict[str, tuple[int, ...]], scheme: QuantScheme) ->
             out[name] = shape
             continue
         rows, cols = shape
-        if scheme.format == NVFP4:
-            if cols % scheme.group_size:
-                raise ModelLoadError(f"{name}: in_features {cols} is not a multiple of group_size {scheme.group_size}")
-            out.update({name: (rows, cols // 2), f"{module}.weight_scale": (rows, cols // scheme.group_size),
-                        f"{module}.weight_scale_2": ()})
-        else:
-            br, bc = scheme.block
-            out.update({name: shape, f"{module}.weight_scale_inv": (-(-rows // br), -(-cols // bc))})
+        out.update(scheme.layout.disk_shapes(module, scheme.spec(module), rows, cols))
     return out
 
 
 def normalize_found(found: dict[str, tuple[int, ...]], scheme: QuantScheme | None) -> dict[str, tuple[int, ...]]:
-    """Checkpoint shapes as `quantized_shapes` writes them: optional tensors dropped, the scalar
-    scales' shape [] or [1] read as []."""
+    """Checkpoint shapes as `quantized_shapes` writes them: optional tensors of quantized modules dropped,
+    one-value scales' shape [] or [1] read as []."""
     if scheme is None:
         return found
-    optional = tuple("." + n for n in OPTIONAL_NAMES[scheme.format])
+    layout, modules = scheme.layout, scheme.modules
     out = {}
     for name, shape in found.items():
-        if name.endswith(optional):
+        module, _, suffix = name.rpartition(".")
+        if modules is not None and module not in modules:
+            out[name] = tuple(shape)
+        elif suffix in layout.optional:
             continue
-        out[name] = () if name.endswith(".weight_scale_2") and tuple(shape) in ((), (1,)) else tuple(shape)
+        elif suffix in layout.scalars and tuple(shape) in ((), (1,)):
+            out[name] = ()
+        else:
+            out[name] = tuple(shape)
     return out
 
 
 def check_header_dtypes(dtypes: dict[str, str], scheme: QuantScheme) -> None:
     """Refuse, naming every tensor and field, a quantized module whose tensors have the wrong dtype."""
-    wanted = HEADER_DTYPES[scheme.format]
     wrong = []
     for module in sorted(scheme.modules or ()):
-        for field, dtype in wanted.items():
-            got = dtypes.get(f"{module}.{field}")
-            if got is not None and got != dtype:
-                wrong.append(f"{module}.{field} is {got} (the {scheme.format} layout needs {dtype})")
+        for suffix, allowed in scheme.layout.dtypes_for(module, scheme.spec(module)).items():
+            got = dtypes.get(f"{module}.{suffix}")
+            if got is not None and got not in allowed:
+                wrong.append(f"{module}.{suffix} is {got} (the {scheme.format} layout needs {' or '.join(allowed)})")
     if wrong:
         shown = "; ".join(wrong[:6]) + (f" and {len(wrong) - 6} more" if len(wrong) > 6 else "")
         raise ModelLoadError(f"unsupported {scheme.format} layout: {shown}")
@@ -189,3 +201,17 @@ def resolve_checkpoint(scheme: QuantScheme, weights) -> QuantScheme:
     if dtypes is not None:
         check_header_dtypes(dtypes(), resolved)
     return resolved
+
+
+def canonical_weights(weights: Iterable[tuple[str, torch.Tensor]],
+                      scheme: QuantScheme | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint tensors as the layers hold them: each tensor of a quantized module converted by its layout
+    (repacked, transposed, a divisor inverted, an unused activation scale dropped); the rest as they are."""
+    modules = (scheme.modules or frozenset()) if scheme is not None else frozenset()
+    for name, tensor in weights:
+        module, _, suffix = name.rpartition(".")
+        if module not in modules:
+            yield name, tensor
+            continue
+        for layer_suffix, converted in scheme.layout.convert(module, suffix, tensor, scheme.spec(module)):
+            yield f"{module}.{layer_suffix}", converted

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason, Rates, RequestStats, SpeculativeCounts, Timings, Usage, rate
 
@@ -80,6 +80,9 @@ class Request:
     group_id: str = ""                       # the id the caller knows (this request's own when n = 1)
     index: int = 0                           # which of the n sequences
     forks: list["Request"] = field(default_factory=list)
+    # structured output: the sequence's grammar matcher (engine.structured.matcher.GrammarState), advanced
+    # by the engine as tokens are appended; None when unconstrained
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         if not self.group_id:

@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sched.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager

@@ -18,7 +18,9 @@ that is safe because every later use of a freed block is enqueued after N+1 on t
 N+1 writes only positions past the request's last final (prefix-registered) block.
 
 A request that round N may end by length sits round N+1 out and rejoins, packed whole, the round
-after. Rounds with prefill work, batch changes that add requests (admission, attach) and out-of-KV
+after. So does a request under a grammar (structured output): its mask for N+1 depends on N's tokens,
+which the host has not read when N+1 is packed; packed whole, its mask is filled from its matcher
+before the round is enqueued (engine.structured.round_masks), and the other rows never wait for it. Rounds with prefill work, batch changes that add requests (admission, attach) and out-of-KV
 (preemption) run synchronously: the step first lands the round in flight, then schedules as before.
 
 Tensor parallelism: every rank's round is enqueued (one graph replay each, or each rank's thread for
@@ -126,6 +128,8 @@ def plan_ahead(scheduler: Scheduler, inflight: InflightRound) -> SchedulerOutput
                 return None                                        # preemption decides synchronously
             works.append(s.decode_work(req))
             continue
+        if req.grammar is not None:
+            continue                    # its mask needs round N's tokens: it sits N+1 out (structured output)
         adds = inflight.sched.decode[r].draft_tokens + 1           # the most round N adds
         if req.num_output_tokens + adds >= req.sampling.max_tokens:
             continue                                               # N may end it by length

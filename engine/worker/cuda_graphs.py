@@ -7,11 +7,18 @@ code differs in shape of work, not in values: all-greedy rounds skip probabiliti
 only rounds with a top-k/top-p row sort the vocabulary. Context classes exist because the
 attention kernel sizes its split along the keys from an upper bound of the context: a round whose
 longest sequence is short replays a graph planned for short sequences.
+
+Structured output: without drafts (k = 0) a round whose batch has a request under a grammar replays a
+"constrained" twin of its variant's graph, which masks the sampled logits by the persistent
+`RoundSetup.token_masks` buffer (filled on the host and copied in before the replay). With drafts, the
+masks of verify positions past the first depend on the drafts of the round itself: such a round runs
+eagerly (engine.worker.model_runner.graphed; docs/structured-output.md).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import structlog
@@ -107,6 +114,9 @@ class GraphedRounds:
         self._by_batch: dict[int, _Captured] = {}
         # an adaptive draft length replays a graph per round length: k + 1 times the captures
         self.draft_counts = list(range(setup.k + 1)) if setup.adaptive else [setup.k]
+        # structured output: k = 0 rounds of a constrained batch replay a masking twin of each variant
+        self.variants = VARIANTS + (tuple(replace(v, constrained=True) for v in VARIANTS)
+                                    if setup.k == 0 and setup.token_masks is not None else ())
 
     def fits(self, n: int) -> bool:
         return n <= self.buckets[-1]
@@ -127,7 +137,8 @@ class GraphedRounds:
             cap = self._by_batch[batch] = _Captured(batch, setup)
             cap.pack([])                                         # all rows padding
             cap.upload()
-            for cls, variant, drafts in ((c, v, d) for c in self.classes for v in VARIANTS for d in self.draft_counts):
+            for cls, variant, drafts in ((c, v, d) for c in self.classes for v in self.variants
+                                         for d in self.draft_counts):
                 args = (setup, cap.inputs, cls, variant, drafts)
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -142,16 +153,20 @@ class GraphedRounds:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         log.info("cuda_graphs_captured", buckets=self.buckets, context_classes=self.classes,
-                 variants=len(VARIANTS), seconds=round(seconds, 2))
+                 variants=len(self.variants), seconds=round(seconds, 2))
         return seconds
 
     def bucket(self, batch: int) -> _Captured:
         """The captured bucket of exactly this batch size (every rank captures the same buckets)."""
         return self._by_batch[batch]
 
+    def bucket_for(self, batch: int) -> int:
+        """The batch size of the bucket a round of `batch` requests replays."""
+        return next(b for b in self.buckets if b >= batch)
+
     def select(self, works, variant: SamplingVariant) -> tuple[_Captured, tuple]:
         """The bucket for len(works) and the key of its graph for this round's contexts and sampling."""
-        cap = self._by_batch[next(b for b in self.buckets if b >= len(works))]
+        cap = self._by_batch[self.bucket_for(len(works))]
         longest = max(w.max_num_tokens for w in works) + self.setup.k
         cls = next(c for c in self.classes if c >= longest)
         return cap, (cls, variant, round_drafts(self.setup, works))

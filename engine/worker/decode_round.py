@@ -26,6 +26,7 @@ pass unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -93,6 +94,10 @@ class RoundSetup:
     last_tokens: torch.Tensor | None = None
     # per-request logit options (penalties, bias, bad words, min_tokens): the slots rounds read and advance
     options: LogitOptionPool | None = None
+    # [max_batch, k+1, ceil(V/32)] int32: grammar masks of a constrained round (structured output), row j
+    # for the logits after the request's j-th draft; all ones for unconstrained rows. Filled on the host
+    # (engine.structured.round_masks) and copied in before the round; a captured round reads it in place.
+    token_masks: torch.Tensor | None = None
 
     @property
     def pool_rows(self) -> dict[str, int]:
@@ -181,9 +186,21 @@ def uniform_context(start: torch.Tensor, query_len: int, block_tables: torch.Ten
     return positions, ctx
 
 
+DraftHook = Callable[[int, torch.Tensor], None]   # (j, drafts [B] of step j): token_masks[:, j + 1] filled
+
+
+def masked(logits: torch.Tensor, setup: RoundSetup, rows: slice | int, draft: bool = False) -> torch.Tensor:
+    """Structured output: logits [B, w, V] (or [B, V] for one row) under token_masks[:B, rows]."""
+    from engine.structured.bitmask import apply_token_mask
+    bsz = logits.shape[0]
+    mask = setup.token_masks[:bsz, rows]
+    return apply_token_mask(logits.reshape(-1, logits.shape[-1]), mask.reshape(-1, mask.shape[-1]),
+                            keep_empty_rows=draft).view(logits.shape)
+
+
 @torch.inference_mode()
 def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sampler.SamplingVariant,
-              drafts: int | None = None) -> RoundOutput:
+              drafts: int | None = None, on_draft: DraftHook | None = None) -> RoundOutput:
     """-> tokens [B, drafts+1] (accepted drafts, bonus, then -1), num_accepted [B] and (a logprobs
     variant) each emitted token's raw logprob and the top alternatives at its position.
 
@@ -192,10 +209,17 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sa
     so a round of 0 drafts keeps the MTP layer's KV current and verifies x_{n-1} alone.
 
     The hidden pool's rows ([rows, k+1, hidden]) are updated in place with this round's target hidden
-    states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it)."""
+    states. `max_seq_len` bounds the round's longest context (the attention kernel plans its split by it).
+
+    A constrained variant (structured output) masks every logits row it samples from by
+    `setup.token_masks` -- the target's at verify position j and the draft of step j + 1 by row j --
+    before the logit options, the sampler and the logprobs see them (the logprobs are the model's
+    distribution over the tokens the grammar allows, as vLLM reports them). Row 0 is filled before the
+    round; with drafts, `on_draft(j, d)` fills row j + 1 from draft j on the host (the matcher advanced by
+    the drafts so far), so a round of a constrained batch with k > 0 runs eagerly."""
     if setup.last_tokens is not None:
         inp = carry_forward(inp, setup.last_tokens)
-    out = _run_round(setup, inp, max_seq_len, variant, drafts)
+    out = _run_round(setup, inp, max_seq_len, variant, drafts, on_draft)
     if setup.last_tokens is not None:
         keep_last_tokens(setup.last_tokens, out.tokens)
     if variant.any_options and setup.options is not None:
@@ -204,17 +228,19 @@ def run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sa
 
 
 def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: sampler.SamplingVariant,
-               drafts: int | None) -> RoundOutput:
+               drafts: int | None, on_draft: DraftHook | None = None) -> RoundOutput:
     model, k, block_size, draft_vocab = setup.model, setup.k, setup.block_size, setup.draft_vocab
     hidden_pool = setup.hidden.states if setup.hidden is not None else None
     drafts = k if drafts is None else drafts
-    all_greedy = variant.all_greedy
+    all_greedy, constrained = variant.all_greedy, variant.constrained
     s = inp.sampling(variant, setup.options)
     tables = inp.block_tables
     if k == 0:
         positions, ctx = uniform_context(inp.num_tokens - 1, 1, tables, block_size, max_seq_len, inp.state_slots)
         with forward_context(ctx):
             logits = model.compute_logits(model(inp.last_ids, positions))
+        if constrained:
+            logits = masked(logits, setup, 0)
         tokens = sampler.sample(logits, s).unsqueeze(1)
         return RoundOutput(tokens, torch.zeros_like(inp.num_tokens),
                            engine_logprobs.compute(logits.unsqueeze(1), tokens) if variant.logprobs else None)
@@ -230,7 +256,12 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: s
     draft_list, draft_probs = [], []
     for j in range(drafts):
         so_far = torch.stack(draft_list, dim=1) if draft_list else inp.mtp_ids[:, :0]      # [B, j]
-        d, q = sampler.draft(model.compute_logits(g, draft_vocab), s.shifted(j, so_far), vocab)
+        draft_logits = model.compute_logits(g, draft_vocab)
+        if constrained:
+            draft_logits = masked(draft_logits, setup, j, draft=True)
+        d, q = sampler.draft(draft_logits, s.shifted(j, so_far), vocab)
+        if on_draft is not None:
+            on_draft(j, d)
         draft_list.append(d)
         draft_probs.append(q)
         if j + 1 < drafts:
@@ -246,6 +277,8 @@ def _run_round(setup: RoundSetup, inp: RoundInputs, max_seq_len: int, variant: s
     with forward_context(ctx):
         hidden = model(verify_ids.flatten(), positions)                                  # [B(drafts+1), hidden]
     logits = model.compute_logits(hidden).view(bsz, width, -1)
+    if constrained:
+        logits = masked(logits, setup, slice(0, width))
     if drafts == 0:
         tokens, num_accepted = sampler.sample(logits[:, 0], s).unsqueeze(1), torch.zeros_like(inp.num_tokens)
     else:

@@ -1,4 +1,4 @@
-"""Log-probabilities on the device (engine.logprobs says which distribution), read with the round.
+"""Log-probabilities on the device (engine.sampling_params.TokenLogprob says which distribution), read with the round.
 
 A round with any row that wants logprobs computes, at each of its positions, the raw log-softmax,
 the logprob and rank of the token the round emitted there and the top MAX_LOGPROBS alternatives
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import MAX_LOGPROBS
 
 

@@ -16,6 +16,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import CapacityError
+from engine.platform import KernelPaths
 from engine.worker.paged_kv import PREFILL_GATHER_MAX_BYTES, PREFILL_TMA_HEAD_DIMS
 
 GiB = 1 << 30
@@ -89,7 +90,8 @@ def shard_bytes(model: ModelConfig, tp: int, with_mtp: bool, max_position: int, 
 
 
 def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_model_len: int,
-                available: int | None = None) -> MemoryPlan:
+                available: int | None = None, paths: KernelPaths | None = None) -> MemoryPlan:
+    """`paths`: the device's kernel families (engine/platform.py); None on CUDA = the sm90 ones (a TMA prefill)."""
     tp = cfg.tensor_parallel_size
     elt = dtype_bytes(cfg.torch_dtype_name)
     kv_elt = dtype_bytes(cfg.kv_dtype_name)
@@ -113,7 +115,8 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     # per-request logit options (engine.worker.logit_options): counts and prompt masks of every seat
     from engine.worker.logit_options import LogitOptionPool, option_slots
     activations += LogitOptionPool.bytes_for(option_slots(cfg.max_batch), model.vocab_size)
-    if cfg.device != "cpu" and model.head_dim in PREFILL_TMA_HEAD_DIMS:
+    tma_prefill = paths is None or paths.attention_prefill == "triton-tma-prefill"
+    if cfg.device != "cpu" and model.head_dim in PREFILL_TMA_HEAD_DIMS and tma_prefill:
         # the TMA prefill's gather of 16-bit K/V (int8 pages dequantized too), or a segment and its float32 state
         activations += PREFILL_GATHER_MAX_BYTES * 3 // 2
     reserve = 0 if cfg.device == "cpu" else CUDA_RESERVE_BYTES + (CUDA_TP_RESERVE_BYTES if tp > 1 else 0)

@@ -33,6 +33,8 @@ from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 from engine.sched.scheduler import DecodeWork, ModelOutput, PrefillWork, SchedulerOutput
 from engine.loading.hybrid_config import state_slot_counts
 from engine.worker.state_pool import StateCache
+from engine.structured.bitmask import apply_token_mask
+from engine.structured.round_masks import RoundMasks
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +70,7 @@ class PromptLogits:
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, weights, num_blocks: int,
                  draft_tokens: int, max_model_len: int, tp: TPGroup = SINGLE_RANK,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, masks: RoundMasks | None = None):
         self.config = config
         self.tp = tp
         self.device = device or torch.device(config.device)
@@ -83,7 +85,11 @@ class ModelRunner:
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = model_class(model_config)(model_config, tp, with_mtp=draft_tokens > 0,
                                           max_position=self.max_seq_len)
-        self.model.load_weights(weights.on(self.device) if hasattr(weights, "on") else weights)
+        stream = weights.on(self.device) if hasattr(weights, "on") else weights
+        if self.dtype == torch.float16:
+            from engine.loading.checkpoint import checked_for_float16
+            stream = checked_for_float16(stream)      # a bf16 weight beyond float16's range is refused by name
+        self.model.load_weights(stream)
         self.model.eval()
         kv_dtype = torch.int8 if config.kv_dtype_name == "int8" else getattr(torch, config.kv_dtype_name)
         layers = self.model.attention_layers()
@@ -113,9 +119,15 @@ class ModelRunner:
             scratch_slot=self.scratch_slot, adaptive=config.adaptive_draft and draft_tokens > 0,
             last_tokens=(torch.zeros(self.max_batch, draft_tokens + 1, dtype=torch.int64, device=self.device)
                          if not why_synchronous(config) else None),
-            options=self.options)
+            options=self.options,
+            token_masks=(torch.full(masks.host.shape, -1, dtype=torch.int32, device=self.device)
+                         if masks is not None else None))
+        # structured output: the step's grammar masks, filled once on the host for every rank
+        self.masks = masks
         self.graphs = None                               # engine.worker.cuda_graphs.GraphedRounds once captured
         self.prompt_logits: dict[str, PromptLogits] = {}
+        # embeddings: request id -> list the final hidden state of its last prompt token is appended to
+        self.last_hidden: dict[str, list[torch.Tensor]] = {}
 
     def capture_graphs(self, buckets: list[int]) -> float:
         from engine.worker.cuda_graphs import GraphedRounds
@@ -140,8 +152,23 @@ class ModelRunner:
             self.hidden.release(request_ids)
         self.options.release(request_ids)
 
-    def graphed(self, works: list[DecodeWork]) -> bool:
-        return self.graphs is not None and self.graphs.fits(len(works))
+    def graphed(self, works: list[DecodeWork], variant: sampler.SamplingVariant | None = None) -> bool:
+        # a constrained round with drafts fills its masks between the draft steps: eager
+        variant = variant or sampling_variant(works)
+        return (self.graphs is not None and self.graphs.fits(len(works))
+                and not (self.k > 0 and variant.constrained))
+
+    def upload_masks(self, rows: int) -> None:
+        """Copy the first `rows` rows of the step's host masks into this rank's device buffer."""
+        self.round_setup.token_masks[:rows].copy_(self.masks.host[:rows], non_blocking=True)
+        if self.device.type == "cuda":
+            self.masks.note_upload(torch.cuda.current_stream().record_event())
+
+    def _draft_hook(self, rows: int):
+        """Fills mask row j + 1 of every constrained request from its draft j (host, then this rank)."""
+        def after_draft(j: int, drafts: torch.Tensor) -> None:
+            self.round_setup.token_masks[:rows, j + 1].copy_(self.masks.draft_row(j, drafts))
+        return after_draft
 
     # -- prefill --------------------------------------------------------------------------------
 
@@ -183,6 +210,10 @@ class ModelRunner:
                     result.prompt_logprobs[w.request_id] = prompt_logprobs(
                         chunk_logits, w.next_token_ids, w.prompt_logprobs)
         done = [(w, end - 1) for w, end in zip(pieces, ends) if w.sample]
+        for w, row in done:
+            pooled = self.last_hidden.get(w.request_id)
+            if pooled is not None:
+                pooled.append(hidden[row].float().cpu())                                 # [hidden]
         if not done:
             return
         for w, _ in done:
@@ -202,6 +233,10 @@ class ModelRunner:
                                         [w.output_index for _, w, *_ in rows], self.device,
                                         options=LogitOptionRows.at_slots(self.options, slots))
         logits = self.model.compute_logits(last).index_select(0, index)                 # [R, V]
+        if self.masks is not None and self.masks.prefill_active:
+            # structured output: a piece's mask (its sequences' grammars all start where it ends)
+            mask = self.masks.prefill_host[:len(done)].to(self.device).index_select(0, index)   # [R, W]
+            logits = apply_token_mask(logits, mask)
         sampled = sampler.sample(logits, s)                                              # [R]
         if s.options is not None:
             own = torch.tensor([self.options.slot_of(rid) for rid, *_ in rows], dtype=torch.int64, device=self.device)
@@ -248,10 +283,15 @@ class ModelRunner:
     def launch_decode(self, works: list[DecodeWork]) -> RoundOutput:
         """Enqueue the round; no host read. -> its outputs on the device: tokens [>= len(works), k+1], ..."""
         variant = sampling_variant(works)
-        if self.graphed(works):
+        if self.graphed(works, variant):
+            if variant.constrained:
+                self.upload_masks(self.graphs.bucket_for(len(works)))
             return self.graphs.replay(works, variant)
         width = max(len(w.block_ids) for w in works)
         packed = pack_round(self.round_setup, works, len(works), width)
         inp = RoundInputs.from_packed(*(torch.from_numpy(a).to(self.device) for a in packed), k=self.k)
         max_len = max(w.max_num_tokens for w in works) + self.k
-        return run_round(self.round_setup, inp, max_len, variant, round_drafts(self.round_setup, works))
+        if variant.constrained:
+            self.upload_masks(len(works))
+        return run_round(self.round_setup, inp, max_len, variant, round_drafts(self.round_setup, works),
+                         self._draft_hook(len(works)) if variant.constrained and self.k > 0 else None)

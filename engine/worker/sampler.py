@@ -71,18 +71,21 @@ class SamplingVariant:
     """Which sampling code a round runs (its CUDA graph is captured per variant): the shape of the
     work differs, never the values. `any_filter`: some row has top-k, top-p or min_p (the vocabulary
     is sorted); `any_options`: some row has logit options (engine.worker.logit_options);
-    `logprobs`: the round also computes the logprobs of what it emits."""
+    `logprobs`: the round also computes the logprobs of what it emits; `constrained`: some row is under
+    a grammar (structured output): the round masks its logits (engine.worker.decode_round)."""
 
     all_greedy: bool = True
     any_filter: bool = False
     any_options: bool = False
     logprobs: bool = False           # some row reports logprobs (engine.worker.logprobs)
+    constrained: bool = False        # some row has structured_output (engine.structured)
 
     @classmethod
     def of(cls, params: list) -> "SamplingVariant":
         greedy = all(p.greedy for p in params)
         return cls(greedy, not greedy and any(p.filters for p in params), any(p.adjusts_logits for p in params),
-                   any(p.logprobs is not None for p in params))
+                   any(p.logprobs is not None for p in params),
+                   any(p.structured_output is not None for p in params))
 
 
 @dataclass
@@ -135,10 +138,14 @@ class SamplingBatch:
 
 def adjust_logits(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     """logits [N, V] -> the logits a token is picked from: every per-request change before
-    temperature and filters, in one place. Today: the logit options (penalties, bias, bad words,
-    min_tokens). A structured-output token bitmask belongs here too, after them."""
+    temperature and filters, in one place: the logit options (penalties, bias, bad words, min_tokens).
+
+    A structured-output mask is already in `logits` (-inf where the grammar refuses: every option keeps
+    -inf at -inf). Where the options would leave a row nothing to pick -- the grammar allows only tokens
+    they ban (EOS under min_tokens, a bad word) -- the row keeps its logits before them: the grammar wins."""
     if s.options is not None:
-        logits = logit_options.apply(logits.float(), s.options, s.output_index)
+        adjusted = logit_options.apply(logits.float(), s.options, s.output_index)   # [N, V] float32
+        logits = torch.where(torch.isfinite(adjusted).any(-1, keepdim=True), adjusted, logits.float())
     return logits
 
 

@@ -42,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model name clients see and ask for (default: the model directory's name)")
     g.add_argument("--device", default="auto", help="auto (CUDA when present, else CPU), cpu or cuda[:N]")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA sm80+, float16 below: no bf16 there; float32 on CPU), bfloat16, float16, float32")
     g.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", type=kv_cache_dtype_flag,
                    help="KV cache dtype: auto (= --dtype), int8 (per token and head scales), or a float dtype")
     g.add_argument("--block-size", type=int, default=d["block_size"].default, help="tokens per KV page")
@@ -57,6 +57,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MTP draft tokens per round, k (0 = no speculation; needs a checkpoint with mtp.* weights); "
                         f"auto = the engine picks each round's k in [0, {AUTO_MAX_DRAFT_TOKENS}] from the running "
                         "acceptance and the batch (auto:K: in [0, K])")
+    g.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help="checkpoint whose MTP head (mtp.* tensors) drafts, bf16 or quantized, for a model whose "
+                        "checkpoint has none (quantizers drop it); its shape must match the model's")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s spelling of the two above: {"model": DIR, "num_speculative_tokens": K, "method": "mtp"}')
+    g.add_argument("--quantization", "-q", default=None, choices=("fp8", "ptpc_fp8"),
+                   help="quantize an unquantized checkpoint's linear layers to FP8 while loading (nothing is "
+                        "written): fp8 = 128x128 block scales, ptpc_fp8 = one scale per output channel")
     g.add_argument("--adaptive-draft", action="store_true",
                    help="pick each round's k in [0, --num-speculative-tokens] (the same as auto:K)")
     g.add_argument("--draft-vocab", type=int, default=d["draft_vocab"].default,
@@ -143,7 +151,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, tp_comm=args.tp_comm, prefix_reuse=args.prefix_reuse,
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
-        async_scheduling=args.async_scheduling, kv_role=getattr(args, "kv_role", "both"))
+        async_scheduling=args.async_scheduling, quantization=args.quantization,
+        speculative_model=args.speculative_model, speculative_config=args.speculative_config,
+        kv_role=getattr(args, "kv_role", "both"))
 
 
 def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:

@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bninfer/v1/engine_info.proto\x12\tninfer.v1\"\x15\n\x13GetModelInfoRequest\"\x9f\x03\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rprefill_chunk\x18\x06 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\t \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x10\n\x08kv_dtype\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\x05\x12\x15\n\rlease_seconds\x18\x0f \x01(\x01\x12!\n\x06warmup\x18\x10 \x01(\x0b\x32\x11.ninfer.v1.Warmup\x12\x14\n\x0cmax_num_seqs\x18\x11 \x01(\x05\x12\x13\n\x0bmax_pending\x18\x12 \x01(\x05\"\x8c\x01\n\x06Warmup\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x63uda_graphs\x18\x03 \x01(\x08\x12\x15\n\rgraph_buckets\x18\x04 \x03(\x05\x12\x1d\n\x15graph_capture_seconds\x18\x05 \x01(\x01\x12\x18\n\x10no_graphs_reason\x18\x06 \x01(\t\"\x13\n\x11GetMetricsRequest\"s\n\x0eMetricsHistory\x12\x18\n\x10interval_seconds\x18\x01 \x03(\x01\x12\x16\n\x0eprefill_tokens\x18\x02 \x03(\x03\x12\x15\n\rdecode_tokens\x18\x03 \x03(\x03\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x04 \x03(\x03\"\xdd\x02\n\x0bMetricsLast\x12\x1a\n\rprompt_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12$\n\x17\x63omputed_prefill_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\rprefill_tok_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x19\n\x0c\x64\x65\x63ode_tok_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1a\n\x12peak_prefill_tok_s\x18\x07 \x01(\x01\x12\x12\n\npeak_tok_s\x18\x08 \x01(\x01\x42\x10\n\x0e_prompt_tokensB\x1a\n\x18_computed_prefill_tokensB\x14\n\x12_completion_tokensB\x10\n\x0e_prefill_tok_sB\x0f\n\r_decode_tok_sB\t\n\x07_ttft_s\"\x8b\x02\n\x12MetricsPerformance\x12=\n\x08requests\x18\x01 \x03(\x0b\x32+.ninfer.v1.MetricsPerformance.RequestsEntry\x12\x0e\n\x06rounds\x18\x02 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x03 \x03(\x03\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x04 \x03(\x01\x12\x1a\n\x12mean_prefill_tok_s\x18\x05 \x01(\x01\x12\x19\n\x11mean_decode_tok_s\x18\x06 \x01(\x01\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xcc\x01\n\x0cKvCacheState\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x04 \x01(\x03\x12\r\n\x05usage\x18\x05 \x01(\x01\x12\x12\n\nrefs_taken\x18\x06 \x01(\x03\x12\x14\n\x0crefs_dropped\x18\x07 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x08 \x01(\x05\x12\x18\n\x10state_slots_used\x18\t \x01(\x05\"\xa2\x01\n\nQueueState\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x12\n\nprefilling\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0e\n\x06parked\x18\x04 \x01(\x05\x12\x15\n\rawaiting_seat\x18\x05 \x01(\x05\x12\x17\n\x0foldest_parked_s\x18\x06 \x01(\x01\x12\x1e\n\x16oldest_awaiting_seat_s\x18\x07 \x01(\x01\"\xe0\x01\n\rEngineMetrics\x12*\n\x07history\x18\x01 \x01(\x0b\x32\x19.ninfer.v1.MetricsHistory\x12$\n\x04last\x18\x02 \x01(\x0b\x32\x16.ninfer.v1.MetricsLast\x12\x32\n\x0bperformance\x18\x03 \x01(\x0b\x32\x1d.ninfer.v1.MetricsPerformance\x12#\n\x02kv\x18\x04 \x01(\x0b\x32\x17.ninfer.v1.KvCacheState\x12$\n\x05queue\x18\x05 \x01(\x0b\x32\x15.ninfer.v1.QueueState2\x9f\x01\n\x11\x45ngineInfoService\x12\x44\n\x0cGetModelInfo\x12\x1e.ninfer.v1.GetModelInfoRequest\x1a\x14.ninfer.v1.ModelInfo\x12\x44\n\nGetMetrics\x12\x1c.ninfer.v1.GetMetricsRequest\x1a\x18.ninfer.v1.EngineMetricsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bninfer/v1/engine_info.proto\x12\tninfer.v1\"\x15\n\x13GetModelInfoRequest\"\x90\x04\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x1a\n\x12kv_capacity_tokens\x18\x04 \x01(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rprefill_chunk\x18\x06 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\t \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x10\n\x08kv_dtype\x18\r \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x0e \x01(\x05\x12\x15\n\rlease_seconds\x18\x0f \x01(\x01\x12!\n\x06warmup\x18\x10 \x01(\x0b\x32\x11.ninfer.v1.Warmup\x12\x14\n\x0cmax_num_seqs\x18\x11 \x01(\x05\x12\x13\n\x0bmax_pending\x18\x12 \x01(\x05\x12;\n\x0ckernel_paths\x18\x13 \x03(\x0b\x32%.ninfer.v1.ModelInfo.KernelPathsEntry\x1a\x32\n\x10KernelPathsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8c\x01\n\x06Warmup\x12\x0c\n\x04\x64one\x18\x01 \x01(\x08\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x13\n\x0b\x63uda_graphs\x18\x03 \x01(\x08\x12\x15\n\rgraph_buckets\x18\x04 \x03(\x05\x12\x1d\n\x15graph_capture_seconds\x18\x05 \x01(\x01\x12\x18\n\x10no_graphs_reason\x18\x06 \x01(\t\"\x13\n\x11GetMetricsRequest\"s\n\x0eMetricsHistory\x12\x18\n\x10interval_seconds\x18\x01 \x03(\x01\x12\x16\n\x0eprefill_tokens\x18\x02 \x03(\x03\x12\x15\n\rdecode_tokens\x18\x03 \x03(\x03\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x04 \x03(\x03\"\xdd\x02\n\x0bMetricsLast\x12\x1a\n\rprompt_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12$\n\x17\x63omputed_prefill_tokens\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x1e\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x1a\n\rprefill_tok_s\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x19\n\x0c\x64\x65\x63ode_tok_s\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x13\n\x06ttft_s\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1a\n\x12peak_prefill_tok_s\x18\x07 \x01(\x01\x12\x12\n\npeak_tok_s\x18\x08 \x01(\x01\x42\x10\n\x0e_prompt_tokensB\x1a\n\x18_computed_prefill_tokensB\x14\n\x12_completion_tokensB\x10\n\x0e_prefill_tok_sB\x0f\n\r_decode_tok_sB\t\n\x07_ttft_s\"\x8b\x02\n\x12MetricsPerformance\x12=\n\x08requests\x18\x01 \x03(\x0b\x32+.ninfer.v1.MetricsPerformance.RequestsEntry\x12\x0e\n\x06rounds\x18\x02 \x01(\x03\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x03 \x03(\x03\x12\x1f\n\x17\x61\x63\x63\x65ptance_per_position\x18\x04 \x03(\x01\x12\x1a\n\x12mean_prefill_tok_s\x18\x05 \x01(\x01\x12\x19\n\x11mean_decode_tok_s\x18\x06 \x01(\x01\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\xcc\x01\n\x0cKvCacheState\x12\x12\n\nnum_blocks\x18\x01 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x17\n\x0f\x63\x61pacity_tokens\x18\x04 \x01(\x03\x12\r\n\x05usage\x18\x05 \x01(\x01\x12\x12\n\nrefs_taken\x18\x06 \x01(\x03\x12\x14\n\x0crefs_dropped\x18\x07 \x01(\x03\x12\x13\n\x0bstate_slots\x18\x08 \x01(\x05\x12\x18\n\x10state_slots_used\x18\t \x01(\x05\"\xa2\x01\n\nQueueState\x12\x0f\n\x07waiting\x18\x01 \x01(\x05\x12\x12\n\nprefilling\x18\x02 \x01(\x05\x12\x0f\n\x07running\x18\x03 \x01(\x05\x12\x0e\n\x06parked\x18\x04 \x01(\x05\x12\x15\n\rawaiting_seat\x18\x05 \x01(\x05\x12\x17\n\x0foldest_parked_s\x18\x06 \x01(\x01\x12\x1e\n\x16oldest_awaiting_seat_s\x18\x07 \x01(\x01\"\xe0\x01\n\rEngineMetrics\x12*\n\x07history\x18\x01 \x01(\x0b\x32\x19.ninfer.v1.MetricsHistory\x12$\n\x04last\x18\x02 \x01(\x0b\x32\x16.ninfer.v1.MetricsLast\x12\x32\n\x0bperformance\x18\x03 \x01(\x0b\x32\x1d.ninfer.v1.MetricsPerformance\x12#\n\x02kv\x18\x04 \x01(\x0b\x32\x17.ninfer.v1.KvCacheState\x12$\n\x05queue\x18\x05 \x01(\x0b\x32\x15.ninfer.v1.QueueState2\x9f\x01\n\x11\x45ngineInfoService\x12\x44\n\x0cGetModelInfo\x12\x1e.ninfer.v1.GetModelInfoRequest\x1a\x14.ninfer.v1.ModelInfo\x12\x44\n\nGetMetrics\x12\x1c.ninfer.v1.GetMetricsRequest\x1a\x18.ninfer.v1.EngineMetricsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'ninfer.v1.engine_info_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELINFO_KERNELPATHSENTRY']._loaded_options = None
+  _globals['_MODELINFO_KERNELPATHSENTRY']._serialized_options = b'8\001'
   _globals['_METRICSPERFORMANCE_REQUESTSENTRY']._loaded_options = None
   _globals['_METRICSPERFORMANCE_REQUESTSENTRY']._serialized_options = b'8\001'
   _globals['_GETMODELINFOREQUEST']._serialized_start=42
   _globals['_GETMODELINFOREQUEST']._serialized_end=63
   _globals['_MODELINFO']._serialized_start=66
-  _globals['_MODELINFO']._serialized_end=481
-  _globals['_WARMUP']._serialized_start=484
-  _globals['_WARMUP']._serialized_end=624
-  _globals['_GETMETRICSREQUEST']._serialized_start=626
-  _globals['_GETMETRICSREQUEST']._serialized_end=645
-  _globals['_METRICSHISTORY']._serialized_start=647
-  _globals['_METRICSHISTORY']._serialized_end=762
-  _globals['_METRICSLAST']._serialized_start=765
-  _globals['_METRICSLAST']._serialized_end=1114
-  _globals['_METRICSPERFORMANCE']._serialized_start=1117
-  _globals['_METRICSPERFORMANCE']._serialized_end=1384
-  _globals['_METRICSPERFORMANCE_REQUESTSENTRY']._serialized_start=1337
-  _globals['_METRICSPERFORMANCE_REQUESTSENTRY']._serialized_end=1384
-  _globals['_KVCACHESTATE']._serialized_start=1387
-  _globals['_KVCACHESTATE']._serialized_end=1591
-  _globals['_QUEUESTATE']._serialized_start=1594
-  _globals['_QUEUESTATE']._serialized_end=1756
-  _globals['_ENGINEMETRICS']._serialized_start=1759
-  _globals['_ENGINEMETRICS']._serialized_end=1983
-  _globals['_ENGINEINFOSERVICE']._serialized_start=1986
-  _globals['_ENGINEINFOSERVICE']._serialized_end=2145
+  _globals['_MODELINFO']._serialized_end=594
+  _globals['_MODELINFO_KERNELPATHSENTRY']._serialized_start=544
+  _globals['_MODELINFO_KERNELPATHSENTRY']._serialized_end=594
+  _globals['_WARMUP']._serialized_start=597
+  _globals['_WARMUP']._serialized_end=737
+  _globals['_GETMETRICSREQUEST']._serialized_start=739
+  _globals['_GETMETRICSREQUEST']._serialized_end=758
+  _globals['_METRICSHISTORY']._serialized_start=760
+  _globals['_METRICSHISTORY']._serialized_end=875
+  _globals['_METRICSLAST']._serialized_start=878
+  _globals['_METRICSLAST']._serialized_end=1227
+  _globals['_METRICSPERFORMANCE']._serialized_start=1230
+  _globals['_METRICSPERFORMANCE']._serialized_end=1497
+  _globals['_METRICSPERFORMANCE_REQUESTSENTRY']._serialized_start=1450
+  _globals['_METRICSPERFORMANCE_REQUESTSENTRY']._serialized_end=1497
+  _globals['_KVCACHESTATE']._serialized_start=1500
+  _globals['_KVCACHESTATE']._serialized_end=1704
+  _globals['_QUEUESTATE']._serialized_start=1707
+  _globals['_QUEUESTATE']._serialized_end=1869
+  _globals['_ENGINEMETRICS']._serialized_start=1872
+  _globals['_ENGINEMETRICS']._serialized_end=2096
+  _globals['_ENGINEINFOSERVICE']._serialized_start=2099
+  _globals['_ENGINEINFOSERVICE']._serialized_end=2258
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,14 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "kv_capacity_tokens", "block_size", "prefill_chunk", "draft_tokens", "eos_token_ids", "tokenizer_json", "tokenizer_sha256", "device", "dtype", "kv_dtype", "tensor_parallel_size", "lease_seconds", "warmup", "max_num_seqs", "max_pending")
+    __slots__ = ("model", "vocab_size", "max_model_len", "kv_capacity_tokens", "block_size", "prefill_chunk", "draft_tokens", "eos_token_ids", "tokenizer_json", "tokenizer_sha256", "device", "dtype", "kv_dtype", "tensor_parallel_size", "lease_seconds", "warmup", "max_num_seqs", "max_pending", "kernel_paths")
+    class KernelPathsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +37,7 @@ class ModelInfo(_message.Message):
     WARMUP_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_PATHS_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
@@ -48,7 +56,8 @@ class ModelInfo(_message.Message):
     warmup: Warmup
     max_num_seqs: int
     max_pending: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., warmup: _Optional[_Union[Warmup, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_pending: _Optional[int] = ...) -> None: ...
+    kernel_paths: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill_chunk: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., warmup: _Optional[_Union[Warmup, _Mapping]] = ..., max_num_seqs: _Optional[int] = ..., max_pending: _Optional[int] = ..., kernel_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Warmup(_message.Message):
     __slots__ = ("done", "seconds", "cuda_graphs", "graph_buckets", "graph_capture_seconds", "no_graphs_reason")

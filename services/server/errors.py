@@ -15,7 +15,7 @@ import grpc
 import structlog
 
 from engine.errors import (EngineDeadError, InvalidArgumentError, QueueFullError, QueueTimeoutError,
-                           RequestNotFoundError)
+                           RequestNotFoundError, UnsupportedError)
 
 log = structlog.get_logger(__name__)
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"     # gRPC's retry-throttling trailer (A6 retry design)
@@ -80,6 +80,8 @@ def status_for(exc: BaseException, retry_pushback_ms: int) -> RpcStatus:
                          ((RETRY_PUSHBACK_KEY, str(retry_pushback_ms)),))
     if isinstance(exc, RequestNotFoundError):
         return RpcStatus(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, UnsupportedError):
+        return RpcStatus(grpc.StatusCode.UNIMPLEMENTED, str(exc))
     if isinstance(exc, EngineDeadError):
         return RpcStatus(grpc.StatusCode.UNAVAILABLE, str(exc))
     if isinstance(exc, (grpc.FutureCancelledError, asyncio.CancelledError)):

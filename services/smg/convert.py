@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.errors import InvalidArgumentError
 from engine.engine_info import EngineInfo
-from engine.logprobs import TokenLogprob
+from engine.sampling_params import TokenLogprob
 from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams,
                                     StructuredOutput)
 from engine.request_stats import RequestStats
@@ -134,7 +134,7 @@ def model_info(facts: EngineFacts, hf_config: dict[str, Any]) -> pb.GetModelInfo
     eos = list(info.eos_token_ids)
     path = facts.model_dir or info.model
     return pb.GetModelInfoResponse(
-        model_path=path, is_generation=True, max_context_length=info.max_model_len, vocab_size=info.vocab_size,
+        model_path=path, is_generation=not info.embedding, max_context_length=info.max_model_len, vocab_size=info.vocab_size,
         supports_vision=False, served_model_name=info.model, tokenizer_path=path,
         model_type=hf_config.get("model_type") or "", architectures=hf_config.get("architectures") or [],
         eos_token_ids=eos, pad_token_id=_int(hf_config.get("pad_token_id"), eos[0] if eos else 0),

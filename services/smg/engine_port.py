@@ -79,6 +79,10 @@ class EnginePort:
                             request_id: str | None) -> RequestStream:
         return await self._loop().submit_landed_async(landing, prompt, params, request_id or None)
 
+    async def embed(self, prompt: list[int], request_id: str | None) -> RequestStream:
+        """An embedding request (UnsupportedError at once for a generative model); its final output carries it."""
+        return await self._loop().embed_async(prompt, request_id or None)
+
     def abort(self, request_id: str) -> None:
         """End a request wherever it is (unknown ids are ignored)."""
         if self.loaded:

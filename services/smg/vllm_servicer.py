@@ -2,7 +2,7 @@
 
 Why this one of smg's engine protocols: smg's gRPC router drives every call of it that a text
 engine has (Generate, Abort, HealthCheck, GetModelInfo, GetServerInfo, GetLoads, GetTokenizer,
-SubscribeKvEvents, FlushCache: all served here; not Embed or the profiler calls), while TRT-LLM's
+SubscribeKvEvents, FlushCache: all served here, and Embed for embedding checkpoints; not the profiler calls), while TRT-LLM's
 has no GetLoads and SGLang's adds LoRA calls ninfer has no use for; its sampling fields tell "unset"
 from zero (`optional temperature`, `max_tokens`, `seed`), which is how our validation reads them;
 and its final message carries MTP acceptance (`spec_accepted_tokens`, `spec_draft_tokens`). smg
@@ -218,6 +218,27 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.ctx.metrics.observe_prefill(stats)
         self.ctx.metrics.observe_finished(stats)
         log.info("engine_request_done", protocol="vllm.grpc.engine", **stats_attributes(stats))
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext):
+        """An embedding checkpoint's vector of the prompt (last-token pooling, L2-normalised, as
+        Qwen3-Embedding); UNIMPLEMENTED for a generative model (engine.loading.pooling)."""
+        with self.ctx.state.admit(), bound_contextvars(request_id=request.request_id or None):
+            info = self._engine().info
+            prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", info.vocab_size)
+            stream = await self.port.embed(prompt, request.request_id)
+            guard = AbortWhenCallEnds(self.port, stream.request_id)
+            if context.done():                       # the call has ended already
+                guard()
+            else:
+                context.add_done_callback(guard)
+            out = None
+            async for out in stream:
+                pass
+            guard.disarm()
+            if out is None or out.embedding is None:
+                raise RpcAbort(grpc.StatusCode.CANCELLED, f"request {stream.request_id!r} was aborted")
+            return pb.EmbedResponse(embedding=out.embedding, prompt_tokens=len(prompt),
+                                    embedding_dim=len(out.embedding))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):

@@ -64,7 +64,7 @@ def test_a_resumed_request_counts_every_token_and_refuses_a_finished_one(core):
 
 def test_a_stop_string_that_spans_the_seam_ends_the_resumed_request_where_the_unbroken_one_ends(core):
     ids = core.tokenizer.encode(PROMPTS[1])
-    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)   # (vLLM's default samples)
     unbroken = steps_of(core, ids, plain)
     flat = [t for s in unbroken for t in s]
     g = sum(len(s) for s in unbroken[:len(unbroken) // 2])              # a step boundary mid-stream
@@ -75,7 +75,7 @@ def test_a_stop_string_that_spans_the_seam_ends_the_resumed_request_where_the_un
         stop = before[-k:] + tail                                      # first found there
         if after.find(stop) == len(before) - k:
             break
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, stop=[stop])
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0, stop=[stop])
     whole = [t for s in steps_of(core, ids, params) for t in s]
     resumed = [t for s in steps_of(core, ids, params, output_token_ids=flat[:g]) for t in s]
     assert flat[:g] + resumed == whole and len(whole) < MAX_TOKENS, "the stop string is found across the seam"

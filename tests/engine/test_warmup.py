@@ -35,6 +35,9 @@ def test_serve_reports_its_warm_up_in_the_engine_info():
         w = info.warmup
         assert w.done and not w.cuda_graphs and list(w.graph_buckets) == [] and w.no_graphs_reason == CPU_REASON
         assert w.seconds > 0
+        # the kernel families the device takes (engine/platform.py): the CPU's
+        assert info.kernel_paths["capability"] == "cpu" and info.kernel_paths["attention_decode"] == "torch"
+        assert info.kernel_paths["dtype"] == info.dtype
     finally:
         stack.stop()
 
@@ -55,6 +58,6 @@ def test_an_engine_process_logs_its_warm_up_before_it_serves():
         assert info.warmup.done and info.warmup.no_graphs_reason == CPU_REASON
         serving = engine.wait_for_event("engine_serving")   # logged just after it turns SERVING
         names = [e["event"] for e in engine.events]
-        assert names.index("memory_plan") < names.index("weights_loaded") < names.index("engine_warming_up") \
+        assert names.index("kernel_paths") < names.index("memory_plan") < names.index("weights_loaded") < names.index("engine_warming_up") \
             < names.index("engine_warm") < names.index("engine_serving")
         assert serving["cuda_graphs"] is False and serving["no_graphs_reason"] == CPU_REASON

@@ -5,7 +5,10 @@ and min_tokens on the gateway's text, all equal to LLM.generate; bad values refu
 
 from __future__ import annotations
 
+import json
+
 import grpc
+import jsonschema
 import pytest
 
 from engine import SamplingParams as EngineSampling
@@ -15,9 +18,12 @@ from gateway.serve import ServeStack
 from services.convert import logprobs_from_proto, sampling_from_proto
 from services.engine_client import EngineClient
 from services.server.grpc_server import ServerOptions
+from ninfer.v1 import common_pb2
 from tests.conftest import make_llm
+from tests.engine.structured.helpers import SCHEMA
 
 PROMPT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return"
+SCHEMA_PROMPT = 'Return the record as JSON: {"name": "Omar Sato", "age": 67'
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +98,40 @@ def test_penalties_bias_and_stop_options_equal_llm_generate(client, llm):
     assert with_stop.endswith("\n")
 
 
+def test_structured_output_with_logprobs_penalties_and_n(client, llm):
+    """A JSON schema with the sampling fields through the gateway (prefill/decode split, k = 2): greedy
+    with logprobs and a penalty, and n = 2 seeded sequences with a penalty, equal LLM.generate and
+    validate (or are cut by max_tokens), each under its index with a logprob per token."""
+    so = {"json_schema": json.dumps(SCHEMA)}
+    greedy = SamplingParams(max_tokens=120, temperature=0.0, logprobs=2, repetition_penalty=1.2, structured_output=so)
+    (seq,) = by_index(client.generate(SCHEMA_PROMPT, sampling=greedy, include_token_ids=True)).values()
+    (ref,) = llm.generate(SCHEMA_PROMPT, sampling_from_proto(greedy))
+    assert seq["ids"] == ref.token_ids and seq["text"] == ref.text
+    assert seq["result"].stats.finish_reason == common_pb2.FINISH_REASON_STOP, seq["text"]
+    jsonschema.validate(json.loads(seq["text"]), SCHEMA)
+    assert [lp.token_id for lp in seq["logprobs"]] == seq["ids"]
+    for got, want in zip(seq["logprobs"], ref.outputs[0].logprobs):
+        assert abs(got.logprob - want[got.token_id].logprob) < 1e-4
+    sampled = SamplingParams(max_tokens=120, temperature=1.0, seed=4, n=2, logprobs=1, presence_penalty=0.5,
+                             structured_output=so)
+    seqs = by_index(client.generate(SCHEMA_PROMPT, sampling=sampled, include_token_ids=True))
+    (ref,) = llm.generate(SCHEMA_PROMPT, sampling_from_proto(sampled))
+    assert sorted(seqs) == [0, 1] and seqs[0]["ids"] != seqs[1]["ids"]
+    for i, s in seqs.items():
+        assert s["ids"] == ref.outputs[i].token_ids and len(s["logprobs"]) == len(s["ids"])
+        if s["result"].stats.finish_reason == common_pb2.FINISH_REASON_STOP:
+            jsonschema.validate(json.loads(s["text"]), SCHEMA)
+        else:
+            assert len(s["ids"]) == 120 and s["text"].lstrip().startswith("{")
+
+
 @pytest.mark.parametrize("sampling, field", [
     (SamplingParams(logprobs=21), "logprobs"),
     (SamplingParams(n=1000), "n"),
     (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
     (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
-    (SamplingParams(structured_output={"regex": "[a-z]+"}), "structured_output.regex"),
+    (SamplingParams(structured_output={"regex": "([a-z"}), "structured_output.regex"),
+    (SamplingParams(structured_output={"json_schema": '{"type": "objekt"}'}), "structured_output.json_schema"),
 ])
 def test_bad_fields_are_invalid_argument_naming_the_field(client, sampling, field):
     with pytest.raises(grpc.RpcError) as e:

@@ -174,11 +174,17 @@ def test_the_consistency_check_catches_what_cannot_be_true():
 
     good = RequestStats(Usage(512, 16, 496, 5), Timings(0.001, 0.04, 0.02, 0.061, 0.041), Rates(400.0, 200.0),
                         SpeculativeCounts(0, 0, 0, 0, ()), 2048, 0, None)
-    t = StreamTiming(ttft_s=0.05, first_at=1.0, last_at=1.03, tokens=5, stats=good, gateway_ttft_s=0.045)
+    t = StreamTiming(ttft_s=0.05, first_at=1.0, last_at=1.03, tokens=5, stats=good, gateway_ttft_s=0.045, final_at=1.031)
     assert consistency(t) == []
     assert consistency(replace(t, stats=replace(good, usage=replace(good.usage, computed_prefill_tokens=512))))
     assert consistency(replace(t, stats=replace(good, timings=replace(good.timings, prefill=0.05))))
     assert consistency(replace(t, gateway_ttft_s=0.06))                  # gateway later than its client
     assert consistency(replace(t, gateway_ttft_s=0.03))                  # engine later than its gateway
     assert consistency(replace(t, tokens=4))
-    assert consistency(replace(t, last_at=1.01))                         # the client saw 200 tok/s > engine's
+    # the final message came 5 ms after the first token, though the engine says it decoded for 20 ms and the
+    # first token reached the client at most 9 ms late (its TTFT 50 ms, the engine's 41 ms)
+    assert consistency(replace(t, last_at=1.004, final_at=1.005))
+    # the first token delivered 5 ms late and the rest on time: the client's rate beats the engine's
+    # (4 / 15 ms), which is no contradiction -- its TTFT shows the lag
+    late = replace(t, ttft_s=0.055, first_at=1.005, last_at=1.02, final_at=1.021, gateway_ttft_s=0.05)
+    assert late.decode_tok_s > 1.05 * good.rates.decode_tok_s and consistency(late) == []

@@ -40,3 +40,20 @@ def test_mtp_acceptance_is_measured_for_every_model(small_run):
         assert acc["overall"][0] >= acc["overall"][1] >= acc["overall"][2]   # all-accepted-up-to is monotone
         assert acc["overall"][0] > 0.3
     assert "| fp8 | overall |" in markdown(small_run)
+
+
+def test_measure_layouts_takes_checkpoints_and_online_methods(shared_model, tmp_path):
+    """A producer's checkpoint without its MTP head drafts with the base model's; --quantization methods run too."""
+    from pathlib import Path
+
+    from engine.quant.quantize import quantize_checkpoint
+    from tests.engine.loading.test_speculative_model import drop_mtp
+    from tools.quality.quant_quality import measure_layouts
+    quantize_checkpoint(Path(shared_model), tmp_path / "nvfp4", "nvfp4")
+    r = measure_layouts(shared_model, {"nvfp4-no-mtp": str(drop_mtp(tmp_path / "nvfp4"))}, ("ptpc_fp8",),
+                        texts={"json": TEXTS["json"][:1]}, prompts={"json": PROMPTS["json"][:2]}, max_tokens=16)
+    dropped, online = r["formats"]["nvfp4-no-mtp"], r["formats"]["--quantization ptpc_fp8"]
+    assert dropped["mtp_head"] == "the bf16 model's (--speculative-model)" and dropped["acceptance_k3"]["overall"][0] > 0.3
+    assert online["mtp_head"] == "the checkpoint's own" and online["layout"] == "ptpc_fp8"
+    assert online["teacher_forced"]["overall"]["agreement"] >= 0.95
+    assert dropped["quantized_modules"] == 56                       # 8 layers x 7; the MTP layer's were dropped

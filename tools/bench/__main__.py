@@ -2,7 +2,7 @@
 [--quick] [--out DIR]`.
 
 Measures the engine through its public API against the physical limits and the transformers peer,
-all in the same run (docs/performance.md), section by section: a section that fails (OOM, exception) is
+all in the same run, section by section: a section that fails (OOM, exception) is
 recorded and the run goes on. Progress goes to stderr as each figure lands; results.json is
 rewritten after every figure (a run cut short keeps what it measured); summary.md and the plots
 after every section; a compact table is printed last on stdout.
@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid",
-         "moe"]
+         "moe", "structured"]
 NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid", "moe"}
 
 
@@ -37,6 +37,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sections", default=",".join(ORDER),
                     help=f"comma-separated, any of {','.join(ORDER)} (run in that order; roofline is added "
                          "when a section needs it)")
+    ap.add_argument("--in-given-order", action="store_true",
+                    help="run the sections in the order --sections names them (roofline first), e.g. the quick keys "
+                         "before a long compile; by default the order above, in which consecutive sections share "
+                         "an engine")
     ap.add_argument("--model-shape", default=None, help="qwen3-8b (default on a GPU), qwen3-32b, tiny (default on CPU)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--quick", action="store_true", help="fewer points and repeats (~3 minutes on one H200)")
@@ -57,12 +61,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quant-formats", default=None, help="the quant section's formats (comma-separated: bf16,fp8,nvfp4)")
     ap.add_argument("--quant-decode-only", action="store_true",
                     help="the quant section measures decode batch 1 only (an A/B of the decode step)")
+    ap.add_argument("--quant-mtp-k", type=int, default=None,
+                    help="drafts of the quant section's NVFP4 + MTP round against NVFP4 at k = 0 (default 3; 0 = not run)")
     ap.add_argument("--decode-ks", default=None,
                     help="the decode section's draft lengths with the full draft vocabulary (comma-separated; '' = none)")
     ap.add_argument("--decode-draft-vocab-ks", default=None,
                     help="the decode section's draft lengths with the reduced draft vocabulary ('' = none)")
     ap.add_argument("--decode-contexts", default=None,
                     help="keep only these decode contexts (comma-separated prompt tokens), e.g. 512 for a quick A/B")
+    ap.add_argument("--peer-parts", default=None,
+                    help="the peer section's parts: transformers (prefill pairs, generate()), compiled (the gpt-fast-"
+                         "style step against the engine); default both")
+    ap.add_argument("--peer-compile-mode", default=None,
+                    help="the compiled step's torch.compile mode: max-autotune-no-cudagraphs (default; the step "
+                         "captured here as one CUDA graph) or reduce-overhead (Inductor's CUDA graphs)")
+    ap.add_argument("--e2e-tps", default=None, help="the e2e section's TP sizes (comma-separated), e.g. 1")
+    ap.add_argument("--e2e-ks", default=None, help="the e2e section's draft lengths (comma-separated), e.g. 0")
+    ap.add_argument("--e2e-streams", default=None, help="the e2e section's stream counts (comma-separated), e.g. 1,8")
+    ap.add_argument("--moe-shape", default=None, help="the moe section's preset (default qwen3-30b-a3b)")
     ap.add_argument("--hybrid-deployments", default=None,
                     help="the hybrid section's deployments: tp (the shape at TP=2), one_gpu (quantized, one GPU); "
                          "default both")
@@ -70,6 +86,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="the hybrid section's decode contexts (comma-separated; '' = none)")
     ap.add_argument("--hybrid-prefill-prompts", default=None,
                     help="the hybrid section's fresh prefill prompts (comma-separated tokens; '' = none)")
+    ap.add_argument("--structured-tokenizer", default=None,
+                    help="the structured section's vocabulary: a directory with tokenizer.json (e.g. a real Qwen3 "
+                         "one; default: the small trained model's)")
     ap.add_argument("--hybrid-long-context", type=int, default=None,
                     help="the hybrid section's long context in tokens, prompt plus decoded (0 = not run)")
     return ap.parse_args(argv)
@@ -98,6 +117,33 @@ def _narrow_quant(plan, args) -> None:
     if args.quant_formats:
         plan.formats = [f.strip() for f in args.quant_formats.split(",") if f.strip()]
     plan.decode_only = plan.decode_only or args.quant_decode_only
+    if args.quant_mtp_k is not None:
+        plan.mtp_k = args.quant_mtp_k
+
+
+def _narrow_other(plan, args) -> None:
+    """The peer, e2e and moe flags."""
+    if args.peer_parts:
+        plan.peer.parts = tuple(p.strip() for p in args.peer_parts.split(",") if p.strip())
+    if args.peer_compile_mode:
+        plan.peer.compiled_mode = args.peer_compile_mode
+    if args.e2e_tps:
+        plan.e2e.tps = _ints(args.e2e_tps)
+    if args.e2e_ks:
+        plan.e2e.ks = _ints(args.e2e_ks)
+    if args.e2e_streams:
+        plan.e2e.streams = _ints(args.e2e_streams)
+    if args.moe_shape:
+        plan.moe.shape = args.moe_shape
+
+
+def run_order(selected: list[str], given: bool) -> list[str]:
+    """The sections to run, in the bench's order or, when `given`, in the order named (roofline first:
+    the others read its limits)."""
+    if not given:
+        return [name for name in ORDER if name in selected]
+    named = list(dict.fromkeys(selected))
+    return ["roofline"] * ("roofline" in named) + [name for name in named if name != "roofline"]
 
 
 def _quiet_engine_logs() -> None:
@@ -142,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, moe, peer, prefill, quant, report,
-                             roofline, runinfo, tp)
+                             roofline, runinfo, structured, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
     from tools.bench.progress import Budget, say
@@ -157,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if NEEDS_ROOFLINE & set(selected) and "roofline" not in selected:
         selected.append("roofline")
+    order = run_order(selected, args.in_given_order)
     plan = make_plan(device, shape, args.quick, args.repeats, args.time_scale)
     if args.budget_s:
         plan.global_s = args.budget_s
@@ -166,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quant_seed_shape is not None:
         plan.quant.seed_shape = "" if args.quant_seed_shape == "none" else args.quant_seed_shape
     _narrow_decode(plan.decode, args)
+    _narrow_other(plan, args)
     if args.hybrid_deployments:
         plan.hybrid.deployments = tuple(d.strip() for d in args.hybrid_deployments.split(",") if d.strip())
     if args.hybrid_decode_contexts is not None:
@@ -174,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         plan.hybrid.prefill_prompts = _ints(args.hybrid_prefill_prompts)
     if args.hybrid_long_context is not None:
         plan.hybrid.long_context = args.hybrid_long_context
+    if args.structured_tokenizer:
+        plan.structured.tokenizer = args.structured_tokenizer
     info = runinfo.collect(device)
     run_id = f"{info['date'][:10]}-{(info['git']['commit'] or 'nogit')[:8]}-{secrets.token_hex(2)}"
-    info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=selected,
+    info.update(run_id=run_id, shape=shape, mode=plan.mode, sections=order,
                 command="python -m tools.bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])))
     out = Path(args.out) if args.out else runinfo.default_out_dir(info)
     results = {"schema": "ninfer-bench/1", "run": info, "runs": {run_id: info},
@@ -188,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     acc_model = acceptance.find_model(args.acceptance_model, runinfo.REPO)
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
-               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid,
-               "moe": moe}
+               "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid, "moe": moe,
+               "structured": structured}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():
@@ -198,12 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         old_term = signal.signal(signal.SIGTERM, on_term)
     t_start = time.monotonic()
     deadline = t_start + plan.global_s
-    say("bench", f"{shape} on {info['device']['name']} ({plan.mode}); sections {', '.join(s for s in ORDER if s in selected)}; "
+    say("bench", f"{shape} on {info['device']['name']} ({plan.mode}); sections {', '.join(order)}; "
                  f"budget {plan.global_s:.0f} s; writing {out}")
     try:
-        for name in ORDER:
-            if name not in selected:
-                continue
+        for name in order:
             sec = results["sections"][name] = {"run_id": run_id}
             results["sections"] = {n: results["sections"][n] for n in ORDER if n in results["sections"]}
             if time.monotonic() >= deadline:

@@ -1,20 +1,26 @@
-"""A strong decode peer: the Qwen3 decode step written plainly, compiled, one CUDA graph per step.
+"""A strong decode peer: the Qwen3 decode step in plain PyTorch, run the way gpt-fast runs its own.
 
-The style of gpt-fast (pytorch-labs/gpt-fast: a static KV cache, torch.compile, the whole decode
-step replayed as one CUDA graph), written here from the model's equations:
+gpt-fast (pytorch-labs/gpt-fast, generate.py; ideas only, written here from the model's equations):
 
-- weights as plain tensors in the engine's dtype, random N(0, 1/fan_in) like the bench's other
-  random models (q/k/v fused into one matrix, gate/up into another: one GEMV each);
-- a static KV cache [kv_heads, max_len, head_dim] per layer for one sequence; a step writes its key
-  and value at `pos` and attends over the whole cache with a mask `key position <= pos`;
-- one decoder layer is a function compiled by torch.compile (Inductor fuses the norms, rotary and
-  the residual adds; the same compiled code serves every layer: the weights are its arguments);
-- the whole step (embedding, every layer, the final norm, lm_head, argmax, the next position) is
-  captured in one `torch.cuda.CUDAGraph` and replayed, its token and position living on the device.
+- a static KV cache per layer, `[kv_heads, max_len, head_dim]` buffers for one sequence; a step
+  writes its key and value at `pos` and attends over the whole cache with the mask `key <= pos`;
+- attention written out (scores, mask, softmax, weighted sum: what the math SDPA backend computes,
+  which gpt-fast selects for decode so that Inductor generates the attention itself);
+- the **whole step** -- embedding, every layer, the final norm, lm_head, argmax, the next token and
+  position written back on the device -- is one module's forward, compiled whole by
+  `torch.compile(fullgraph=True)` (one graph, no Python between layers);
+- Inductor as gpt-fast configures it (`INDUCTOR_SETTINGS`): `coordinate_descent_tuning` -- without
+  it Inductor leaves one-row matmuls to cuBLAS; with it they become reductions it tunes --, unique
+  kernel names and the FX graph cache;
+- mode `max-autotune-no-cudagraphs` (autotuning on) with the compiled step captured here as one
+  `torch.cuda.CUDAGraph` and replayed, or `reduce-overhead` (Inductor's own CUDA graph per call, as
+  gpt-fast's generate.py decodes; captured here instead where Inductor declines its graph, so no
+  timed step runs launch by launch); warmed up before anything is timed.
 
-ms per token = wall time of n replays / n (one synchronisation at the end: the step feeds itself).
-On the CPU (the bench's dry run) the same functions run eagerly on the tiny shape, uncompiled and
-without a graph, so the code path is exercised; the figure then means nothing and says so.
+ms per token = wall time of n steps / n, one synchronisation at the end (the step feeds itself).
+On the CPU (the bench's dry run, the tests) the same module runs eagerly, or compiled by a backend
+that needs no compiler (`backend="eager"`: Dynamo still traces the whole step with fullgraph, so a
+graph break fails there); a CPU figure means nothing and says so.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+
+MODES = ("max-autotune-no-cudagraphs", "reduce-overhead")
+DEFAULT_MODE = MODES[0]
+INDUCTOR_SETTINGS = {"coordinate_descent_tuning": True, "triton.unique_kernel_names": True, "fx_graph_cache": True}
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,86 +48,158 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
-def decoder_layer(x, pos, cos, sin, mask, k_cache, v_cache, w, cfg_tuple):
-    """One layer for one token. x [1, hidden]; pos [1] int64; cos, sin [D/2]; mask [max_len] bool;
-    k_cache, v_cache [kv_heads, max_len, D] (written at pos); w: this layer's weights. The matmuls are
-    F.linear on a one-row activation, as gpt-fast writes them (cuBLAS's GEMM at M = 1; a 1-D `w @ h`
-    is a matrix-vector product that Inductor may decompose into its own reduction)."""
-    heads, kv_heads, d, eps = cfg_tuple
-    h = rms_norm(x, w["in_norm"], eps)
-    qkv = F.linear(h, w["qkv"])[0]                                       # [(heads + 2 kv) * D]
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d])
-    q = rotate(rms_norm(q.view(heads, d), w["q_norm"], eps), cos, sin)
-    k = rotate(rms_norm(k.view(kv_heads, d), w["k_norm"], eps), cos, sin)
-    k_cache.index_copy_(1, pos, k.unsqueeze(1))
-    v_cache.index_copy_(1, pos, v.view(kv_heads, 1, d))
-    o = F.scaled_dot_product_attention(q.view(kv_heads, heads // kv_heads, d), k_cache, v_cache,
-                                       attn_mask=mask.view(1, 1, -1))             # [kv, group, D]
-    x = x + F.linear(o.reshape(1, heads * d), w["o"])
-    h = rms_norm(x, w["post_norm"], eps)
-    gate, up = F.linear(h, w["gate_up"]).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate) * up, w["down"])
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [kv, group, D]; k, v [kv, max_len, D]; mask [max_len] bool -> [kv, group, D]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * q.shape[-1] ** -0.5      # [kv, group, max_len]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
-class CompiledDecodePeer:
-    def __init__(self, cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int, compile: bool = True):
-        self.cfg, self.device, self.max_len = cfg, torch.device(device), max_len
-        gen = torch.Generator(device).manual_seed(11)
+class DecoderLayer(torch.nn.Module):
+    """One layer's weights (q/k/v fused into one matrix, gate/up into another) and its KV cache."""
+
+    def __init__(self, cfg: ModelConfig, rand, ones, max_len: int):
+        super().__init__()
         h, d, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-        qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+        self.heads, self.kv_heads, self.d, self.eps = cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rms_norm_eps
+        param = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.in_norm, self.post_norm, self.q_norm, self.k_norm = param(ones(h)), param(ones(h)), param(ones(d)), param(ones(d))
+        self.qkv = param(rand((self.heads + 2 * self.kv_heads) * d, h))
+        self.o = param(rand(h, self.heads * d))
+        self.gate_up = param(rand(2 * f, h))
+        self.down = param(rand(h, f))
+        kv_shape = (self.kv_heads, max_len, d)
+        self.register_buffer("k_cache", torch.zeros(kv_shape, dtype=self.qkv.dtype, device=self.qkv.device))
+        self.register_buffer("v_cache", torch.zeros(kv_shape, dtype=self.qkv.dtype, device=self.qkv.device))
 
-        def rand(*shape):
+    def forward(self, x, pos, cos, sin, mask):
+        """x [1, hidden]; pos [1] int64; cos, sin [D/2]; mask [max_len] bool -> [1, hidden]. The
+        matmuls are F.linear on a one-row activation, as gpt-fast writes them."""
+        heads, kv_heads, d = self.heads, self.kv_heads, self.d
+        h = rms_norm(x, self.in_norm, self.eps)
+        q, k, v = F.linear(h, self.qkv)[0].split([heads * d, kv_heads * d, kv_heads * d])
+        q = rotate(rms_norm(q.view(heads, d), self.q_norm, self.eps), cos, sin)
+        k = rotate(rms_norm(k.view(kv_heads, d), self.k_norm, self.eps), cos, sin)
+        self.k_cache.index_copy_(1, pos, k.unsqueeze(1))
+        self.v_cache.index_copy_(1, pos, v.view(kv_heads, 1, d))
+        o = attend(q.view(kv_heads, heads // kv_heads, d), self.k_cache, self.v_cache, mask)   # [kv, group, D]
+        x = x + F.linear(o.reshape(1, heads * d), self.o)
+        gate, up = F.linear(rms_norm(x, self.post_norm, self.eps), self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class DecodeStep(torch.nn.Module):
+    """The whole decode step of one sequence; its state (the token it reads, the position it writes)
+    lives in buffers on the device, so a step needs no input and no host read."""
+
+    def __init__(self, cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int, seed: int = 11):
+        super().__init__()
+        gen = torch.Generator(device).manual_seed(seed)
+
+        def rand(*shape):    # N(0, 1/fan_in), like the bench's other random models
             return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * shape[-1] ** -0.5
 
-        ones = lambda n: torch.ones(n, device=device, dtype=dtype)  # noqa: E731
-        self.layers = [dict(in_norm=ones(h), post_norm=ones(h), q_norm=ones(d), k_norm=ones(d),
-                            qkv=rand(qkv_rows, h), o=rand(h, cfg.num_attention_heads * d),
-                            gate_up=rand(2 * f, h), down=rand(h, f)) for _ in range(cfg.num_hidden_layers)]
-        self.embed = rand(cfg.vocab_size, h)
-        self.final_norm = ones(h)
-        self.lm_head = rand(cfg.vocab_size, h)
-        # one tensor per layer (not views of one): the compiled layer sees identical inputs every layer
-        kv_shape = (cfg.num_key_value_heads, max_len, d)
-        self.k_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v_cache = [torch.zeros(kv_shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        def ones(n):
+            return torch.ones(n, device=device, dtype=dtype)
+
+        self.eps = cfg.rms_norm_eps
+        self.layers = torch.nn.ModuleList(DecoderLayer(cfg, rand, ones, max_len) for _ in range(cfg.num_hidden_layers))
+        self.embed = torch.nn.Parameter(rand(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.final_norm = torch.nn.Parameter(ones(cfg.hidden_size), requires_grad=False)
+        self.lm_head = torch.nn.Parameter(rand(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        d = cfg.head_dim
         inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
         angles = torch.arange(max_len, device=device, dtype=torch.float32).unsqueeze(1) * inv   # [max_len, D/2]
-        self.cos, self.sin = angles.cos(), angles.sin()
-        self.positions = torch.arange(max_len, device=device)
-        self.cfg_tuple = (cfg.num_attention_heads, cfg.num_key_value_heads, d, cfg.rms_norm_eps)
-        self.layer_fn = torch.compile(decoder_layer, fullgraph=True, dynamic=False) if compile else decoder_layer
-        # the step's state on the device: the token it reads and the position it writes
-        self.token = torch.zeros(1, dtype=torch.int64, device=device)
-        self.pos = torch.zeros(1, dtype=torch.int64, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+        self.register_buffer("positions", torch.arange(max_len, device=device))
+        self.register_buffer("token", torch.zeros(1, dtype=torch.int64, device=device))
+        self.register_buffer("pos", torch.zeros(1, dtype=torch.int64, device=device))
 
-    @torch.inference_mode()
-    def step(self) -> None:
-        """Decode one token: read self.token at self.pos, write the argmax back, advance pos."""
-        x = self.embed.index_select(0, self.token)                       # [1, hidden]; no host read of the token
+    def forward(self) -> None:
+        """Decode one token: read `token` at `pos`, write the argmax back, advance `pos`."""
+        x = self.embed.index_select(0, self.token)                       # [1, hidden]
         cos, sin = self.cos.index_select(0, self.pos)[0], self.sin.index_select(0, self.pos)[0]
-        mask = self.positions <= self.pos
-        for i, w in enumerate(self.layers):
-            x = self.layer_fn(x, self.pos, cos, sin, mask, self.k_cache[i], self.v_cache[i], w, self.cfg_tuple)
-        logits = F.linear(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), self.lm_head)[0]
+        mask = self.positions <= self.pos                                 # [max_len]
+        for layer in self.layers:
+            x = layer(x, self.pos, cos, sin, mask)
+        logits = F.linear(rms_norm(x, self.final_norm, self.eps), self.lm_head)[0]      # [V]
         self.token.copy_(logits.argmax().view(1))
         self.pos.add_(1)
 
-    def capture(self, warmup: int = 3) -> None:
-        """Warm the compiled code on a side stream, then capture one step as a CUDA graph."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step()
+
+class CompiledDecodePeer:
+    """`DecodeStep` compiled whole and replayed one CUDA graph per step (mode None: eager)."""
+
+    def __init__(self, cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int,
+                 mode: str | None = DEFAULT_MODE, backend: str = "inductor", model: DecodeStep | None = None):
+        """`model`: an existing step to compile (its weights and caches shared), else a new random one."""
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)} or None (eager), got {mode!r}")
+        self.device, self.mode, self.backend = torch.device(device), mode, backend
+        self.model = model if model is not None else DecodeStep(cfg, device, dtype, max_len)
+        if mode is None:
+            self.step_fn = self.model
+        elif backend == "inductor":
+            self.step_fn = torch.compile(self.model, fullgraph=True, dynamic=False, mode=mode)
+        else:                                          # a compiler-free backend: Dynamo's whole-graph trace only
+            self.step_fn = torch.compile(self.model, fullgraph=True, dynamic=False, backend=backend)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.cudagraph_skips = 0                       # Inductor declined its CUDA graph (reduce-overhead)
+        self.timings: dict[str, float] = {}
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self.model.pos
+
+    @property
+    def token(self) -> torch.Tensor:
+        return self.model.token
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self.step_fn()
+
+    def _settings(self):
+        import torch._inductor.config as inductor_config
+        return inductor_config.patch(INDUCTOR_SETTINGS)
+
+    def warm(self, steps: int = 3) -> None:
+        """Compile (the first call) and warm up; on CUDA, then make sure every timed step is one CUDA
+        graph: with `max-autotune-no-cudagraphs` one step is captured here; with `reduce-overhead`
+        Inductor records its own, and where it declines (its `cudagraph_skips` counter moved: it then
+        runs the compiled kernels one launch at a time, a weaker peer than gpt-fast's) the step is
+        captured here all the same. Inductor's settings hold while it compiles, tunes and records."""
+        from torch._dynamo.utils import counters
+        cuda = self.device.type == "cuda"
+        skips_before = counters["inductor"]["cudagraph_skips"]
+        with self._settings():
+            t0 = time.perf_counter()
+            if cuda and self.mode != "reduce-overhead":
+                side = torch.cuda.Stream()          # a manual capture wants its warm-up off the capture stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(steps):
+                        self.step()
+                torch.cuda.current_stream().wait_stream(side)
+            else:                                   # Inductor's CUDA graph trees manage their own streams
+                for _ in range(steps):
+                    self.step()
+            if cuda:
+                torch.cuda.synchronize()
+            self.timings["compile_and_warm_s"] = time.perf_counter() - t0
+            self.cudagraph_skips = counters["inductor"]["cudagraph_skips"] - skips_before
+            if cuda and self.mode is not None and (self.mode != "reduce-overhead" or self.cudagraph_skips):
+                t0 = time.perf_counter()
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph), torch.inference_mode():
+                    self.step_fn()
+                torch.cuda.synchronize()
+                self.timings["capture_s"] = time.perf_counter() - t0
 
     def run(self, start: int, n: int) -> float:
-        """n steps from position `start` (the cache before it holds whatever earlier steps wrote: the
-        same work as a real prompt of that length). -> seconds."""
+        """n steps from position `start` (the cache before it holds what earlier steps wrote: the same
+        work as a real prompt of that length). -> seconds."""
         self.pos.fill_(start)
         self.token.fill_(1)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -131,18 +213,20 @@ class CompiledDecodePeer:
         sync()
         return time.perf_counter() - t0
 
+    def describe(self) -> dict:
+        cuda = self.device.type == "cuda"
+        compiled = self.mode is not None and self.backend == "inductor"
+        return {"compiled": compiled and cuda, "mode": self.mode, "backend": self.backend, "fullgraph": self.mode is not None,
+                "inductor_settings": INDUCTOR_SETTINGS if compiled else None,
+                "cuda_graph": ("one torch.cuda.CUDAGraph per step (captured here)" if self.graph is not None else
+                               "Inductor's CUDA graph per call" if cuda and self.mode == "reduce-overhead" else None),
+                "inductor_cudagraph_skips": self.cudagraph_skips,
+                "static_kv_cache": True, "attention": "written out (the math SDPA backend's computation)",
+                **{k: round(v, 2) for k, v in self.timings.items()}}
 
-def measure(cfg: ModelConfig, device: str, dtype: torch.dtype, context: int, new_tokens: int,
-            repeats: int = 3) -> dict:
-    """The peer's ms per token at batch 1 around `context` (graph + compile on CUDA, eager on CPU)."""
-    cuda = device != "cpu"
-    t0 = time.perf_counter()
-    peer = CompiledDecodePeer(cfg, device, dtype, max_len=context + new_tokens + 8, compile=cuda)
-    if cuda:
-        peer.capture()
-    setup_s = time.perf_counter() - t0
-    runs = [peer.run(context, new_tokens) for _ in range(repeats)]
-    ms = [r / new_tokens * 1e3 for r in runs]
-    return {"context": context, "new_tokens": new_tokens, "ms_per_token_best": min(ms), "ms_per_token": ms,
-            "compiled": cuda, "cuda_graph": cuda, "setup_s": round(setup_s, 2),
-            "note": None if cuda else "CPU dry run: eager, uncompiled, no graph (a code-path check, not a figure)"}
+
+def build(cfg: ModelConfig, device: str, dtype: torch.dtype, max_len: int, mode: str | None = DEFAULT_MODE) -> CompiledDecodePeer:
+    """The peer ready to time: compiled, warmed and captured on CUDA; eager on the CPU (dry run)."""
+    peer = CompiledDecodePeer(cfg, device, dtype, max_len, mode=mode if device != "cpu" else None)
+    peer.warm()
+    return peer

@@ -6,7 +6,9 @@ while nothing decodes), then all N are resumed in one command on the engine thre
 so they decode together from the same step and, with equal `max_tokens`, finish together: the
 overlap the seed needed 6000-token outputs to get. Per stream: its own `decode_tok_s`; aggregate =
 the sum over streams (the seed's 合计), with a client wall-clock cross-check
-(sum of decoded tokens / time from resume to the last stream's end).
+(sum of decoded tokens / time from resume to the last stream's end). The stream counts take turns,
+round by round (N = 1, 2, 8, 1, 2, 8, ...; `order`), for `reps` rounds: `agg_decode_N_streams` is the
+median of the per-round ratios aggregate(N) / aggregate(1) (derive.py).
 
 Prefill interference: one stream decodes; once it has produced a few tokens a long prompt is
 submitted. The stream must get a token between any two chunks of that prompt (one step = one
@@ -44,17 +46,31 @@ def run(bench, sec: dict) -> None:
                                                SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)))
     max_tokens = min(tokens_for(plan, s_tok), bench.plan.kv_capacity // n_max - ctx - 16)
     sec["setup"] = {"context": ctx, "max_tokens": max_tokens, "draft_tokens": 0, "engine": session.describe}
+    est = {n: n * bench.estimate_prefill_s(ctx) + max_tokens * s_tok * (1 + 0.15 * n) for n in plan.streams}
+    reps: dict[int, list[dict]] = {n: [] for n in plan.streams}
+    order, skipped = [], {}
+    for i in range(plan.reps):
+        for n in plan.streams:
+            if n in skipped:
+                continue
+            if not bench.budget.allows(est[n]):
+                skipped[n] = bench.budget.skip_reason(est[n])
+                say("concurrency", f"N={n}: {'skipped' if not reps[n] else 'stopped'} ({skipped[n]})")
+                continue
+            reps[n].append(streams_point(session, n, ctx, max_tokens, timeout=max(120.0, 10 * est[n])))
+            order.append(n)
+    sec["order"] = order
     for n in plan.streams:
-        est = n * bench.estimate_prefill_s(ctx) + max_tokens * s_tok * (1 + 0.15 * n)
-        if not bench.budget.allows(est):
-            points.append({"streams": n, "skipped": bench.budget.skip_reason(est)})
-            say("concurrency", f"N={n}: skipped ({bench.budget.skip_reason(est)})")
+        if not reps[n]:
+            points.append({"streams": n, "skipped": skipped.get(n, "not measured")})
             continue
-        points.append(streams_point(session, n, ctx, max_tokens, timeout=max(120.0, 10 * est)))
-        p = points[-1]
-        say("concurrency", f"N={n}: {fmt_rate(p['per_stream_tok_s_mean'])} per stream, "
-                           f"{fmt_rate(p['aggregate_tok_s'])} aggregate (wall {fmt_rate(p['wall_aggregate_tok_s'])})")
-        bench.save()
+        med = {key: statistics.median(r[key] for r in reps[n])
+               for key in ("per_stream_tok_s_mean", "aggregate_tok_s", "wall_aggregate_tok_s")}
+        points.append({"streams": n, "context": ctx, "max_tokens": max_tokens, **med, "reps": reps[n]})
+        say("concurrency", f"N={n}: {fmt_rate(med['per_stream_tok_s_mean'])} per stream, "
+                           f"{fmt_rate(med['aggregate_tok_s'])} aggregate (wall {fmt_rate(med['wall_aggregate_tok_s'])}), "
+                           f"median of {len(reps[n])}")
+    bench.save()
 
     est = (plan.burst_streams + 1) * plan.burst_repeats * bench.estimate_prefill_s(plan.burst_prompt) * 2 + 1.0
     if bench.budget.allows(est):
@@ -62,7 +78,7 @@ def run(bench, sec: dict) -> None:
                                            timeout=max(120.0, 10 * est))
         say("concurrency", f"TTFT of {b['streams']} x {b['prompt']}-token prompts together: median "
                            f"{b['burst_ttft_s_median'] * 1e3:.1f} ms, alone {b['single_ttft_s_median'] * 1e3:.1f} ms "
-                           f"-> {b['over_single']:.2f}x (chunk {b['prefill_chunk']})")
+                           f"-> {b['over_single']:.2f}x, median of {b['repeats']} rounds (chunk {b['prefill_chunk']})")
         bench.save()
     else:
         sec["ttft_burst"] = {"skipped": bench.budget.skip_reason(est)}
@@ -93,8 +109,7 @@ def streams_point(session, n: int, ctx: int, max_tokens: int, timeout: float) ->
     decoded = sum(r["completion_tokens"] - 1 for r in reps)
     return {"streams": n, "context": ctx, "max_tokens": max_tokens, "per_stream_tok_s": rates,
             "per_stream_tok_s_mean": statistics.mean(rates), "aggregate_tok_s": sum(rates),
-            "wall_aggregate_tok_s": decoded / wall if wall > 0 else None, "wall_s": wall, "repeats": reps,
-            "engine": session.describe}
+            "wall_aggregate_tok_s": decoded / wall if wall > 0 else None, "wall_s": wall, "repeats": reps}
 
 
 def interference(bench, session, ctx: int, long_prompt: int, s_tok: float) -> dict:

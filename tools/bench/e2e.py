@@ -1,16 +1,22 @@
-"""End to end: the deployed shape against the in-process engine, in the same run.
+"""End to end: the deployed shape against the in-process engine, in the same run, interleaved.
 
 `ninfer engine` and `ninfer gateway` run as separate processes (as a platform deploys them) and a
 gRPC client drives them through the gateway; the in-process side is the `EngineLoop` the same flags
-build, warmed up the same way. For each (TP, k): the time to first token of a prompt alone (median
-of several), one stream's decode, and the aggregate of 8 and 32 streams sent together. Both sides
+build, warmed up the same way. Both sides are up together and take turns (served, in-process,
+served, ...; tools/bench/interleave.py): for each (TP, k), `ttft_samples` prompts alone (the time to
+first token; `e2e_ttft_added_ms` is the **median of the paired differences** served - in-process over
+at least 32 pairs), then for each stream count `reps` rounds of the streams sent together (1 stream:
+`e2e_decode_b1_over_inproc`, 8: `e2e_agg_8_over_inproc`, medians of the per-round ratios). Both sides
 are timed by their client alike: TTFT from the call to the first token; a stream's decode rate from
 its first to its last token, (tokens - 1) / seconds; the aggregate is the sum over the streams.
 
 Every final message through the gateway is checked against itself and against the client:
     prefill_tok_s = computed_prefill_tokens / prefill_seconds,  prefill_seconds <= ttft_seconds,
-    engine TTFT <= gateway TTFT <= the client's TTFT,  the client's decode rate <= the engine's
-(the engine's decode window lies inside the client's). Violations are counted and kept.
+    engine TTFT <= gateway TTFT <= the client's TTFT,
+    client's first token -> final message >= the engine's decode seconds - (client TTFT - engine TTFT)
+(the final message leaves after the engine finished, and the first token reached the client late by at
+most the TTFT difference; a rate check with a fixed 5 % slack failed on a loaded machine where the first
+token's delivery lagged by a few ms in a 60 ms window). Violations are counted and kept.
 """
 
 from __future__ import annotations
@@ -18,15 +24,16 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
 from engine.request_stats import RequestStats
-from tools.bench.progress import fmt_rate, say
+from tools.bench import interleave
+from tools.bench.progress import say
 from tools.bench.session import compact, random_prompt
 
 TOLERANCE = 1e-6          # relative, for identities of floating-point figures
-CLIENT_RATE_SLACK = 1.05  # the client's decode rate may exceed the engine's by clock jitter only
+CLOCK_SLACK_S = 1e-3      # two clocks' readings of one interval may differ by this much
 
 
 @dataclass
@@ -39,6 +46,7 @@ class StreamTiming:
     tokens: int = 0
     stats: RequestStats | None = None               # the engine's figures (in the final message)
     gateway_ttft_s: float | None = None             # the gateway's own (e2e only)
+    final_at: float | None = None                   # when the final message (with the stats) arrived
     error: str | None = None
 
     def tokens_arrived(self, n: int, now: float, start: float) -> None:
@@ -57,12 +65,6 @@ class StreamTiming:
         return (self.tokens - 1) / (self.last_at - self.first_at)
 
 
-@dataclass
-class PathResult:
-    ttft_ms: list[float] = field(default_factory=list)
-    points: dict[int, list[StreamTiming]] = field(default_factory=dict)     # streams -> timings
-
-
 # -- the two clients --------------------------------------------------------------------------------
 
 def inproc_stream(loop, ids: list[int], params: SamplingParams, timing: StreamTiming) -> None:
@@ -70,17 +72,18 @@ def inproc_stream(loop, ids: list[int], params: SamplingParams, timing: StreamTi
     for out in loop.submit(ids, params):
         timing.tokens_arrived(len(out.new_token_ids), time.perf_counter(), start)
         if out.finished:
-            timing.stats = out.stats
+            timing.stats, timing.final_at = out.stats, time.perf_counter()
 
 
 def gateway_stream(client, ids: list[int], params: SamplingParams, timing: StreamTiming) -> None:
     from gateway.client import SamplingParams as WireSampling
     from services.convert import stats_from_proto
-    wire = WireSampling(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+    wire = WireSampling(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, temperature=params.temperature)
     start = time.perf_counter()
     for msg in client.generate(prompt_token_ids=ids, sampling=wire, include_token_ids=True):
         timing.tokens_arrived(len(msg.token_ids), time.perf_counter(), start)
         if msg.HasField("result"):
+            timing.final_at = time.perf_counter()
             timing.stats = stats_from_proto(msg.result.stats)
             timing.gateway_ttft_s = msg.result.gateway_timings.ttft_seconds
 
@@ -105,17 +108,31 @@ def run_together(one, prompts: list[list[int]], params: SamplingParams, timeout:
     return timings
 
 
-def measure(one, vocab: int, plan, timeout: float) -> PathResult:
-    result = PathResult()
-    ttft_params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
-    for _ in range(plan.ttft_repeats):
-        t = StreamTiming()
-        one(random_prompt(plan.prompt, vocab), ttft_params, t)
-        result.ttft_ms.append(t.ttft_s * 1e3)
-    params = SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True, temperature=0.0)
-    for n in plan.streams:
-        result.points[n] = run_together(one, [random_prompt(plan.prompt, vocab) for _ in range(n)], params, timeout)
-    return result
+def ttft_rep(one, vocab: int, plan, served: list | None) -> dict:
+    """One prompt alone (two tokens): its client-side TTFT."""
+    t = StreamTiming()
+    one(random_prompt(plan.prompt, vocab), SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), t)
+    if served is not None:
+        served.append(t)
+    return {"ttft_ms": t.ttft_s * 1e3 if t.ttft_s is not None else None, "gateway_ttft_s": t.gateway_ttft_s,
+            "engine_ttft_s": t.stats.timings.ttft if t.stats else None, "error": t.error}
+
+
+def streams_rep(one, vocab: int, plan, n: int, timeout: float, served: list | None) -> dict:
+    """`n` streams sent together: the sum of their client-side decode rates, and their records."""
+    timings = run_together(one, [random_prompt(plan.prompt, vocab) for _ in range(n)],
+                           SamplingParams(max_tokens=plan.decode_tokens, ignore_eos=True, temperature=0.0), timeout)
+    if served is not None:
+        served.extend(timings)
+    rates = [t.decode_tok_s for t in timings if t.decode_tok_s]
+    return {"aggregate_tok_s": sum(rates) if len(rates) == n else None,
+            "per_stream_tok_s_mean": statistics.mean(rates) if rates else None,
+            "errors": [t.error for t in timings if t.error],
+            "engine_decode_tok_s_mean": statistics.mean([t.stats.rates.decode_tok_s for t in timings if t.stats])
+            if any(t.stats for t in timings) else None,
+            "records": [{**(compact(t.stats) if t.stats else {}), "client_ttft_s": t.ttft_s,
+                         "client_decode_tok_s": t.decode_tok_s, "gateway_ttft_s": t.gateway_ttft_s}
+                        for t in timings]}
 
 
 # -- checks -----------------------------------------------------------------------------------------
@@ -140,27 +157,14 @@ def consistency(t: StreamTiming) -> list[str]:
         bad.append(f"gateway ttft {t.gateway_ttft_s:.4f} > client ttft {t.ttft_s:.4f}")
     if t.tokens != u.completion_tokens:
         bad.append(f"client counted {t.tokens} tokens, the engine {u.completion_tokens}")
-    client = t.decode_tok_s
-    if client and s.rates.decode_tok_s and client > s.rates.decode_tok_s * CLIENT_RATE_SLACK:
-        bad.append(f"client decode {client:.1f} tok/s > engine decode_tok_s {s.rates.decode_tok_s:.1f}")
+    if t.tokens >= 2 and tm.decode > 0 and t.ttft_s is not None and t.final_at is not None:
+        # the client sees the first token late by at most (its TTFT - the engine's), and the final message
+        # only after the engine finished: from the one to the other at least the engine's decode less that lag
+        window, lag = t.final_at - t.first_at, max(0.0, t.ttft_s - tm.ttft)
+        if window < tm.decode - lag - CLOCK_SLACK_S:
+            bad.append(f"client's first token to final message {window * 1e3:.2f} ms < the engine's decode "
+                       f"{tm.decode * 1e3:.2f} ms less the first token's delivery lag {lag * 1e3:.2f} ms")
     return bad
-
-
-def summarize(result: PathResult) -> dict:
-    out = {"ttft_ms_median": statistics.median(result.ttft_ms), "ttft_ms": [round(x, 3) for x in result.ttft_ms],
-           "streams": {}}
-    for n, timings in result.points.items():
-        rates = [t.decode_tok_s for t in timings if t.decode_tok_s]
-        out["streams"][str(n)] = {
-            "aggregate_tok_s": sum(rates) if len(rates) == n else None,
-            "per_stream_tok_s_mean": statistics.mean(rates) if rates else None,
-            "errors": [t.error for t in timings if t.error],
-            "engine_decode_tok_s_mean": statistics.mean([t.stats.rates.decode_tok_s for t in timings if t.stats])
-            if any(t.stats for t in timings) else None,
-            "records": [{**(compact(t.stats) if t.stats else {}), "client_ttft_s": t.ttft_s,
-                         "client_decode_tok_s": t.decode_tok_s, "gateway_ttft_s": t.gateway_ttft_s}
-                        for t in timings]}
-    return out
 
 
 # -- the section ------------------------------------------------------------------------------------
@@ -196,52 +200,59 @@ def run(bench, sec: dict) -> None:
                                      kv_capacity=plan.kv_capacity, max_model_len=plan.kv_capacity,
                                      max_batch=max(plan.streams))
             session, _ = bench.pool.get(spec, warm_prompt=plan.prompt, warm_decode=16)
-            inproc = measure(lambda ids, p, t: inproc_stream(session.loop, ids, p, t), session.vocab, plan, timeout)
-            engine_info = session.describe
-            bench.pool.close()                        # the device's memory goes to the engine process
+            # the in-process engine stays up: both sides take turns
             with ServerProcess.start("engine", *engine_flags(bench, tp, k, dv), "--log-level", "info",
                                      timeout_s=900) as engine, \
                     ServerProcess.start("gateway", "--engine", engine.address) as gateway, \
                     GatewayClient(gateway.address) as client:
                 client.wait_until_serving(900)
-                e2e = measure(lambda ids, p, t: gateway_stream(client, ids, p, t), session.vocab, plan, timeout)
+                sides = {"served": lambda ids, p, t: gateway_stream(client, ids, p, t),
+                         "inproc": lambda ids, p, t: inproc_stream(session.loop, ids, p, t)}
+                entry = _interleaved(bench, sides, session.vocab, plan, timeout)
                 served = engine.wait_for_event("engine_serving")
-            violations = [f"{n} streams: {v}" for n, timings in e2e.points.items() for t in timings
-                          for v in consistency(t)]
-            entry = {"label": label, "tp": tp, "k": k, "draft_vocab": dv, "prompt": plan.prompt,
-                     "decode_tokens": plan.decode_tokens, "inproc": summarize(inproc), "e2e": summarize(e2e),
-                     "engine": engine_info, "served_engine_warmup": {key: served.get(key) for key in
-                     ("cuda_graphs", "graph_buckets", "graph_capture_seconds", "no_graphs_reason", "warmup_seconds")},
-                     "consistency_violations": violations[:200], "consistency_violation_count": len(violations),
-                     "messages_checked": sum(len(v) for v in e2e.points.values())}
+            entry.update(label=label, tp=tp, k=k, draft_vocab=dv, prompt=plan.prompt, decode_tokens=plan.decode_tokens,
+                         tensor_parallel_size=tp, engine=session.describe,
+                         served_engine_warmup={key: served.get(key) for key in
+                                               ("cuda_graphs", "graph_buckets", "graph_capture_seconds",
+                                                "no_graphs_reason", "warmup_seconds")})
             ratios(entry)
             configs.append(entry)
-            say("e2e", f"{label}: decode 1 stream {fmt_rate(entry['decode_b1_ratio_inputs'][0])} in-process vs "
-                       f"{fmt_rate(entry['decode_b1_ratio_inputs'][1])} served; TTFT +{entry['ttft_added_ms']:.2f} ms; "
-                       f"{len(violations)} inconsistent of {entry['messages_checked']} final messages")
+            say("e2e", f"{label}: TTFT added {entry['ttft_added_ms'] or 0:+.2f} ms (median of {entry['ttft']['reps_paired']} "
+                       f"paired differences); decode 1 stream served / in-process {entry['decode_b1_over_inproc'] or 0:.3f}; "
+                       f"{entry['consistency_violation_count']} inconsistent of {entry['messages_checked']} final messages")
             bench.save()
-    ref = next((c for c in configs if c.get("label") == "tp1-k0"), None)
-    if ref is None:
+    if not any(c.get("label") == "tp1-k0" and "ttft" in c for c in configs):
         sec["e2e_reason"] = "the TP=1, k=0 configuration was not measured"
-        return
-    sec["e2e_decode_b1_over_inproc"] = ref["decode_b1_over_inproc"]
-    sec["e2e_agg_8_over_inproc"] = ref["agg_8_over_inproc"]
-    sec["e2e_ttft_added_ms"] = ref["ttft_added_ms"]
-    for name in ("e2e_decode_b1_over_inproc", "e2e_agg_8_over_inproc", "e2e_ttft_added_ms"):
-        sec[name + "_inputs"] = {"config": "tp1-k0", "prompt": plan.prompt, "decode_tokens": plan.decode_tokens}
+
+
+def _interleaved(bench, sides: dict, vocab: int, plan, timeout: float) -> dict:
+    """Warm the served path, then every comparison with the sides taking turns; the served final
+    messages are checked."""
+    served: list[StreamTiming] = []
+    for _ in range(2):                    # the first requests through a new gRPC channel: not measured
+        ttft_rep(sides["served"], vocab, plan, None)
+
+    def side_calls(make):
+        return {name: (lambda name=name, one=one: make(one, served if name == "served" else None))
+                for name, one in sides.items()}
+
+    ttft = interleave.run(side_calls(lambda one, s: ttft_rep(one, vocab, plan, s)), plan.ttft_samples)
+    streams = {str(n): interleave.run(side_calls(lambda one, s, n=n: streams_rep(one, vocab, plan, n, timeout, s)),
+                                      plan.reps, streams=n)
+               for n in plan.streams}
+    violations = [v for t in served for v in consistency(t)]
+    return {"ttft": ttft, "streams": streams, "consistency_violations": violations[:200],
+            "consistency_violation_count": len(violations), "messages_checked": len(served)}
 
 
 def ratios(entry: dict) -> None:
-    a, b = entry["inproc"], entry["e2e"]
-
-    def agg(side, n):
-        return (side["streams"].get(str(n)) or {}).get("aggregate_tok_s")
-
-    one = (agg(a, 1), agg(b, 1))
-    entry["decode_b1_ratio_inputs"] = one
-    entry["decode_b1_over_inproc"] = one[1] / one[0] if all(one) else None
-    n8 = 8 if "8" in a["streams"] else max(int(n) for n in a["streams"])
-    entry["agg_8_over_inproc"] = agg(b, n8) / agg(a, n8) if agg(a, n8) and agg(b, n8) else None
-    entry["agg_streams"] = n8
-    entry["agg_32_over_inproc"] = agg(b, 32) / agg(a, 32) if agg(a, 32) and agg(b, 32) else None
-    entry["ttft_added_ms"] = b["ttft_ms_median"] - a["ttft_ms_median"]
+    """The config's figures by the headline rule (median of per-rep ratios / differences), for the table."""
+    ttft = interleave.reduce_pair(entry["ttft"], "served", "inproc", "ttft_ms", op="difference")
+    entry["ttft"]["reps_paired"] = ttft["reps"]
+    entry["ttft_added_ms"] = ttft["value"]
+    entry["ttft_ms_median"] = {side: statistics.median(x for x in interleave.values(entry["ttft"], side, "ttft_ms")
+                                                       if x is not None) for side in ("served", "inproc")}
+    for n in map(int, entry["streams"]):
+        r = interleave.reduce_pair(entry["streams"][str(n)], "served", "inproc", "aggregate_tok_s")
+        entry[f"agg_{n}_over_inproc"] = r["value"]
+    entry["decode_b1_over_inproc"] = entry.get("agg_1_over_inproc")

@@ -1,48 +1,73 @@
-"""Mixtures of experts (issue 42): `preset:qwen3-30b-a3b` with random weights, decode batch 1 at TP=1 and
-TP=2 (where two GPUs are lent).
+"""Mixture of experts at the Qwen3-30B-A3B shape (random weights): decode batch 1 against the floor of
+the bytes one step really reads, and TP2 against TP1.
 
-A decode point's floor is the bytes one rank moves per step over the copy bandwidth measured in the same
-run -- the weights it reads (the experts the token chose, not all 128 of a layer: tools/bench/shapes.py),
-the KV at the point's mean context -- and `derive` turns it into the point's roofline fraction
-(`moe_30b_a3b_decode_b1_roofline_fraction`, the TP=1 point) and the TP=2 over TP=1 speed-up
-(`moe_30b_a3b_tp2_over_tp1_decode_b1`). Random routers spread tokens over the experts about uniformly; a
-trained model's routing is what a served figure would see (its experts per step at batch > 1 differ).
-On the CPU it is a dry run of the same code at the `tiny-moe` shape.
+At batch 1 a step reads the attention weights, each MoE layer's router and the `num_experts_per_tok`
+experts the token is routed to (not all `num_experts`), the shared expert where the model has one,
+the lm_head, and the KV at the context (tools/bench/shapes.py: `weight_bytes_per_step` counts the
+active parameters of a mixture of experts). derive.py turns the point's reps into
+`moe_30b_a3b_decode_b1_roofline_fraction` (the median over the reps of floor / ms per token). With two
+GPUs (or on the CPU, two in-process ranks) the TP1 and TP2 engines take turns on decode batch 1
+(`pairs["decode_b1"]`): `moe_30b_a3b_tp2_over_tp1_decode_b1`, the median of the per-rep ratios.
+
+The shape is a preset of the engine (`plan.moe.shape`); a checkout without it, or whose config is not
+a mixture of experts, records the section as skipped with the reason.
 """
 
 from __future__ import annotations
 
-from tools.bench import shapes
-from tools.bench.decode import decode_point
+from engine.errors import InvalidArgumentError, ModelLoadError
+from tools.bench import interleave, shapes
+from tools.bench.decode import decode_rep, point_from_reps, seconds_per_token, tokens_for
 from tools.bench.progress import say
+
+
+def _skip(sec: dict, reason: str) -> None:
+    sec.update(status="skipped", reason=reason)
+    say("moe", f"skipped: {reason}")
 
 
 def run(bench, sec: dict) -> None:
     plan = bench.plan.moe
-    cfg = shapes.model_config(plan.shape)
-    tps = [tp for tp in plan.tensor_parallel_sizes if bench.kind == "cpu" or tp <= bench.gpu_count()]
-    if bench.kind == "cpu":
-        sec["note"] = f"CPU dry run at the {plan.shape} shape: not GPU figures"
-    elif len(tps) < len(plan.tensor_parallel_sizes):
-        sec["note"] = f"{bench.gpu_count()} GPU(s): TP={max(plan.tensor_parallel_sizes)} not measured"
-    sec.update(shape=plan.shape, context=plan.context, describe=shapes.describe(cfg, "bfloat16"),
-               weight_bytes_per_step={str(tp): shapes.weight_bytes_per_step(cfg, "bfloat16", tp) for tp in tps})
+    try:
+        cfg = shapes.model_config(plan.shape)
+    except ModelLoadError as e:
+        return _skip(sec, f"no preset:{plan.shape} in this checkout ({e})"[:400])
+    if not getattr(cfg, "is_moe", False):
+        return _skip(sec, f"preset:{plan.shape} is not a mixture of experts")
+    sec.update(shape=plan.shape, describe=shapes.describe(cfg, "bfloat16"),
+               active_weight_bytes_per_step=shapes.weight_bytes_per_step(cfg))
+    if not bench.budget.allows(bench.build_guess_s() * 2):
+        return _skip(sec, bench.budget.skip_reason(bench.build_guess_s() * 2))
+
+    def spec(tp: int):
+        return bench.engine_spec(model=f"preset:{plan.shape}", draft_tokens=0, tensor_parallel_size=tp,
+                                 kv_capacity=plan.kv_capacity, max_model_len=plan.kv_capacity, prefill_chunk=plan.chunk,
+                                 max_batch=4)
+
+    two = bench.kind == "cpu" or bench.gpu_count() >= 2
+    tp1, _ = bench.pool.get(spec(1), warm_prompt=plan.context, warm_decode=16, keep=(spec(2),) if two else ())
+    say("moe", f"engine {plan.shape} TP=1: {tp1.setup_text}")
+    tokens = tokens_for(bench.plan.decode, seconds_per_token(tp1, plan.context))
     points = sec.setdefault("points", [])
-    for tp in tps:
-        guess = bench.build_guess_s() * 2
-        if not bench.budget.allows(guess):
-            points.append({"tensor_parallel_size": tp, "skipped": bench.budget.skip_reason(guess)})
-            continue
-        cap = plan.context + plan.decode_tokens + 64
-        spec = bench.engine_spec(model=f"preset:{plan.shape}", draft_tokens=0, tensor_parallel_size=tp,
-                                 kv_capacity=cap, max_model_len=cap, max_batch=4, extra=(("prefix_reuse", False),))
-        session, _ = bench.pool.get(spec, warm_prompt=plan.context, warm_decode=16)
-        say("moe", f"engine {plan.shape} TP={tp}: {session.setup_text}")
-        p = decode_point(bench, session, plan.context, plan.repeats, plan.decode_tokens, "moe")
-        points.append({**p, "label": "decode", "shape": plan.shape, "tensor_parallel_size": tp})
-        bench.save()
-        bench.pool.close()
-    measured = [p for p in points if "skipped" not in p]
-    sec["status"] = "ok" if measured else "skipped"
-    if not measured:
-        sec.setdefault("reason", "no point measured")
+    if not two:
+        reps = [decode_rep(bench, tp1, plan.context, tokens) for _ in range(plan.reps)]
+        points.append({**point_from_reps(reps, plan.context, tokens, tp1.describe, "moe"), "label": "tp1",
+                       "shape": plan.shape})
+        sec["tp2_reason"] = f"needs 2 GPUs, found {bench.gpu_count()}"
+    else:
+        try:
+            tp2, _ = bench.pool.get(spec(2), warm_prompt=plan.context, warm_decode=16, keep=(spec(1),))
+        except (InvalidArgumentError, NotImplementedError) as e:
+            sec["tp2_reason"] = f"the engine refused tensor_parallel_size=2: {e}"[:400]
+            tp2 = None
+        sides = {"tp1": tp1} if tp2 is None else {"tp1": tp1, "tp2": tp2}
+        pair = interleave.run({label: (lambda s=s: decode_rep(bench, s, plan.context, tokens)) for label, s in sides.items()},
+                              plan.reps, context=plan.context, max_tokens=tokens, shape=plan.shape,
+                              tensor_parallel_size={label: int(label[2]) for label in sides})
+        sec.setdefault("pairs", {})["decode_b1"] = pair
+        for label, s in sides.items():
+            points.append({**point_from_reps(pair["reps"][label], plan.context, tokens, s.describe, "moe"),
+                           "label": label, "shape": plan.shape})
+    bench.save()
+    bench.pool.close()
+    sec["status"] = "ok"

@@ -2,7 +2,10 @@
 
 Each request is a fresh random prompt (no prefix-cache hits) with max_tokens=1, so its whole life
 is the prefill; the figure is the request's own `prefill_tok_s = computed_prefill_tokens /
-timings.prefill`, always reported with P and the chunk. Peak = max over repeats, with the median.
+timings.prefill`, always reported with P and the chunk. The repeats of one chunk's prompt lengths are
+interleaved -- round i measures rep i of every P that asks for that many (4k, 32k, 4k, 32k, ...;
+`order` records it) -- so that the headline's `prefill_32k_over_4k` is the median of per-round ratios
+and `prefill_4k_mfu` the median of the reps' MFU (derive.py). Peak (max) and median for the tables.
 The engine of the plan's shared chunk runs last so that the sections after reuse it.
 """
 
@@ -30,29 +33,36 @@ def run(bench, sec: dict) -> None:
                                          warm_prompt=min(2 * chunk, max(prompts)), warm_decode=2)
         say("prefill", f"engine chunk={chunk}: " + ("reused" if reused else
                                                      session.setup_text))
-        for P in prompts:
-            repeats = plan.repeats.get(P, 1)
-            one = bench.estimate_prefill_s(P)
-            if not bench.budget.allows(one * repeats):
-                repeats = max(1, int(bench.budget.left() // max(one, 1e-9)))
-                if not bench.budget.allows(one):
-                    points.append({"P": P, "chunk": chunk, "skipped": bench.budget.skip_reason(one)})
-                    say("prefill", f"P={P} chunk={chunk}: skipped ({bench.budget.skip_reason(one)})")
+        rounds = max(plan.repeats.get(P, 1) for P in prompts)
+        reps: dict[int, list[dict]] = {P: [] for P in prompts}
+        order, skipped = [], {}
+        for i in range(rounds):
+            for P in prompts:
+                if i >= plan.repeats.get(P, 1) or P in skipped:
                     continue
-            reps = []
-            for _ in range(repeats):
+                one = bench.estimate_prefill_s(P)
+                if not bench.budget.allows(one):
+                    skipped[P] = bench.budget.skip_reason(one)
+                    say("prefill", f"P={P} chunk={chunk}: {'skipped' if not reps[P] else 'stopped'} ({skipped[P]})")
+                    continue
                 stats = session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
                                          timeout=max(120.0, 5 * one))
-                reps.append(compact(stats))
-                bench.note_prefill_rate("engine", P, reps[-1]["prefill_tok_s"])
-            rates = [r["prefill_tok_s"] for r in reps]
+                reps[P].append(compact(stats))
+                order.append(P)
+                bench.note_prefill_rate("engine", P, reps[P][-1]["prefill_tok_s"])
+        sec.setdefault("order", {})[str(chunk)] = order
+        for P in prompts:
+            if not reps[P]:
+                points.append({"P": P, "chunk": chunk, "skipped": skipped.get(P, "not measured")})
+                continue
+            rates = [r["prefill_tok_s"] for r in reps[P]]
             s = summary(rates)
-            point = {"P": reps[0]["computed_prefill_tokens"], "prompt_tokens": P, "chunk": chunk,
+            point = {"P": reps[P][0]["computed_prefill_tokens"], "prompt_tokens": P, "chunk": chunk,
                      "prefill_tok_s_peak": s["peak"], "prefill_tok_s_median": s["median"],
-                     "cached_tokens": max(r["cached_tokens"] for r in reps), "repeats": reps,
+                     "cached_tokens": max(r["cached_tokens"] for r in reps[P]), "repeats": reps[P],
                      "engine": session.describe}
             points.append(point)
-            say("prefill", f"P={P} chunk={chunk}: {fmt_rate(s['peak'])} peak, {fmt_rate(s['median'])} median "
-                           f"of {len(rates)} (MFU {bench.mfu_text(P, s['peak'])})")
-            bench.save()
+            say("prefill", f"P={P} chunk={chunk}: {fmt_rate(s['median'])} median of {len(rates)}, {fmt_rate(s['peak'])} "
+                           f"peak (MFU {bench.mfu_text(P, s['median'])})")
+        bench.save()
     sec["status"] = "ok"

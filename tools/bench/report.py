@@ -1,5 +1,5 @@
 """Writing a run: results.json (every figure with its parameters), summary.md (the seed-style tables
-and the headline against the targets of docs/performance.md), PNG plots, and the compact table printed last."""
+and the headline against its targets, tools/bench/targets.py), PNG plots, and the compact table printed last."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from tools.bench import interleave
 from tools.bench.derive import TARGETS
 from tools.bench.progress import fmt, si
 
@@ -84,20 +85,24 @@ def markdown(r: dict) -> str:
          f"- command: `{run.get('command', '')}`",
          "- rates come from each request's own phase timings (prefill_tok_s = computed_prefill_tokens / "
          "timings.prefill; decode_tok_s = (completion_tokens - 1) / timings.decode); every prompt is fresh "
-         "random tokens (no prefix-cache hits); decode runs with ignore_eos; peak = max over repeats, "
-         "median beside it.", ""]
+         "random tokens (no prefix-cache hits); decode runs with ignore_eos; the sweeps' tables show the peak "
+         "(max over repeats) and the median.",
+         f"- headline: {r.get('headline_basis', '')}.", ""]
     merged = [rid for rid in r.get("runs", {}) if rid != run["run_id"]]
     if merged:
         L += [f"- sections merged from earlier runs: {', '.join(merged)}", ""]
 
-    L += ["## Headline (targets from docs/performance.md)", ""]
+    L += ["## Headline (targets: tools/bench/targets.py)", ""]
     rows = []
     for name, d in r.get("headline_detail", {}).items():
         val = d["value"]
+        tp = f"TP{d.get('tensor_parallel_size')}" + (f"/TP{d['baseline_tensor_parallel_size']}"
+                                                      if d.get("baseline_tensor_parallel_size") else "")
+        reps = f"{len(d['per_rep'])} reps; " if isinstance(d.get("per_rep"), list) and val is not None else ""
         rows.append([f"`{name}`", fmt(val), _target_text(name), fmt(d.get("ratio_to_target")),
                      "—" if d.get("met") is None else ("**yes**" if d["met"] else "no"),
-                     d.get("reason") or _inputs_text(d.get("inputs")), d["target_text"]])
-    L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "what is asked (docs/performance.md)"], rows)
+                     f"{tp}; " + (d.get("reason") or reps + _inputs_text(d.get("inputs"))), d["target_text"]])
+    L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "target text"], rows)
 
     L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
     L += _quant(r) + _hybrid(r) + _moe(r)
@@ -151,9 +156,12 @@ def _peer(r: dict) -> list[str]:
         return []
     s = sec["setup"]
     L = [f"## Peer: transformers {s['transformers']} ({s['attn_implementation']}, {s['dtype']}, random weights)", ""]
-    rows = [[str(p["P"]), fmt(p["tok_s_peak"]), fmt(p["tok_s_median"]), fmt(p.get("mfu_peak"))]
+    pairs = {p["P"]: p for p in sec.get("prefill_pairs", [])}
+    rows = [[str(p["P"]), fmt(p["tok_s_peak"]), fmt(p["tok_s_median"]), fmt(p.get("mfu_median")),
+             fmt(interleave.reduce_pair(pairs.get(p["P"]), "engine", "transformers", "prefill_tok_s",
+                                        metric_b="tok_s", minimum=1)["value"])]
             for p in _measured(sec.get("prefill"))]
-    L += _tab(["P", "prefill tok/s peak", "median", "MFU"], rows)
+    L += _tab(["P", "transformers tok/s peak", "median", "MFU (median)", "engine / transformers (median per rep)"], rows)
     d = sec.get("decode") or {}
     if "tok_s" in d:
         L.append(f"- decode, `generate()` batch 1 ({s['decode']}), prompt {d['prompt_tokens']}, {d['new_tokens']} "
@@ -161,12 +169,15 @@ def _peer(r: dict) -> list[str]:
     elif d:
         L.append(f"- decode: {d.get('skipped') or d.get('error')}")
     c = sec.get("compiled_decode") or {}
-    if "ms_per_token_best" in c:
-        how = "torch.compile + the step in one CUDA graph" if c["compiled"] else c.get("note")
-        L.append(f"- decode, our static-cache step written gpt-fast style ({how}), batch 1 at context "
-                 f"{c['context']}: **{c['ms_per_token_best']:.2f} ms/token** (best of {len(c['ms_per_token'])})")
+    if "ms_per_token_median" in c:
+        how = (f"torch.compile(fullgraph, mode={c['mode']}), coordinate-descent tuning, {c['cuda_graph']}"
+               if c["compiled"] else c.get("note"))
+        r_ = interleave.reduce_pair(sec.get("compiled_decode_pair"), "compiled_peer", "engine", "ms_per_token", minimum=1)
+        L.append(f"- decode, the Qwen3 step in plain PyTorch run as gpt-fast runs it ({how}), batch 1 at context "
+                 f"{c['context']}: **{c['ms_per_token_median']:.2f} ms/token** (median of {len(c['ms_per_token'])}, "
+                 f"interleaved with the engine: engine over it {fmt(r_['value'])}); setup {fmt(c.get('setup_s'))} s")
     elif c:
-        L.append(f"- decode, our compiled static-cache step: {c.get('error')}")
+        L.append(f"- decode, the compiled step: {c.get('error') or c.get('skipped')}")
     L += _skips(sec.get("prefill"), lambda p: f"prefill P={p['P']}")
     return L + [""]
 
@@ -212,7 +223,8 @@ def _decode(r: dict) -> list[str]:
     variants = sorted({(p["draft_tokens"], p.get("draft_vocab", 0)) for p in sec.get("points", [])})
     by = {(p["draft_tokens"], p.get("draft_vocab", 0), p["context"]): p for p in pts}
     L = [f"## Decode batch 1 — k × context ({r['run']['shape']}, random weights)", "",
-         "Cell: decode tok/s peak · ms per round (best) · roofline fraction (k = 0). Acceptance per position "
+         "Cell: decode tok/s (median) · ms per round (median) · roofline fraction (k = 0, median of the reps). "
+         "Acceptance per position "
          "is as measured on random weights (≈0: these rows are the cost of a round; the acceptance "
          "section gives what a workload gets).", ""]
     rows = []
@@ -224,7 +236,7 @@ def _decode(r: dict) -> list[str]:
             if p is None:
                 row.append("—")
                 continue
-            cell = f"{p['decode_tok_s_peak']:,.1f} · {p['ms_per_round_best']:.2f} ms"
+            cell = f"{p['decode_tok_s_median']:,.1f} · {p['ms_per_round_median']:.2f} ms"
             if p.get("roofline_fraction") is not None:
                 cell += f" · {p['roofline_fraction']:.2f}"
             row.append(cell)
@@ -234,14 +246,8 @@ def _decode(r: dict) -> list[str]:
     d = r.get("headline_detail", {}).get("extra_draft_cost_fraction", {})
     if d.get("value") is not None:
         L.append(f"- extra draft cost: {d['value']:.3f} of a k=0 step per draft token "
-                 f"(mean over k ≥ 1 of (ms(k) − ms(0)) / (k · ms(0)); target ≤ 0.05)")
-    base = {p["context"]: p for p in pts if p["draft_tokens"] == 0 and not p.get("draft_vocab")}
-    for p in pts:
-        if p.get("draft_vocab") and p["context"] in base:
-            b = base[p["context"]]
-            f = (p["ms_per_round_best"] - b["ms_per_round_best"]) / (p["draft_tokens"] * b["ms_per_round_best"])
-            L.append(f"- reduced draft vocabulary {p['draft_vocab']} at k={p['draft_tokens']}, ctx {p['context']}: "
-                     f"{p['ms_per_round_best']:.2f} ms/round = {f:.3f} of a k=0 step per draft token")
+                 f"(mean over k ≥ 1 of the median per-rep (ms(k) − ms(0)) / (k · ms(0)), each k interleaved with k = 0; "
+                 f"target ≤ 0.05); options: " + ", ".join(f"{o} {fmt(c)}" for o, c in (d.get('inputs') or {}).get('options', {}).items()))
     L += _skips(sec.get("points"), lambda p: f"k={p.get('draft_tokens')} ctx={p.get('context')}")
     return L + [""]
 
@@ -311,11 +317,14 @@ def _kv(r: dict) -> list[str]:
     sec = r["sections"].get("kv")
     if not sec or not sec.get("ratios"):
         return [] if not sec else ["## KV dtype", "", f"- {sec.get('int8_over_bf16_reason') or sec.get('error')}", ""]
-    L = ["## KV dtype — decode batch 1, k = 0", ""]
-    rows = [[_ctx(x["context"]), fmt(x["base_tok_s"]), fmt(x["int8_tok_s"]), f"{x['ratio']:.3f}",
-             f"{x['bytes_ratio']:.3f}"] for x in sec["ratios"]]
+    L = ["## KV dtype — decode batch 1, k = 0, the two engines interleaved", ""]
     base = sec["ratios"][0]["base_kv_dtype"]
-    L += _tab(["context", f"{base} tok/s", "int8 tok/s", "int8 / " + base, "bytes bound"], rows)
+    by = {(p.get("kv_dtype"), p["context"]): p for p in _measured(sec.get("points"))}
+    rows = [[_ctx(x["context"]), fmt((by.get((base, x["context"])) or {}).get("decode_tok_s_median")),
+             fmt((by.get(("int8", x["context"])) or {}).get("decode_tok_s_median")), fmt(x["ratio"]),
+             f"{x['bytes_ratio']:.3f}"] for x in sec["ratios"]]
+    L += _tab(["context", f"{base} tok/s (median)", "int8 tok/s (median)", f"int8 / {base} (median per rep)",
+               "bytes bound"], rows)
     return L
 
 
@@ -327,18 +336,25 @@ def _tp(r: dict) -> list[str]:
         return ["## Tensor parallel", "", f"- skipped: {sec.get('reason')}", ""]
     L = ["## Tensor parallel — decode batch 1, k = 0", ""]
     rows = [[p.get("label", ""), p.get("shape", ""), str(p["engine"].get("tensor_parallel_size")),
-             p["engine"].get("kv_dtype", ""), str(p["context"]), fmt(p["decode_tok_s_peak"]),
-             f"{p['ms_per_round_best']:.2f}", fmt(p.get("roofline_fraction"))]
+             p["engine"].get("kv_dtype", ""), str(p["context"]), fmt(p["decode_tok_s_median"]),
+             f"{p['ms_per_round_median']:.2f}", fmt(p.get("roofline_fraction"))]
             for p in _measured(sec.get("points"))]
-    L += _tab(["run", "shape", "TP", "KV", "context", "tok/s", "ms/token", "roofline fraction"], rows)
-    pre = [p for p in sec.get("prefill", []) if "prefill_tok_s_peak" in p]
-    if pre:
-        ratio = sec.get("tp2_over_tp1_prefill", {})
-        L += ["", "Prefill (fresh prompt, the plan's chunk), tok/s:", ""]
-        L += _tab(["P", "TP1", "TP2", "TP2 / TP1"],
-                  [[str(P), fmt(next((p["prefill_tok_s_peak"] for p in pre if p["label"] == "tp1" and p["P"] == P), None)),
-                    fmt(next((p["prefill_tok_s_peak"] for p in pre if p["label"] == "tp2" and p["P"] == P), None)),
-                    fmt(ratio.get(str(P)))] for P in sorted({p["P"] for p in pre})])
+    L += _tab(["run", "shape", "TP", "KV", "context", "tok/s (median)", "ms/token (median)", "roofline fraction"], rows)
+    pairs = {n: p for n, p in (sec.get("pairs") or {}).items() if "sides" in p}
+    if pairs:
+        L += ["", "TP1 and TP2 interleaved (medians of the reps; ratio: median of the per-rep ratios):", ""]
+        rows = []
+        for name, pair in pairs.items():
+            metric = {"decode_b1": "decode_tok_s", "streams": "aggregate_tok_s"}.get(name, "prefill_tok_s")
+            med = {s: interleave.reduce_values(interleave.values(pair, s, metric), minimum=1)["value"] for s in ("tp1", "tp2")}
+            rows.append([name, fmt(med["tp1"]), fmt(med["tp2"]),
+                         fmt(interleave.reduce_pair(pair, "tp2", "tp1", metric, minimum=1)["value"]),
+                         str(len(pair["reps"]["tp1"]))])
+        L += _tab(["figure", "TP1", "TP2", "TP2 / TP1", "reps"], rows)
+    k = sec.get("kernels_per_round")
+    if k:
+        L.append("- kernels per decode round: " + "; ".join(f"{e}: " + ", ".join(f"{d} {n:.0f}" for d, n in v.items())
+                                                           for e, v in k.items()))
     L += _long_context_line("long context", sec.get("long_context"), sec.get("context_192k_ok"))
     return L + [""]
 
@@ -359,7 +375,7 @@ def _hybrid(r: dict) -> list[str]:
          f"{sec.get('kv_dtype')} KV, k = 0", ""]
     if st:
         L.append(f"- linear-attention state per request per rank: {st / 1e6:.1f} MB (float32)")
-    rows = [[str(p["context"]), fmt(p["decode_tok_s_peak"]), f"{p['ms_per_round_best']:.2f}", fmt(p.get("floor_ms")),
+    rows = [[str(p["context"]), fmt(p["decode_tok_s_median"]), f"{p['ms_per_round_median']:.2f}", fmt(p.get("floor_ms")),
              fmt(p.get("roofline_fraction"))] for p in _measured(sec.get("points"))]
     L += [""] + _tab(["context", "decode tok/s", "ms/token", "floor ms", "roofline fraction"], rows)
     pre = [p for p in sec.get("prefill", []) if "prefill_tok_s" in p]
@@ -370,25 +386,11 @@ def _hybrid(r: dict) -> list[str]:
     one = sec.get("one_gpu") or {}
     p = one.get("point")
     if p:
-        L.append(f"- one GPU, {one.get('model')}: decode ctx {p['context']} {fmt(p['decode_tok_s_peak'])} tok/s, "
-                 f"{p['ms_per_round_best']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
+        L.append(f"- one GPU, {one.get('model')}: decode ctx {p['context']} {fmt(p['decode_tok_s_median'])} tok/s, "
+                 f"{p['ms_per_round_median']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
                  f"{fmt(p.get('roofline_fraction'))} of roofline, {one['bytes_per_step'] / 1e9:.2f} GB per step)")
     L += _long_context_line("one GPU long context", one.get("long_context"), one.get("hybrid_one_gpu_192k_ok"))
     return L + [""]
-
-
-def _moe(r: dict) -> list[str]:
-    sec = r["sections"].get("moe")
-    if not sec or sec.get("status") == "skipped":
-        return ["## Mixture of experts", "", f"- skipped: {sec.get('reason')}", ""] if sec else []
-    d = sec.get("describe") or {}
-    L = [f"## Mixture of experts — {sec.get('shape')}, decode batch 1, k = 0", "",
-         f"- {d.get('experts')} experts, {d.get('experts_per_token')} per token; {fmt(d.get('active_params'))} of "
-         f"{fmt(d.get('params'))} parameters read per token", ""]
-    rows = [[str(p.get("tensor_parallel_size")), str(p["context"]), fmt(p["decode_tok_s_peak"]),
-             f"{p['ms_per_round_best']:.2f}", fmt(p.get("floor_ms")), fmt(p.get("roofline_fraction"))]
-            for p in _measured(sec.get("points"))]
-    return L + _tab(["TP", "context", "decode tok/s", "ms/token", "floor ms", "roofline fraction"], rows) + [""]
 
 
 def _e2e(r: dict) -> list[str]:
@@ -396,25 +398,22 @@ def _e2e(r: dict) -> list[str]:
     if not sec or sec.get("status") == "skipped":
         return ["## End to end", "", f"- skipped: {sec.get('reason')}", ""] if sec else []
     L = ["## End to end — `ninfer engine` + `ninfer gateway` processes over gRPC vs the in-process engine", "",
-         "Client-side timings on both paths: TTFT median of prompts alone; decode = (tokens - 1) / (last - first "
-         "token) per stream, summed over the streams sent together.", ""]
+         "Both up together, taking turns (served, in-process, ...). Client-side timings on both paths: TTFT of "
+         "prompts alone (added: median of the paired differences); decode = (tokens - 1) / (last - first token) "
+         "per stream, summed over the streams sent together (ratios: median of the per-round ratios).", ""]
     rows = []
     for c in sec.get("configs", []):
-        if "skipped" in c:
-            rows.append([c.get("label", f"tp{c.get('tp')}"), "skipped: " + c["skipped"]] + [""] * 7)
+        if "skipped" in c or "ttft" not in c:
+            rows.append([c.get("label", f"tp{c.get('tp')}"), "skipped: " + str(c.get("skipped"))] + [""] * 4)
             continue
-        a, b = c["inproc"], c["e2e"]
-        streams = sorted(int(n) for n in a["streams"])
-        agg = "; ".join(f"{n}: {fmt(a['streams'][str(n)]['aggregate_tok_s'])} / {fmt(b['streams'][str(n)]['aggregate_tok_s'])}"
-                        for n in streams)
-        rows.append([c["label"], f"{a['ttft_ms_median']:.2f} / {b['ttft_ms_median']:.2f}", f"{c['ttft_added_ms']:+.2f}",
-                     agg, fmt(c.get("decode_b1_over_inproc")), fmt(c.get("agg_8_over_inproc")),
-                     fmt(c.get("agg_32_over_inproc")),
+        med = c.get("ttft_ms_median", {})
+        ratios = "; ".join(f"{n}: {fmt(c.get(f'agg_{n}_over_inproc'))}" for n in sorted(map(int, c["streams"])))
+        rows.append([c["label"], f"{fmt(med.get('inproc'))} / {fmt(med.get('served'))}",
+                     f"{fmt(c.get('ttft_added_ms'))} ({c['ttft'].get('reps_paired')} pairs)", ratios,
                      f"{c['consistency_violation_count']} of {c['messages_checked']}",
                      "graphs" if (c.get("served_engine_warmup") or {}).get("cuda_graphs") else
                      (c.get("served_engine_warmup") or {}).get("no_graphs_reason") or "?"])
-    L += _tab(["config", "TTFT ms in-proc / served", "added ms", "decode tok/s by streams, in-proc / served",
-               "1 stream ratio", f"{sec.get('configs', [{}])[0].get('agg_streams', 8)} streams ratio", "32 streams ratio",
+    L += _tab(["config", "TTFT ms in-proc / served (medians)", "added ms", "served / in-process by streams",
                "inconsistent final messages", "served engine"], rows)
     bad = [v for c in sec.get("configs", []) for v in c.get("consistency_violations", [])[:5]]
     if bad:
@@ -424,14 +423,23 @@ def _e2e(r: dict) -> list[str]:
 
 def _quant_rows(sec: dict) -> list[list[str]]:
     rows = []
+    pairs = {(p["shape"], p["format"], p["figure"]): p for p in sec.get("pairs", [])}
     for p in sec.get("points", []):
         if "skipped" in p:
-            rows.append([p["shape"], p["format"], "skipped", "", "", "", ""])
+            rows.append([p["shape"], p["format"], "skipped: " + p["skipped"][:120], "", "", ""])
             continue
-        d1, d8, pre = p.get("decode_b1") or {}, p.get("decode_b8") or {}, p.get("prefill") or {}
-        rows.append([p["shape"], p["format"], fmt(d1.get("decode_tok_s_peak")), fmt(d1.get("roofline_fraction")),
-                     fmt(d8.get("aggregate_tok_s")), fmt(pre.get("tok_s_peak")),
-                     f"{p.get('decode_bytes_per_step', 0) / 1e9:.2f}"])
+        shape, fmt_ = p["shape"], p["format"]
+        cells = []
+        for figure, metric in (("decode_b1", "decode_tok_s"), ("decode_b8", "aggregate_tok_s"), ("prefill", "prefill_tok_s")):
+            pair = pairs.get((shape, fmt_, figure)) or next((q for (s_, _, f), q in pairs.items() if s_ == shape
+                                                             and f == figure), None)
+            if pair is None:
+                cells.append("—")
+                continue
+            med = interleave.reduce_values(interleave.values(pair, fmt_, metric), minimum=1)["value"]
+            ratio = None if fmt_ == "bf16" else interleave.reduce_pair(pair, fmt_, "bf16", metric, minimum=1)["value"]
+            cells.append(fmt(med) + ("" if ratio is None else f" (×{fmt(ratio)})"))
+        rows.append([shape, fmt_, *cells, f"{p.get('decode_bytes_per_step', 0) / 1e9:.2f}"])
     return rows
 
 
@@ -440,19 +448,42 @@ def _quant(r: dict) -> list[str]:
     seed = (sec or {}).get("seed_one_gpu") or {}
     if not sec or not (sec.get("points") or seed):
         return []
-    L = ["## Quantized weights (issue 14) — random weights quantized on the device, k = 0", ""]
+    L = ["## Weight formats — random weights quantized on the device, k = 0, each interleaved with bf16", ""]
     if sec.get("points"):
-        L += _tab(["shape", "format", "decode b1 tok/s", "roofline fraction", "decode b8 aggregate tok/s",
-                   "prefill 4k tok/s", "GB read per step"], _quant_rows(sec))
-    for name, ratios in sec.get("ratios", {}).items():
-        L.append(f"- {name} over bf16: " + ", ".join(f"{k} {fmt(v)}" for k, v in ratios.items()))
+        L += _tab(["shape", "format", "decode b1 tok/s (× bf16)", "decode b8 aggregate (× bf16)",
+                   "prefill tok/s (× bf16)", "GB read per step"], _quant_rows(sec))
+    mtp = sec.get("mtp_pair")
+    if mtp:
+        from tools.bench.raw import rep_ms_per_round
+        ms = interleave.reduce_values(interleave.values(mtp, "mtp", rep_ms_per_round), minimum=1)["value"]
+        L.append(f"- {mtp['shape']} NVFP4 with k = {mtp['k']} drafts (draft vocabulary {mtp.get('draft_vocab') or 'full'}): "
+                 f"{fmt(ms)} ms per round (median), "
+                 f"{fmt(interleave.reduce_pair(mtp, 'mtp', 'k0', rep_ms_per_round, minimum=1)['value'])} of a k = 0 step")
     p = seed.get("point")
     if p:
         L.append(f"- the seed's one-GPU deployment, {seed.get('model')} with int8 KV: decode ctx {p['context']} "
-                 f"{fmt(p['decode_tok_s_peak'])} tok/s, {p['ms_per_round_best']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
+                 f"{fmt(p['decode_tok_s_median'])} tok/s, {p['ms_per_round_median']:.2f} ms (floor {fmt(p.get('floor_ms'))} ms, "
                  f"{fmt(p.get('roofline_fraction'))} of roofline, {seed['bytes_per_step'] / 1e9:.2f} GB per step)")
     L += _long_context_line("seed deployment long context", seed.get("long_context"),
                             seed.get("seed_32b_nvfp4_one_gpu_192k_ok"))
+    return L + [""]
+
+
+def _moe(r: dict) -> list[str]:
+    sec = r["sections"].get("moe")
+    if not sec:
+        return []
+    if sec.get("status") != "ok":
+        return ["## Mixture of experts", "", f"- {sec.get('status')}: {sec.get('reason') or sec.get('error')}", ""]
+    L = [f"## Mixture of experts — {sec.get('shape')}, decode batch 1, k = 0", "",
+         f"- {(sec.get('describe') or {}).get('experts')} experts, {(sec.get('describe') or {}).get('experts_per_token')} "
+         f"per token; bytes of the weights one step reads (the experts routed to): "
+         f"{sec.get('active_weight_bytes_per_step', 0) / 1e9:.2f} GB", ""]
+    rows = [[p.get("label", ""), str(p["context"]), fmt(p["decode_tok_s_median"]), f"{p['ms_per_round_median']:.3f}",
+             fmt(p.get("floor_ms")), fmt(p.get("roofline_fraction"))] for p in _measured(sec.get("points"))]
+    L += _tab(["run", "context", "tok/s (median)", "ms/token (median)", "floor ms", "roofline fraction"], rows)
+    if sec.get("tp2_reason"):
+        L.append(f"- TP2: {sec['tp2_reason']}")
     return L + [""]
 
 
@@ -466,10 +497,10 @@ def final_table(r: dict, out: Path | None = None) -> str:
     if "copy" in rf:
         m = rf.get("matmul", {}).get("flops_per_s")
         L.append(f"limits: copy {si(rf['copy']['bandwidth_Bps'], 'B/s')}" + (f", matmul {si(m, 'FLOP/s')}" if m else ""))
-    L.append(f"{'headline':<32}{'measured':>10}  {'target':<8}{'ratio':>7}  met")
+    L.append(f"{'headline':<40}{'measured':>10}  {'target':<8}{'ratio':>7}  met")
     for name, d in r.get("headline_detail", {}).items():
         met = "-" if d.get("met") is None else ("yes" if d["met"] else "NO")
-        L.append(f"{name:<32}{fmt(d['value']):>10}  {_target_text(name):<8}{fmt(d.get('ratio_to_target')):>7}  {met}"
+        L.append(f"{name:<40}{fmt(d['value']):>10}  {_target_text(name):<8}{fmt(d.get('ratio_to_target')):>7}  {met}"
                  + ("" if d["value"] is not None else f"  ({(d.get('reason') or '')[:70]})"))
     pre = secs.get("prefill", {})
     pts = _measured(pre.get("points"))
@@ -491,7 +522,7 @@ def final_table(r: dict, out: Path | None = None) -> str:
             by = {p["context"]: p for p in dec if p["draft_tokens"] == k and p.get("draft_vocab", 0) == dv}
             label = f"  k={k}" + (f" dv={dv}" if dv else "")
             L.append(f"{label:<24}" + "".join(
-                f"{(fmt(by[c]['decode_tok_s_peak']) + ' | ' + format(by[c]['ms_per_round_best'], '.2f')) if c in by else '-':>17}"
+                f"{(fmt(by[c]['decode_tok_s_median']) + ' | ' + format(by[c]['ms_per_round_median'], '.2f')) if c in by else '-':>17}"
                 for c in ctxs))
     acc = [e for e in secs.get("acceptance", {}).get("results", []) if "skipped" not in e and e["k"] == 3]
     if acc:
@@ -509,10 +540,10 @@ def final_table(r: dict, out: Path | None = None) -> str:
         L.append(f"prefill mid-decode: {i.get('chunk_gaps', '?')} waits for {i.get('chunks', '?')} chunks, longest gap "
                  f"{i['max_gap_ms']:.1f} ms, mean chunk {i['chunk_ms']:.1f} ms -> {'ok' if i['ok'] else 'STALLED'}")
     for row in _quant_rows(secs.get("quant", {})):
-        L.append(f"quant {row[0]} {row[1]:<6} decode b1 {row[2]} ({row[3]} of roofline), b8 {row[4]}, prefill {row[5]}")
+        L.append(f"quant {row[0]} {row[1]:<6} decode b1 {row[2]}, b8 {row[3]}, prefill {row[4]}")
     for p in _measured(secs.get("hybrid", {}).get("points")):
         L.append(f"hybrid {secs['hybrid'].get('shape')} TP={secs['hybrid'].get('tensor_parallel_size')} ctx "
-                 f"{_ctx(p['context'])}: {fmt(p['decode_tok_s_peak'])} tok/s, {p['ms_per_round_best']:.2f} ms "
+                 f"{_ctx(p['context'])}: {fmt(p['decode_tok_s_median'])} tok/s, {p['ms_per_round_median']:.2f} ms "
                  f"({fmt(p.get('roofline_fraction'))} of roofline)")
     L.append("sections: " + " | ".join(
         f"{n} {s.get('status', '?')} {fmt(s.get('elapsed_s'), 2)}s" for n, s in secs.items()))

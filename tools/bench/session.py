@@ -5,7 +5,8 @@ with `SamplingParams`, and reads each request's own `stats` (phase timings, spec
 A request that outlives its timeout is aborted, so a stuck engine cannot eat the whole run.
 
 `EnginePool` keeps the last engine alive so that sections asking for the same configuration
-(prefill's chunk-4096 engine, concurrency, decode at k=0) share one build and one warm-up.
+(prefill's chunk-4096 engine, concurrency, decode at k=0) share one build and one warm-up; an
+interleaved comparison keeps both of its engines.
 """
 
 from __future__ import annotations
@@ -165,30 +166,49 @@ def free_memory() -> None:
 
 
 class EnginePool:
-    """Holds at most one engine; `get(spec)` reuses it when the spec matches, else rebuilds."""
+    """Holds the engines the current measurement needs: `get(spec)` reuses a held engine of that spec
+    and closes every other one, except those named in `keep` -- an interleaved comparison holds both
+    its sides (A, B, A, B, ...), everything else holds one engine at a time."""
 
     def __init__(self):
-        self.session: EngineSession | None = None
+        self.sessions: dict[EngineSpec, EngineSession] = {}
         self.builds = 0
         self.last_setup_s: float | None = None      # build + warm-ups of the last engine built
 
-    def holds(self, spec: EngineSpec) -> bool:
-        return self.session is not None and self.session.spec == spec and self.session.alive
+    @property
+    def session(self) -> EngineSession | None:
+        """The engine built or reused last."""
+        return next(reversed(self.sessions.values()), None)
 
-    def get(self, spec: EngineSpec, warm_prompt: int, warm_decode: int = 16) -> tuple[EngineSession, bool]:
+    def holds(self, spec: EngineSpec) -> bool:
+        s = self.sessions.get(spec)
+        return s is not None and s.alive
+
+    def get(self, spec: EngineSpec, warm_prompt: int, warm_decode: int = 16,
+            keep: tuple[EngineSpec, ...] = ()) -> tuple[EngineSession, bool]:
         """(session, reused). A new engine is warmed up before it is returned."""
+        for other in [s for s in self.sessions if s != spec and s not in keep]:
+            self.sessions.pop(other).close()
         if self.holds(spec):
-            return self.session, True
-        self.close()
+            self.sessions[spec] = self.sessions.pop(spec)          # the latest at the end
+            return self.sessions[spec], True
+        stale = self.sessions.pop(spec, None)
+        if stale is not None:
+            stale.close()
         free_memory()                           # what earlier sections left in the allocator's cache
         t0 = time.perf_counter()
-        self.session = EngineSession(spec)
+        session = EngineSession(spec)
         self.builds += 1
-        self.session.warm_up(warm_prompt, warm_decode)
+        try:
+            session.warm_up(warm_prompt, warm_decode)
+        except BaseException:
+            session.close()
+            raise
+        self.sessions[spec] = session
         self.last_setup_s = time.perf_counter() - t0
-        return self.session, False
+        return session, False
 
     def close(self) -> None:
-        if self.session is not None:
-            session, self.session = self.session, None
+        while self.sessions:
+            _, session = self.sessions.popitem()
             session.close()

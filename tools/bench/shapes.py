@@ -1,8 +1,12 @@
-"""What a shape costs: FLOPs per prefill token and bytes read per decode step (docs/performance.md's formulas).
+"""What a shape costs: FLOPs per prefill token and bytes read per decode step.
 
 Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no device.
 
-    prefill FLOPs per token = 2 x active params + 4 x layers x heads x head_dim x mean causal context
+    prefill FLOPs of P tokens = P x (2 x body params + 4 x layers x heads x head_dim x mean causal
+                                context) + 2 x vocab x hidden (the lm_head, for the last token only)
+                              (body params: all but the embedding table and the lm_head, which a
+                              prompt's tokens do not run through; a mixture of experts counts the
+                              experts one token uses)
     decode bytes per step   = weight bytes read (every matrix but the embedding table, which is
                               only gathered; lm_head included) + KV bytes at the context (the
                               full-attention layers') + on a hybrid, the linear-attention state read
@@ -11,7 +15,7 @@ Everything here is arithmetic on `engine.config.ModelConfig`; no torch, no devic
 
 A mixture of experts reads, per token, its router, its shared expert and the `num_experts_per_tok`
 experts the token chose, not all of them: "active params" (`ModelConfig.num_params(active=True)`)
-replace the params in the FLOPs, and the weight bytes of a batch-1 decode step are those of the experts
+replace the params in the body's FLOPs, and the weight bytes of a batch-1 decode step are those of the experts
 actually read. A batch of B tokens reads the union of their choices: under uniform routing the expected
 number of distinct experts per layer is E (1 - (1 - k/E)^B) (`experts_read`).
 """
@@ -31,7 +35,7 @@ def model_config(shape: str) -> ModelConfig:
 
 
 def params(cfg: ModelConfig) -> int:
-    """Parameters of the main model (no MTP layer), embedding and lm_head included: BENCH's 'params'."""
+    """Parameters of the main model (no MTP layer), embedding and lm_head included."""
     return cfg.num_params(include_mtp=False)
 
 
@@ -98,13 +102,32 @@ def mean_causal_context(prompt_tokens: int) -> float:
     return (prompt_tokens + 1) / 2
 
 
-def prefill_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
-    attention = 4 * len(cfg.full_attention_layers) * cfg.num_attention_heads * cfg.head_dim * mean_causal_context(prompt_tokens)
-    return 2 * active_params(cfg) + attention
+def embedding_and_head_params(cfg: ModelConfig) -> int:
+    """The embedding table and the lm_head: one matrix when they are tied."""
+    n = cfg.vocab_size * cfg.hidden_size
+    return n if cfg.tie_word_embeddings else 2 * n
+
+
+def body_params(cfg: ModelConfig) -> int:
+    """The parameters every prompt token runs through: all but the embedding table (a gather) and the
+    lm_head (run for the last token only); of a mixture of experts, the experts one token uses."""
+    return active_params(cfg) - embedding_and_head_params(cfg)
+
+
+def attention_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
+    """Scores and the weighted sum of the full-attention layers at the prompt's mean causal context."""
+    return 4 * len(cfg.full_attention_layers) * cfg.num_attention_heads * cfg.head_dim * mean_causal_context(prompt_tokens)
 
 
 def prefill_flops(cfg: ModelConfig, prompt_tokens: int) -> float:
-    return prefill_flops_per_token(cfg, prompt_tokens) * prompt_tokens
+    """Model FLOPs of one prefill of `prompt_tokens`: the body and attention for every token, the
+    lm_head once (the logits of the last position, which both the engine and its peer compute)."""
+    per_token = 2 * body_params(cfg) + attention_flops_per_token(cfg, prompt_tokens)
+    return prompt_tokens * per_token + 2 * cfg.vocab_size * cfg.hidden_size
+
+
+def prefill_flops_per_token(cfg: ModelConfig, prompt_tokens: int) -> float:
+    return prefill_flops(cfg, prompt_tokens) / prompt_tokens
 
 
 def mfu(cfg: ModelConfig, prompt_tokens: int, tok_s: float, matmul_flops: float) -> float:
@@ -119,7 +142,7 @@ def describe(cfg: ModelConfig, dtype: str = "bfloat16") -> dict:
         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "ffn": cfg.intermediate_size,
         "vocab": cfg.vocab_size, "tied_embeddings": cfg.tie_word_embeddings,
         "mtp_layers": cfg.mtp_num_hidden_layers, "params": params(cfg), "active_params": active_params(cfg),
-        "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
+        "body_params": body_params(cfg), "experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
         "params_with_mtp": cfg.num_params(include_mtp=True),
         "weight_bytes_per_decode_step": weight_bytes_per_step(cfg, dtype),
         "kv_bytes_per_token": {kv: kv_bytes_per_token(cfg, kv) for kv in (dtype, "int8")},

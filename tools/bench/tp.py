@@ -1,5 +1,13 @@
-"""Tensor parallelism (two GPUs): TP1 vs TP2 decode batch 1 on the main shape, the large shape's
-TP2 roofline fraction, and one 192k-token context on the large shape with int8 KV.
+"""Tensor parallelism (two GPUs): TP2 against TP1 on the main shape, the large shape's TP2 roofline
+fraction, and one 192k-token context on the large shape with int8 KV.
+
+TP1 and TP2 engines are held together and take turns (tp1, tp2, tp1, tp2, ...; tools/bench/interleave.py)
+on each figure of `pairs`: decode batch 1 at the plan's context, `streams` streams decoding together
+(parked after prefill, resumed in one command; aggregate = the sum of the streams' decode rates), and
+the prefill of a fresh prompt of each planned length alone. derive.py takes the medians of the per-rep
+ratios: `tp2_over_tp1_decode_b1`, `tp2_over_tp1_agg_8`, `tp2_over_tp1_prefill_512`. On CUDA the kernels
+per decode round of each engine are counted by the profiler. A before/after of an engine switch
+(`NINFER_TP_FUSED_NORM=0`, ...) is two runs of this section with and without it.
 
 Runs only with >= 2 GPUs and an engine that really shards: after building a TP2 engine the second
 GPU must hold a good share of the weights (an engine that accepts `tensor_parallel_size=2` but
@@ -13,8 +21,9 @@ import torch
 
 from engine.errors import InvalidArgumentError
 from engine.sampling_params import SamplingParams
-from tools.bench import shapes
-from tools.bench.decode import decode_point, seconds_per_token, tokens_for
+from tools.bench import interleave, shapes
+from tools.bench.concurrency import streams_point
+from tools.bench.decode import decode_point, decode_rep, point_from_reps, seconds_per_token, tokens_for
 from tools.bench.progress import fmt_rate, say
 from tools.bench.session import compact, random_prompt
 
@@ -31,26 +40,31 @@ def _free(idx: int) -> int:
     return torch.cuda.mem_get_info(idx)[0]
 
 
-def _prefill_points(bench, sec: dict, session, label: str) -> None:
-    """Prefill of fresh prompts of each planned length at the plan's chunk (max_tokens=1), peak of
-    the repeats; with both labels measured, sec["tp2_over_tp1_prefill"][P] is their ratio."""
-    rows = sec.setdefault("prefill", [])
-    for P in bench.plan.tp.prefill_prompts:
-        one = bench.estimate_prefill_s(P)
-        if not bench.budget.allows(one * bench.plan.tp.repeats):
-            rows.append({"label": label, "P": P, "skipped": bench.budget.skip_reason(one)})
-            continue
-        reps = [compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0),
-                                         timeout=max(120.0, 5 * one)))
-                for _ in range(bench.plan.tp.repeats)]
-        rates = [r["prefill_tok_s"] for r in reps]
-        rows.append({"label": label, "P": P, "chunk": session.describe.get("prefill_chunk"),
-                     "prefill_tok_s_peak": max(rates), "prefill_tok_s_all": rates})
-        say("tp", f"{label} prefill P={P}: {fmt_rate(max(rates))}")
-    peak = {(r["label"], r["P"]): r["prefill_tok_s_peak"] for r in rows if "prefill_tok_s_peak" in r}
-    sec["tp2_over_tp1_prefill"] = {str(P): peak[("tp2", P)] / peak[("tp1", P)] for P in bench.plan.tp.prefill_prompts
-                                   if ("tp1", P) in peak and ("tp2", P) in peak}
-    bench.save()
+def kernels_per_round(session, context: int, tokens: int = 24) -> dict:
+    """Kernels per decode round on each device (batch 1, k = 0), counted by the profiler over one
+    request's decode after its prefill (parked, then resumed under the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    stream = session.submit(random_prompt(context, session.vocab), SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0),
+                            park=True)
+    stream.next(timeout=120)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        session.loop.resume_all([stream.request_id])
+        stats = session.wait(stream, 120)
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+    rounds = stats.usage.completion_tokens - 1
+    counts: dict[int, int] = {}
+    for ev in prof.events():
+        if (ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time_total > 0
+                and not ev.name.startswith(("Memcpy", "Memset"))):
+            counts[ev.device_index] = counts.get(ev.device_index, 0) + 1
+    return {f"cuda:{d}": n / rounds for d, n in sorted(counts.items())}
+
+
+def _prefill_rep(session, P: int, timeout: float) -> dict:
+    r = compact(session.generate(random_prompt(P, session.vocab), SamplingParams(max_tokens=1, temperature=0.0), timeout=timeout))
+    return {k: r[k] for k in ("prefill_tok_s", "ttft_s", "computed_prefill_tokens", "cached_tokens", "prefill_chunk")}
 
 
 def run(bench, sec: dict) -> None:
@@ -62,27 +76,11 @@ def run(bench, sec: dict) -> None:
         sec["note"] = "CPU dry run: two ranks in one process; not GPU figures"
     points = sec.setdefault("points", [])
     ctx = plan.context
-
-    # TP1 baseline: the decode sweep's k=0 figure at this context when it ran in this run
-    base = None
-    dec = bench.results["sections"].get("decode", {})
-    if dec.get("run_id") == bench.results["run"]["run_id"]:
-        base = next((p for p in dec.get("points", []) if p.get("draft_tokens") == 0 and not p.get("draft_vocab")
-                     and p.get("context") == ctx and "repeats" in p), None)
-    if base is None or plan.prefill_prompts:
-        session, _ = bench.pool.get(bench.engine_spec(draft_tokens=0), warm_prompt=ctx, warm_decode=32)
-        if base is None:
-            base = decode_point(bench, session, ctx, plan.repeats,
-                                tokens_for(bench.plan.decode, seconds_per_token(session, ctx)), "tp")
-        _prefill_points(bench, sec, session, "tp1")
-    points.append({**base, "label": "tp1", "shape": bench.shape})
-    bench.pool.close()
-
-    # TP2 on the main shape: does the engine shard at all?
+    specs = {"tp1": bench.engine_spec(draft_tokens=0), "tp2": bench.engine_spec(draft_tokens=0, tensor_parallel_size=2)}
+    tp1, _ = bench.pool.get(specs["tp1"], warm_prompt=ctx, warm_decode=32, keep=(specs["tp2"],))
     before = _free(1) if cuda else 0
     try:
-        session, _ = bench.pool.get(bench.engine_spec(draft_tokens=0, tensor_parallel_size=2), warm_prompt=ctx,
-                                    warm_decode=32)
+        tp2, _ = bench.pool.get(specs["tp2"], warm_prompt=ctx, warm_decode=32, keep=(specs["tp1"],))
     except (InvalidArgumentError, NotImplementedError) as e:     # the engine says it cannot; other errors are errors
         bench.pool.close()
         return _skip(sec, f"the engine refused tensor_parallel_size=2: {e}"[:400])
@@ -93,18 +91,52 @@ def run(bench, sec: dict) -> None:
         bench.pool.close()
         return _skip(sec, f"the engine accepted tensor_parallel_size=2 but cuda:1 holds only {used / GiB:.2f} GiB "
                           f"(half the weights are {expect / GiB:.1f} GiB): tensor parallelism is not in effect")
-    p2 = decode_point(bench, session, ctx, plan.repeats, tokens_for(bench.plan.decode, seconds_per_token(session, ctx)),
-                      "tp")
-    points.append({**p2, "label": "tp2", "shape": bench.shape})
-    _prefill_points(bench, sec, session, "tp2")
-    sec["tp2_over_tp1_decode_b1"] = p2["decode_tok_s_peak"] / base["decode_tok_s_peak"]
-    sec["tp2_over_tp1_decode_b1_inputs"] = {"context": ctx, "tp1_tok_s": base["decode_tok_s_peak"],
-                                            "tp2_tok_s": p2["decode_tok_s_peak"]}
-    say("tp", f"TP2 / TP1 decode b1 ({bench.shape}, ctx {ctx}): {sec['tp2_over_tp1_decode_b1']:.2f}x")
-    bench.save()
-    bench.pool.close()
+    sessions = {"tp1": tp1, "tp2": tp2}
+    s_tok = seconds_per_token(tp1, ctx)
+    max_tokens = tokens_for(bench.plan.decode, s_tok)
+    pairs = sec.setdefault("pairs", {})
 
-    # the large shape at TP2, int8 KV sized for the long context
+    def compare(name: str, one_s: float, rep, **fields) -> dict | None:
+        if not bench.budget.allows(2 * one_s):
+            pairs[name] = {"skipped": bench.budget.skip_reason(2 * one_s)}
+            return None
+        pairs[name] = pair = interleave.run({label: (lambda s=s: rep(s)) for label, s in sessions.items()}, plan.reps,
+                                            bench.budget, 2 * one_s, tensor_parallel_size={"tp1": 1, "tp2": 2},
+                                            **fields)
+        bench.save()
+        return pair
+
+    one = bench.estimate_prefill_s(ctx) + max_tokens * s_tok
+    pair = compare("decode_b1", one, lambda s: decode_rep(bench, s, ctx, max_tokens), context=ctx, max_tokens=max_tokens)
+    if pair:
+        for label, s in sessions.items():
+            points.append({**point_from_reps(pair["reps"][label], ctx, max_tokens, s.describe, "tp"),
+                           "label": label, "shape": bench.shape})
+    n = plan.streams
+    stream_tokens = min(max_tokens, bench.plan.kv_capacity // n - ctx - 16)
+    one = n * bench.estimate_prefill_s(ctx) + stream_tokens * s_tok * (1 + 0.15 * n)
+    compare("streams", one, lambda s: streams_point(s, n, ctx, stream_tokens, timeout=max(120.0, 10 * one)),
+            streams=n, context=ctx, max_tokens=stream_tokens)
+    for P in plan.prefill_prompts:
+        one = bench.estimate_prefill_s(P)
+        compare(f"prefill_{P}", one, lambda s, P=P: _prefill_rep(s, P, max(120.0, 5 * one)), P=P,
+                chunk=tp1.describe.get("prefill_chunk"))
+    for name, pair in pairs.items():
+        metric = {"decode_b1": "decode_tok_s", "streams": "aggregate_tok_s"}.get(name, "prefill_tok_s")
+        r = interleave.reduce_pair(pair if "sides" in pair else None, "tp2", "tp1", metric)
+        say("tp", f"TP2 / TP1 {name}: {r['value'] or 0:.3f} ({r['reps']} reps{', ' + pair['skipped'] if 'skipped' in pair else ''})")
+    if cuda:
+        try:
+            sec["kernels_per_round"] = {label: kernels_per_round(s, ctx) for label, s in sessions.items()}
+        except Exception as e:  # noqa: BLE001 - the timings above stand without the count
+            sec["kernels_per_round_error"] = repr(e)[:300]
+    bench.pool.close()
+    _big_shape(bench, sec, plan, points, ctx)
+
+
+def _big_shape(bench, sec: dict, plan, points: list, ctx: int) -> None:
+    """The large shape at TP2, int8 KV sized for the long context: decode b1 against its floor, then
+    the long context (prompt + decoded tokens = plan.long_context)."""
     big = shapes.model_config(plan.big_shape)
     cap = plan.long_context + 64
     spec = bench.engine_spec(model=f"preset:{plan.big_shape}", draft_tokens=0, tensor_parallel_size=2,
@@ -112,45 +144,39 @@ def run(bench, sec: dict) -> None:
     if not bench.budget.allows(bench.build_guess_s() * 2):
         sec["tp2_32b_roofline_fraction_reason"] = sec["context_192k_ok_reason"] = bench.budget.skip_reason(
             bench.build_guess_s() * 2)
+        sec["status"] = "ok"
         return
     session, _ = bench.pool.get(spec, warm_prompt=ctx, warm_decode=32)
     s_tok = seconds_per_token(session, ctx)
-    p3 = decode_point(bench, session, ctx, plan.repeats, tokens_for(bench.plan.decode, s_tok), "tp")
-    p3 = {**p3, "label": "tp2-big", "shape": plan.big_shape}
-    points.append(p3)
-    bench.save()                                           # derive sets the point's roofline fraction
-    frac = p3.get("roofline_fraction")
-    if frac is not None:
-        sec["tp2_32b_roofline_fraction"] = frac
-        sec["tp2_32b_roofline_fraction_inputs"] = {"shape": plan.big_shape, "context": ctx, "kv_dtype": "int8",
-                                                   "floor_ms": p3.get("floor_ms"), "ms_per_token": p3["ms_per_round_best"]}
-        say("tp", f"{plan.big_shape} TP2 decode b1: {fmt_rate(p3['decode_tok_s_peak'])}, {frac:.2f} of its roofline")
-    else:
-        sec["tp2_32b_roofline_fraction_reason"] = "no roofline measured in this run"
+    p3 = decode_point(bench, session, ctx, plan.reps, tokens_for(bench.plan.decode, s_tok), "tp")
+    points.append({**p3, "label": "tp2-big", "shape": plan.big_shape})
+    bench.save()                                           # derive sets the point's roofline fractions
 
-    # one long context: prompt + decoded tokens = plan.long_context
     n_dec = plan.long_decode_tokens
     P = plan.long_context - n_dec
     est = bench.estimate_prefill_s(P, cfg=big) / 2 + n_dec * s_tok * 2
     if not bench.budget.allows(est):
         sec["context_192k_ok_reason"] = bench.budget.skip_reason(est)
         say("tp", f"long context skipped ({sec['context_192k_ok_reason']})")
+        sec["status"] = "ok"
         return
     try:
         stats = compact(session.generate(random_prompt(P, session.vocab),
                                          SamplingParams(max_tokens=n_dec, ignore_eos=True, temperature=0.0), timeout=max(300.0, 3 * est)))
     except Exception as e:  # noqa: BLE001 - the figure is whether it works
-        sec["long_context"] = {"prompt_tokens": P, "error": repr(e)[:400]}
+        sec["long_context"] = {"prompt_tokens": P, "error": repr(e)[:400], "tensor_parallel_size": 2}
         sec["context_192k_ok"] = False
         sec["context_192k_ok_inputs"] = sec["long_context"]
+        sec["status"] = "ok"
         return
     ok = (stats["computed_prefill_tokens"] == P and stats["completion_tokens"] == n_dec
           and stats["finish_reason"] == "length")
     sec["long_context"] = {**stats, "context": P + n_dec, "shape": plan.big_shape, "kv_dtype": "int8",
                            "engine": session.describe}
     sec["context_192k_ok"] = ok
-    sec["context_192k_ok_inputs"] = {"prompt_tokens": P, "decoded": stats["completion_tokens"],
-                                     "prefill_tok_s": stats["prefill_tok_s"], "decode_tok_s": stats["decode_tok_s"]}
+    sec["context_192k_ok_inputs"] = {"shape": plan.big_shape, "tensor_parallel_size": 2, "prompt_tokens": P,
+                                     "decoded": stats["completion_tokens"], "prefill_tok_s": stats["prefill_tok_s"],
+                                     "decode_tok_s": stats["decode_tok_s"]}
     say("tp", f"{P + n_dec}-token context on {plan.big_shape} TP2 int8: {'ok' if ok else 'FAILED'} "
               f"(prefill {fmt_rate(stats['prefill_tok_s'])}, decode {fmt_rate(stats['decode_tok_s'])})")
     sec["status"] = "ok"

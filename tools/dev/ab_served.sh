@@ -37,11 +37,19 @@ rows = {}
 for f in sorted(pathlib.Path(sys.argv[1]).glob("ab-*/results.json")):
     d = json.loads(f.read_text())
     tree = f.parent.name.rsplit("-", 1)[0]
-    for p in d["sections"].get("quant", {}).get("points", []):
-        if "decode_b1" in p:  # prefill-only and refused points carry no decode figure
-            rows.setdefault((p["format"], tree), []).append(p["decode_b1"]["ms_per_round_best"])
-        if "decode_b8" in p:  # 8 streams: the aggregate as ms per token (lower is better, like the rest)
-            rows.setdefault((p["format"] + "/b8", tree), []).append(1e3 / p["decode_b8"]["aggregate_tok_s"])
+    seen = set()
+    for pair in d["sections"].get("quant", {}).get("pairs", []):
+        # every format against bf16, interleaved: each side's reps (bf16 once, from its first pair)
+        for side in pair["sides"]:
+            if (side, pair["figure"]) in seen:
+                continue
+            seen.add((side, pair["figure"]))
+            for rep in pair["reps"][side]:
+                if pair["figure"] == "decode_b1":
+                    rows.setdefault((side, tree), []).append(rep["decode_s"] / (rep["completion_tokens"] - 1) * 1e3)
+                elif pair["figure"] == "decode_b8" and rep.get("aggregate_tok_s"):
+                    # 8 streams: the aggregate as ms per token (lower is better, like the rest)
+                    rows.setdefault((side + "/b8", tree), []).append(1e3 / rep["aggregate_tok_s"])
     for p in d["sections"].get("decode", {}).get("points", []):
         if "ms_per_round_best" in p:
             key = f"k={p['draft_tokens']}" + (f"/dv{p['draft_vocab']}" if p.get("draft_vocab") else "") + f"@{p['context']}"

@@ -2,10 +2,10 @@
 # One call on the lent GPU machine: install the carried wheels, keep NVLink multicast off, then run
 # the named steps in order, each under its own time limit, logging to $OUT. Usage:
 #   bash tools/dev/device_session.sh STEP[:SECONDS] ...
-# The machine's copy of .git can be stale (s20: bench runs recorded the session's first commit, "dirty"): name the
+# The machine's copy of .git can be stale (bench runs on 2026-12-02 recorded the first commit sent, "dirty"): name the
 # commit that runs in the command, NINFER_COMMIT=$(git rev-parse --short HEAD) written out here, and the bench
 # records that (tools/bench/runinfo.py).
-# Steps: env, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, bench-s13, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, perf15-tests, perf15-bench, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, bench-round, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -53,34 +53,39 @@ step() {
     bench-quick) python3 -m tools.bench --quick --acceptance-model $MODEL --out "$OUT/bench" ;;
     bench) python3 -m tools.bench --acceptance-model $MODEL --out "$OUT/bench" ;;
     bench-tp) python3 -m tools.bench --sections roofline,tp --time-scale 1.6 --out "$OUT/bench-tp" ;;   # 1.6: room for the 192k run
-    perf15-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py -s -rA -k "adaptive or packed" 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
-    perf15-bench) python3 -m tools.bench --quick --sections peer,concurrency,decode --budget-s 195 --out "$OUT/bench-perf15" ;;   # issue 15: compiled peer, TTFT burst, decode b1
     bench-tp-kv) python3 -m tools.bench --sections roofline,kv,tp --out "$OUT/bench-tp" ;;
     kernels-attn) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/attention/test_paged_gpu.py -k "paged_attention" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
     kernels-d256) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/attention/test_paged_gpu.py -k "d256" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 20 ;;
     hybrid-tests) python3 -m pytest -q -x -p no:cacheprovider tests/engine/kernels/gated_delta/test_decode_step.py tests/engine/models/test_hybrid_gpu.py -rA --durations=12 > "$OUT/hybrid-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-tests.full.log" | tail -n 60 ;;
     hybrid-engine-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/models/test_hybrid_gpu.py -k "graphs or tp2 or (lossless and 3)" -rA --durations=8 > "$OUT/hybrid-engine-tests.full.log" 2>&1; grep -vE "^(2026|\[)" "$OUT/hybrid-engine-tests.full.log" | tail -n 40 ;;
     profile-hybrid) python3 tools/dev/profile_decode.py --model preset:qwen3.5-27b --context 512 --tensor-parallel-size 2 --steps 10 --modes sync,async 2>&1 | grep -v "^20..-..-.. " ;;
-    bench-seed) python3 -m tools.bench --sections roofline,quant --quick --budget-s "${SEED_BUDGET_S:-420}" --quant-shapes none --time-scale "${SEED_TIME_SCALE:-2.5}" --out "$OUT/bench-seed" ;;   # issue 14: qwen3-32b NVFP4 one GPU, 192k (s21: the bench predicted 310 s for the run; 300 cut it)
+    bench-seed) python3 -m tools.bench --sections roofline,quant --quick --budget-s "${SEED_BUDGET_S:-420}" --quant-shapes none --time-scale "${SEED_TIME_SCALE:-2.5}" --out "$OUT/bench-seed" ;;   # qwen3-32b NVFP4 one GPU, 192k (the bench predicted 310 s for the run; 300 cut it)
     bench-hybrid) python3 -m tools.bench --sections roofline,hybrid --quick --budget-s "${HYBRID_BUDGET_S:-220}" \
                     --hybrid-deployments "${HYBRID_DEPLOYMENTS:-tp,one_gpu}" --out "$OUT/bench-hybrid" ;;
-    profile-prefill) python3 tools/dev/profile_prefill.py --chunks "${PREFILL_CHUNKS:-1024,2048,4096}" --prompts "${PREFILL_PROMPTS:-4096,16384}" 2>&1 | grep -vE "^(20..-..-.. |USDT|.*UserWarning|  _warn_once|  self.profiler)" ;;   # issue 15: the chunk-1024 prefill anomaly
-    profile-quant) for m in qwen3-8b qwen3-8b-fp8 qwen3-8b-nvfp4; do   # issue 14: where an FP8 / NVFP4 decode step goes (PDL off: kernel times do not overlap)
+    profile-prefill) python3 tools/dev/profile_prefill.py --chunks "${PREFILL_CHUNKS:-1024,2048,4096}" --prompts "${PREFILL_PROMPTS:-4096,16384}" 2>&1 | grep -vE "^(20..-..-.. |USDT|.*UserWarning|  _warn_once|  self.profiler)" ;;   # the chunk-1024 prefill anomaly
+    profile-quant) for m in qwen3-8b qwen3-8b-fp8 qwen3-8b-nvfp4; do   # where an FP8 / NVFP4 decode step goes (PDL off: kernel times do not overlap)
                      NINFER_PDL=0 python3 tools/dev/profile_decode.py --model preset:$m --context 512 --steps 10 --modes async --label pdl0 2>&1 | grep -vE "^(20..-..-.. |/opt|  _warn_once)"; done ;;
-    profile-rows) # issue 15: what a second row costs (2 streams, or k=1's verify + draft), PDL off so kernel times add up
+    profile-rows) # what a second row costs (2 streams, or k=1's verify + draft), PDL off so kernel times add up
                   NINFER_PDL=0 python3 tools/dev/profile_decode.py --context 512 --steps 10 --modes async --batch 1,2 --draft-tokens 0,1 --draft-vocab 32768 --label pdl0 2>&1 | grep -vE "^(20..-..-.. |/opt|  _warn_once)" ;;
     tune-variants) python3 tools/dev/tune_decode_attention.py --variants --budget-s "${TUNE_BUDGET_S:-100}" --out "$OUT/tune_decode_variants.json" ;;
     decode-variant-tests) python3 -m pytest -q -x -p no:cacheprovider tests/engine/kernels/attention/test_paged_gpu.py -k "decode_variants" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
-    prefill-attn) python3 tools/dev/prefill_attention_check.py ;;   # issue 15 item 5: the TMA prefill kernel against the paged one and SDPA
+    prefill-attn) python3 tools/dev/prefill_attention_check.py ;;   # the TMA prefill kernel against the paged one and SDPA
     prefill-attn-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/attention/test_prefill_tma.py -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;
-    mma-gemv) python3 -m tools.dev.quant_gemv_mma_check --rows "${MMA_ROWS:-1,2,8}" --budget-s "${MMA_BUDGET_S:-200}" --models "${MMA_MODELS:-}" ;;   # issue 14: the tensor-core quantized GEMV
+    mma-gemv) python3 -m tools.dev.quant_gemv_mma_check --rows "${MMA_ROWS:-1,2,8}" --budget-s "${MMA_BUDGET_S:-200}" --models "${MMA_MODELS:-}" ;;   # the tensor-core quantized GEMV
     small-kernels-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/elementwise/test_round_prep.py tests/engine/kernels/linear/test_gemv_silu.py tests/engine/kernels/linear/test_gemv_pairs.py tests/engine/kernels/attention/test_paged_gpu.py -k "pairs or round_prep or gate_up_silu or carry_forward or uniform_context or qk_norm" -rA 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | tail -n 40 ;;   # the exp/decode-small-kernels branch's kernels
-    fp8-gemv) python3 -m tools.dev.gemv_sweep --rows 1 --formats fp8 --budget-s "${SWEEP_BUDGET_S:-170}" ;;   # issue 14: FP8 decode row, scale after the 16-product sums
+    fp8-gemv) python3 -m tools.dev.gemv_sweep --rows 1 --formats fp8 --budget-s "${SWEEP_BUDGET_S:-170}" ;;   # FP8 decode row, scale after the 16-product sums
     mma-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/linear/test_quant_gemv_mma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
-    bench-quant) python3 -m tools.bench --quick --sections roofline,peer,decode,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-240}" --out "$OUT/bench" ;;   # issue 14 on one GPU
-    skinny-sweep) python3 -m tools.dev.skinny_bf16_sweep ;;   # issue 15: bf16 decode rows 2-8 on tensor cores against cuBLAS
+    bench-round) # issue 43 part 3 on one H200 in ~6.5 min (budget 440 s; give the step 480): the quick, robust keys
+                 # first, the compiled peer (whole-step Inductor compile, minutes, never timed on a GPU yet) last, so an
+                 # overrun costs that key alone; decode right before peer: they share the k=0 engine
+                 python3 -m tools.bench --quick --in-given-order --sections roofline,quant,e2e,decode,peer \
+                   --quant-shapes qwen3-8b --quant-formats bf16,fp8,nvfp4 --quant-decode-only --quant-mtp-k 0 --quant-seed-shape none \
+                   --e2e-tps 1 --e2e-ks 0 --e2e-streams 1,8 --decode-ks 0 --decode-draft-vocab-ks '' --decode-contexts 512 \
+                   --peer-parts compiled --peer-compile-mode "${PEER_COMPILE_MODE:-reduce-overhead}" \
+                   --budget-s "${BENCH_BUDGET_S:-440}" --no-plots --out "$OUT/bench-round" ;;
+    bench-quant) python3 -m tools.bench --quick --sections roofline,peer,decode,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-240}" --out "$OUT/bench" ;;
+    skinny-sweep) python3 -m tools.dev.skinny_bf16_sweep ;;   # bf16 decode rows 2-8 on tensor cores against cuBLAS
     skinny-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/linear/test_skinny_gemm.py tests/engine/kernels/attention/test_prefill_tma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
-    bench-s13) python3 -m tools.bench --quick --sections roofline,peer,prefill,concurrency,decode,kv,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-360}" --out "$OUT/bench" ;;   # issues 14 and 15 on one GPU
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

@@ -8,6 +8,11 @@ the unquantized model (all runs float32 activations on the CPU, so the figures i
     position-wise token agreement;
   - MTP acceptance per draft position (k = 3, greedy) of each model on the same 16 prompts.
 Writes quality.json and quality.md to --out.
+
+With --checkpoints DIR (tools/dev/make_quant_fixtures.py --quality-out DIR: each layout from its real producer,
+DIR/<layout>/<arch>/) it measures those checkpoints instead, and with --online the engine's `--quantization`
+methods; a checkpoint its producer wrote without the MTP head drafts with the base model's
+(`--speculative-model`), which the JSON records.
 """
 
 from __future__ import annotations
@@ -22,9 +27,48 @@ FORMATS = ("fp8", "nvfp4", "nvfp4-search")     # nvfp4-search: the quantize tool
 K = 3
 
 
-def _llm(model: str, draft_tokens: int = 0):
+def _llm(model: str, draft_tokens: int = 0, **kw):
     from engine.llm import LLM
-    return LLM(model, dtype="float32", kv_capacity=8192, draft_tokens=draft_tokens)
+    return LLM(model, dtype="float32", kv_capacity=8192, draft_tokens=draft_tokens, **kw)
+
+
+def _has_mtp(path: str) -> bool:
+    from engine.loading.checkpoint import MTP_PREFIX, read_checkpoint
+    return any(n.startswith(MTP_PREFIX) for n in read_checkpoint(path)[2].shapes())
+
+
+def measure_layouts(model: str, checkpoints: dict[str, str], online: tuple[str, ...] = (), texts=None,
+                    prompts=None, max_tokens: int = 64, with_mtp: bool = True, on_entry=None) -> dict:
+    """The figures of `measure` for producers' checkpoints (name -> directory, measured in that order) and
+    `--quantization` methods; `on_entry(result)` after each (a long run keeps what it measured if cut off)."""
+    from tools.quality.quant_quality_texts import PROMPTS, TEXTS
+    texts, prompts = texts or TEXTS, prompts or PROMPTS
+    result: dict = {"model": model, "activations": "float32 (CPU)", "max_tokens": max_tokens,
+                    "prompts": sum(len(v) for v in prompts.values()), "formats": {}}
+    base = _llm(model)
+    base_greedy = greedy(base, prompts, max_tokens)
+    if with_mtp:
+        result["bf16_acceptance_k3"] = acceptance(greedy(_llm(model, K), prompts, max_tokens))
+    runs = {name: ({"model": path}, path) for name, path in checkpoints.items()}
+    runs.update({f"--quantization {m}": ({"model": model, "quantization": m}, model) for m in online})
+    for name, (kw, path) in runs.items():
+        start = time.perf_counter()
+        quant = _llm(**kw)
+        scheme = quant.engine.model_config.quant
+        entry = {"layout": scheme.format, "quantized_modules": len(scheme.modules),
+                 "teacher_forced": teacher_forced(base, quant, texts),
+                 "greedy": compare_greedy(base_greedy, greedy(quant, prompts, max_tokens))}
+        if with_mtp:
+            own = _has_mtp(path)
+            spec = {} if own else {"speculative_model": model}
+            entry["mtp_head"] = "the checkpoint's own" if own else "the bf16 model's (--speculative-model)"
+            entry["acceptance_k3"] = acceptance(greedy(_llm(**kw, draft_tokens=K, **spec), prompts, max_tokens))
+        entry["seconds"] = round(time.perf_counter() - start, 1)
+        result["formats"][name] = entry
+        print(f"{name}: top-1 {entry['teacher_forced']['overall']['agreement']:.3f}", flush=True)
+        if on_entry is not None:
+            on_entry(result)
+    return result
 
 
 def _spec(stats) -> tuple[list[int], int]:
@@ -140,14 +184,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--checkpoints", default=None, metavar="DIR",
+                    help="measure the producers' checkpoints DIR/<layout>/<arch> (--arch) instead of --formats")
+    ap.add_argument("--arch", default="qwen3", help="with --checkpoints: the subdirectory of each layout to take")
+    ap.add_argument("--online", default="", help="with --checkpoints: --quantization methods too, e.g. fp8,ptpc_fp8")
+    ap.add_argument("--layouts", default="", help="with --checkpoints: these layouts only, in this order "
+                    "(comma-separated; default every one found, by name)")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    r = measure(args.model, tuple(args.formats.split(",")), max_tokens=args.max_tokens)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quality.json").write_text(json.dumps(r, indent=2) + "\n")
-    (out / "quality.md").write_text(markdown(r))
+
+    def write(r: dict) -> None:
+        (out / "quality.json").write_text(json.dumps(r, indent=2) + "\n")
+        (out / "quality.md").write_text(markdown(r))
+
+    if args.checkpoints:
+        found = {d.name: str(d / args.arch) for d in sorted(Path(args.checkpoints).iterdir())
+                 if (d / args.arch / "config.json").exists()}
+        if args.layouts:
+            wanted = [n for n in args.layouts.split(",") if n]
+            missing = [n for n in wanted if n not in found]
+            if missing:
+                ap.error(f"--layouts: no {args.arch} checkpoint for {', '.join(missing)} in {args.checkpoints}")
+            found = {n: found[n] for n in wanted}
+        r = measure_layouts(args.model, found, tuple(m for m in args.online.split(",") if m),
+                            max_tokens=args.max_tokens, on_entry=write)
+    else:
+        r = measure(args.model, tuple(args.formats.split(",")), max_tokens=args.max_tokens)
+    write(r)
     print(markdown(r))
     return 0
 

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from engine import envs
+from engine.platform import paths_for
 from engine.worker.forward_context import ForwardContext
 from engine.kernels.attention.tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
                                             _split_range, _store_split, _unmasked_end)
@@ -644,7 +645,7 @@ def _tma_prefill_shape(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> boo
         return False
     if q.stride(2) != 1 or q.stride(1) != d or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
         return False
-    if not envs.PREFILL_TMA.read() or torch.cuda.get_device_capability(q.device)[0] != 9:
+    if not envs.PREFILL_TMA.read() or paths_for(q.device).attention_prefill != "triton-tma-prefill":
         return False
     return not torch.cuda.is_current_stream_capturing()      # host lengths and descriptors must not be baked in
 
@@ -681,6 +682,8 @@ def _segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> int:
     return keys if keys >= SEGMENT_MIN_KEYS and keys % kv.k.shape[1] == 0 else 0
 
 
+from engine import envs
+from engine.platform import paths_for
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
     """Whether this call takes the in-register int8 conversion: asked for, int8 pages, bf16 q (the
     PTX makes bf16), and compiled (the interpreter runs no PTX; it takes the float32 route, same values)."""

@@ -116,9 +116,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
         mq = hq < HEADS
         x1, x2 = _load_halves(q_ptr + t * stride_qt, hq, half, mq, stride_qh, HALF)
         q1, q2 = _norm_rope(x1, x2, qw_ptr, cos, sin, eps, half, dt, HALF)
-        p = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + half[None, :]
-        tl.store(p, q1.to(dt), mask=mq[:, None])
-        tl.store(p + HALF, q2.to(dt), mask=mq[:, None])
+        # names differ from the K branch's: Triton types a name set in both branches of an `if` once, and
+        # [Q_BLOCK, HALF] is not [KV_HEADS_PAD, HALF] unless the padded KV heads happen to be Q_BLOCK
+        pq = qo_ptr + t * stride_qot + hq[:, None] * stride_qoh + half[None, :]
+        tl.store(pq, q1.to(dt), mask=mq[:, None])
+        tl.store(pq + HALF, q2.to(dt), mask=mq[:, None])
     else:
         # program 0 of a token: its K heads (and the K/V write)
         hk = tl.arange(0, KV_HEADS_PAD)
@@ -134,9 +136,9 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cs_ptr, pos_ptr, qo_ptr, 
         k1 = k1.to(dt)
         k2 = k2.to(dt)
         if STORE_K:
-            p = ko_ptr + t * stride_kot + hk[:, None] * stride_koh + half[None, :]
-            tl.store(p, k1, mask=mk[:, None])
-            tl.store(p + HALF, k2, mask=mk[:, None])
+            pk = ko_ptr + t * stride_kot + hk[:, None] * stride_koh + half[None, :]
+            tl.store(pk, k1, mask=mk[:, None])
+            tl.store(pk + HALF, k2, mask=mk[:, None])
         if WRITE_KV:
             _store_kv_token(k1.to(tl.float32), k2.to(tl.float32), kp_ptr, ks_ptr, slot, hk, half, mk,
                             stride_pb, stride_pt, stride_ph, stride_sb, stride_st, stride_sh, HALF, PAGE, QUANT)

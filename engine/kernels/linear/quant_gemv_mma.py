@@ -43,6 +43,8 @@ import ctypes
 import torch
 
 from engine import envs
+from engine.platform import paths_for
+
 from engine.kernels.cuda_source import read_cuda_source
 from engine.kernels.linear.splitk import num_sms
 
@@ -133,7 +135,7 @@ def available(device: torch.device) -> bool:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _AVAILABLE:
-        _AVAILABLE[idx] = enabled() and _cupy() is not None and torch.cuda.get_device_capability(idx)[0] >= 9
+        _AVAILABLE[idx] = enabled() and _cupy() is not None and paths_for(device).nvfp4_linear == "mma-gemv+triton-gemv"
     return _AVAILABLE[idx]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import assert_kv_idle, make_llm
+from tests.support.graph_standin import StandInRounds
 from engine import SamplingParams
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.distributed.tp_group import SINGLE_RANK, LocalCommunicator
@@ -123,61 +124,6 @@ def test_memory_plan_counts_the_bytes_each_rank_holds(tp, draft_tokens):
         assert held == llm.engine.memory.weights_bytes
 
 
-class _StandInRounds:
-    """What `Executor._launch_lockstep` needs of `engine.worker.cuda_graphs.GraphedRounds`, without CUDA:
-    pinned staging becomes numpy, `upload` copies, and `launch` runs the round eagerly on the rank's
-    thread (ranks meet in the local communicator, so each must run on its own thread, as graphs do on
-    their own GPU). Rank 0's launch returns a tensor that the last rank's launch fills once every rank
-    has finished -- as a device tensor is complete once read, with or without async scheduling."""
-
-    class Bucket:
-        def __init__(self, runner, batch):
-            from engine.worker.decode_round import pack_round
-            self.runner, self.batch = runner, batch
-            self.host = pack_round(runner.round_setup, [], batch, runner.max_blocks)
-
-        def pack(self, works):
-            from engine.worker.decode_round import pack_round
-            pack_round(self.runner.round_setup, works, self.batch, self.runner.max_blocks, out=self.host)
-
-        def upload(self, host=None):
-            self.device = tuple(torch.from_numpy(a.copy()) for a in (host or self.host))
-
-    def __init__(self, executor, runner, buckets):
-        self.executor, self.runner, self.buckets = executor, runner, buckets
-        self.bucket_of = {b: self.Bucket(runner, b) for b in buckets}
-        self.launches = 0
-        self.tokens = None                         # rank 0's: the round's tokens, once every rank ran it
-
-    def fits(self, n):
-        return n <= self.buckets[-1]
-
-    def bucket(self, batch):
-        return self.bucket_of[batch]
-
-    def select(self, works, variant):
-        return self.bucket_of[next(b for b in self.buckets if b >= len(works))], variant
-
-    def launch(self, bucket, key):
-        from engine.worker.decode_round import RoundInputs, RoundOutput, run_round
-        r, ex = bucket.runner, self.executor
-        rank = ex.runners.index(r)
-        inputs = RoundInputs.from_packed(*bucket.device, k=r.k)
-        ex._workers[rank].submit(lambda: run_round(r.round_setup, inputs, r.max_seq_len, key))
-        self.launches += 1
-        if rank == 0:
-            self.out = RoundOutput(None, None)       # filled by the last rank's launch, before anyone reads it
-        if rank == len(ex.runners) - 1:
-            outcomes = [w.outcome() for w in ex._workers]
-            bad = [v for ok, v in outcomes if not ok]
-            if bad:
-                raise bad[0]
-            first = ex.runners[0].graphs.out
-            first.tokens, first.num_accepted, first.logprobs = (outcomes[0][1].tokens, outcomes[0][1].num_accepted,
-                                                                outcomes[0][1].logprobs)
-        return self.out if rank == 0 else None
-
-
 @pytest.mark.parametrize("kw, buckets", [
     ({"draft_tokens": 3, "draft_vocab": 3000, "max_batch": 4}, [1, 2]),   # rounds of 3-4 run eagerly
     ({"draft_tokens": 2, "max_batch": 3}, [1, 2, 3]),
@@ -202,7 +148,7 @@ def test_tp2_lockstep_rounds_equal_tp1(shared_model, kw, buckets, async_scheduli
     assert two.engine.async_scheduling is async_scheduling
     ex = two.engine.executor
     for runner in ex.runners:
-        runner.graphs = _StandInRounds(ex, runner, buckets)
+        runner.graphs = StandInRounds(ex, runner, buckets)
     carried = []
     launch = ex.launch
     ex.launch = lambda out: carried.append(any(w.carry_row >= 0 for w in out.decode)) or launch(out)

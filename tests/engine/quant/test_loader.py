@@ -164,7 +164,7 @@ def test_bad_tensors_are_refused_by_name(random_hf_model, tmp_path, fmt, edit, m
      "model.layers.0.mlp.down_proj.weight_scale: the module is in exclude_modules"),
     ("fp8", lambda c: c.update(weight_block_size=[64, 64]), "quantization_config.weight_block_size=[64, 64]"),
     ("fp8", lambda c: c.update(activation_scheme="static"), "quantization_config.activation_scheme='static'"),
-    ("fp8", lambda c: c.update(quant_method="gptq"), "quantization_config.quant_method='gptq'"),
+    ("fp8", lambda c: c.update(quant_method="bitsandbytes"), "quantization_config.quant_method='bitsandbytes'"),
 ])
 def test_bad_configs_are_refused_by_field(random_hf_model, tmp_path, fmt, edit, message):
     quantize_checkpoint(random_hf_model[0], tmp_path / "q", fmt)
@@ -224,3 +224,16 @@ def test_ninfer_quantize_subcommand_writes_a_checkpoint_the_engine_loads(random_
                               str(tmp_path / "missing"), "--out", str(tmp_path / "x")],
                              cwd=Path(__file__).resolve().parents[3], capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
+
+
+def test_quantized_files_are_readable_by_other_users(random_hf_model, tmp_path):
+    """safetensors writes 0600; `ninfer quantize`'s files take the mode new files get under the umask."""
+    import os
+    import stat
+    old = os.umask(0o022)
+    try:
+        quantize_checkpoint(random_hf_model[0], tmp_path / "q", "nvfp4")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "q").iterdir()}
+    assert modes and all(m == 0o644 for m in modes.values()), modes

@@ -105,8 +105,9 @@ def test_a_stop_token_is_reported_as_matched(stub, engine):
     ({"logprobs": -1}, "sampling_params.logprobs: must be an integer in [0, 20]"),
     ({"logit_bias": {8192: 1.0}}, "sampling_params.logit_bias: token id 8192 is outside the vocabulary"),
     ({"logit_bias": {5: 101.0}}, "sampling_params.logit_bias: bias of token 5 must be in [-100, 100]"),
-    ({"json_schema": "{}"}, "sampling_params.structured_output.json_schema: structured output is not supported"),
-    ({"choice": pb.ChoiceConstraint(choices=["a", "b"])}, "sampling_params.structured_output.choice"),
+    ({"json_schema": "{not json"}, "sampling_params.structured_output.json_schema: not valid JSON"),
+    ({"regex": "[a-z]{1,100000}"}, "sampling_params.structured_output.regex"),
+    ({"choice": pb.ChoiceConstraint(choices=[])}, "sampling_params.structured_output.choice"),
 ])
 def test_bad_or_unsupported_sampling_is_invalid_argument_naming_the_field(stub, sampling, field):
     with pytest.raises(grpc.RpcError) as e:

@@ -13,8 +13,10 @@ import os
 import pytest
 import torch
 
+from engine import envs
+
 pytestmark = pytest.mark.skipif(
-    os.environ.get("NINFER_TRITON_COMPILE_TESTS") != "1" or importlib.util.find_spec("triton") is None
+    not envs.TRITON_COMPILE_TESTS.read() or importlib.util.find_spec("triton") is None
     or os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available(),
     reason="offline compile tests are opt-in: NINFER_TRITON_COMPILE_TESTS=1, triton, no interpreter, no GPU")
 

@@ -1,0 +1,294 @@
+"""Compile the engine's real Triton launches for NVIDIA targets on a machine with no GPU (Triton 3.6).
+
+The engine's own launch code runs once with CPU tensors while a stand-in driver is active: every
+`kernel[grid](...)` is intercepted by Triton's `jit_cache_hook`, which records the launch's specialization
+(signature, constexprs, divisibility attributes, options) and tells the JIT to skip it, so nothing compiles
+or runs. Each record is then compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cap, 32))`
+for every capability asked, down to cubin (ptxas included): the code a GPU of that capability would load.
+
+CPU tensors stand in for CUDA ones: the JIT reads only their dtype and data_ptr() (16-byte alignment; the
+CPU allocator aligns to 64 bytes, CUDA's to 256, so fresh tensors specialize alike).
+The approach follows /work/scratch/compile research of 2026-12-04 (offline_triton.py); written anew here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.compiler import ASTSource
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+# options that parse_options derives from the target: dropped when compiling a record for another target
+TARGET_DERIVED_OPTIONS = ("arch", "supported_fp8_dtypes", "deprecated_fp8_dot_operand_dtypes",
+                          "max_num_imprecise_acc_default")
+
+
+class StandInCudaDriver(DriverBase):
+    """What JITFunction.run needs to bind and specialize a launch: a target, a device name, a stream."""
+
+    def __init__(self, capability: int, device: str):
+        self.capability = capability
+        self.device = device
+
+    @classmethod
+    def is_active(cls):
+        return False
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        raise NotImplementedError("the stand-in driver builds no launcher")
+
+    def get_current_target(self):
+        return GPUTarget("cuda", self.capability, 32)
+
+    def get_current_device(self):
+        return self.device
+
+    def set_current_device(self, device):
+        pass
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+    def get_benchmarker(self):
+        raise NotImplementedError("no autotuning without a GPU")
+
+
+def _as_tuples(value):
+    """JSON made the options' tuples lists; the compile options must stay hashable."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+@dataclass
+class Launch:
+    """One distinct specialization of a @triton.jit kernel, as the engine's launch code made it."""
+
+    scenario: str
+    fn: JITFunction
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+
+    @property
+    def kernel(self) -> str:
+        return self.fn.__name__
+
+    def compile(self, capability: int):
+        options = {k: _as_tuples(v) for k, v in self.options.items() if k not in TARGET_DERIVED_OPTIONS}
+        source = ASTSource(self.fn, self.signature, self.constexprs, self.attrs)
+        return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+_captures = 0
+
+
+def _skip_launch_run(self, *args, grid, warmup, **kwargs):
+    return _ORIGINAL_RUN(self, *args, grid=grid, warmup=True, **kwargs)
+
+
+_ORIGINAL_RUN = JITFunction.run
+
+
+@contextlib.contextmanager
+def capture_launches(scenario: str) -> Iterator[list[Launch]]:
+    """Inside, every JIT launch is recorded (once per specialization) and neither compiled nor run."""
+    global _captures
+    records: list[Launch] = []
+    seen: set = set()
+    previous_hook = knobs.runtime.jit_cache_hook
+
+    def hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        marker = (id(fn.jit_function), str(key))
+        if marker not in seen:
+            seen.add(marker)
+            spec = json.loads(compile["specialization_data"])
+            records.append(Launch(scenario, fn.jit_function, dict(compile["signature"]), dict(compile["constants"]),
+                                  dict(compile["configs"][0]), spec["options"]))
+        return True            # "already handled": run() returns without compiling or launching
+
+    _captures += 1             # a fresh device name: no kernel cached by an earlier capture hides a launch
+    driver.set_active(StandInCudaDriver(90, f"capture-{_captures}"))
+    JITFunction.run = _skip_launch_run
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield records
+    finally:
+        JITFunction.run = _ORIGINAL_RUN
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver._active = None  # back to "no driver chosen" (reset_active() would look for a real one)
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    scenario: str
+    kernel: str
+    capability: int
+    ok: bool
+    error: str = ""
+
+
+def first_error_line(error: BaseException) -> str:
+    """The line that says why: ptxas's own "error   :" line before Triton's summary of it."""
+    text = str(error).strip() or type(error).__name__
+    lines = text.splitlines()
+    for line in lines:
+        if "error   :" in line:
+            return line.split("error   :", 1)[1].strip()[:300]
+    for line in lines:
+        if "error" in line.lower():
+            return line.strip()[:300]
+    return lines[0][:300]
+
+
+def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: dict[str, tuple[int, ...]]
+                      ) -> list[CompileResult]:
+    """Capture each scenario's launches, then compile each for the capabilities listed for it."""
+    results: list[CompileResult] = []
+    for name, run in scenarios.items():
+        with capture_launches(name) as launches:
+            run()
+        if not launches:
+            raise RuntimeError(f"scenario {name} launched no Triton kernel")
+        for launch in launches:
+            for cap in capabilities[name]:
+                try:
+                    launch.compile(cap)
+                    results.append(CompileResult(name, launch.kernel, cap, True))
+                except Exception as error:  # noqa: BLE001 - the matrix records why a target fails
+                    results.append(CompileResult(name, launch.kernel, cap, False, first_error_line(error)))
+    return results
+
+
+# -- the representative launches: shapes of the reference models, each tagged with the family it proves -------
+
+def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tuple[int, ...]]]:
+    """name -> (the engine/platform.py family it belongs to, the launch code, the capabilities to compile for).
+    The fast set (CI) compiles each family for every capability that may select it in the dtype that capability
+    runs in (float16 below sm80, bfloat16 from sm80); `full` adds the prefill-shaped attention (sm70's alone takes
+    ~100 s to compile) and every family in both dtypes on every capability."""
+    import torch
+
+    from tests.support import kernel_checks as kc
+    from tests.support import quant_kernel_checks as qc
+
+    f16, bf16, i8, cpu = torch.float16, torch.bfloat16, torch.int8, torch.device("cpu")
+    old, new, every = (70, 75), (80, 89, 90), (70, 75, 80, 89, 90)
+    dtypes = {70: f16, 75: f16, 80: bf16, 89: bf16, 90: bf16}
+
+    def attention(query_lens, seq_lens, dtype, kv_dtype, kv_heads=2, head_dim=128):
+        from engine.kernels.attention.paged import paged_attention
+        q, kv, ctx = kc.attention_case(query_lens, seq_lens, 8, kv_heads, head_dim, 16, kv_dtype, dtype, cpu, 0)
+        paged_attention(q, kv, ctx, head_dim ** -0.5)
+
+    def rms_norm_pdl(dtype):
+        # the decode kernels' PDL form: the real RMSNorm kernel launched with the attribute on
+        from engine.kernels.elementwise.norm_rope import _rms_norm_kernel
+        x = torch.randn(2, 1024, dtype=dtype)
+        w = torch.ones(1024, dtype=dtype)
+        _rms_norm_kernel[(2,)](x, x, w, x, x, 1024, 1024, 1024, 1024, 1024, 1e-6, BLOCK=1024, HAS_RESIDUAL=False,
+                               ZERO_CENTRED=False, num_warps=2, USE_PDL=True, launch_pdl=True)
+
+    def tma_prefill(dtype):
+        from engine.kernels.attention.prefill_tma import prefill_attention
+        q = torch.randn(200, 8, 128, dtype=dtype)
+        k, v = torch.randn(300, 2, 128, dtype=dtype), torch.randn(300, 2, 128, dtype=dtype)
+        prefill_attention(q, k, v, torch.tensor([0, 200], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32),
+                          200, 128 ** -0.5)
+
+    def skinny_dense(dtype):
+        from engine.kernels.linear.skinny_gemm import skinny_dense as run
+        run(torch.randn(4, 512, dtype=dtype), torch.randn(1024, 512, dtype=dtype))
+
+    def act_quant(dtype):
+        from engine.kernels.linear.act_quant import quantize_activations_fused
+        quantize_activations_fused(torch.randn(5, 256, dtype=dtype))
+
+    def recurrent():
+        from engine.kernels.gated_delta.decode_step import recurrent as run
+        B, n, hk, hv, d = 2, 1, 2, 4, 128
+        f = torch.float32
+        run(torch.randn(B, n, hk, d), torch.randn(B, n, hk, d), torch.randn(B, n, hv, d), torch.randn(B, n, hv),
+            torch.randn(B, n, hv), torch.randn(hv), torch.randn(hv), torch.zeros(3, hv, d, d, dtype=f),
+            torch.tensor([0, 1], dtype=torch.int32))
+
+    table: dict[str, tuple[str, Callable[[], None], tuple[int, ...]]] = {}
+    for dtype, caps in ((f16, old), (bf16, new)):
+        tag = "f16" if dtype is f16 else "bf16"
+        table |= {
+            f"rms_norm_{tag}": ("elementwise", lambda d=dtype: kc.check_rms_norm(3, 1024, d, cpu, 0, True), caps),
+            f"silu_and_mul_{tag}": ("elementwise", lambda d=dtype: kc.check_silu_and_mul(3, 1024, d, cpu, 0), caps),
+            f"write_kv_int8_{tag}": ("elementwise", lambda d=dtype: kc.check_write_kv(5, 2, 128, 16, i8, d, cpu, 0),
+                                     caps),
+            f"split_merge_{tag}": ("attention", lambda d=dtype: kc.check_split_merge(3, 8, 4, 128, d, cpu, 0), caps),
+            # the padded KV head count: 2 (27B at TP=2), 4 (8 KV heads at TP=2), 8 (TP=1)
+            **{f"qk_norm_rope_kvh{h}_{tag}": ("elementwise", lambda d=dtype, h=h: kc.check_qk_norm_rope(
+                3, 4 * h, h, 128, d, cpu, 0, kv_dtype=i8), caps) for h in (2, 4, 8)},
+            f"attn_decode_int8_{tag}": ("attention", lambda d=dtype: attention([1, 1], [37, 300], d, i8), caps),
+            f"attn_decode_{tag}": ("attention", lambda d=dtype: attention([1, 1], [37, 300], d, d),
+                                   caps if full else caps[:1]),
+            f"gemv_nvfp4_{tag}": ("nvfp4_linear", lambda d=dtype: qc.check_gemv("nvfp4", 1, 256, 512, cpu, dtype=d),
+                                  every),
+            f"gemv_dense_{tag}": ("dense_linear", lambda d=dtype: qc.check_gemv("bf16", 1, 256, 512, cpu, dtype=d),
+                                  caps),
+            f"skinny_dense_{tag}": ("dense_linear", lambda d=dtype: skinny_dense(d), caps),
+            f"gemv_fp8_{tag}": ("fp8_linear", lambda d=dtype: qc.check_gemv("fp8", 1, 256, 512, cpu, dtype=d), every),
+            f"act_quant_fp8_{tag}": ("fp8_activation_quant", lambda d=dtype: act_quant(d), every),
+            f"pdl_{tag}": ("pdl", lambda d=dtype: rms_norm_pdl(d), every),
+        }
+    table["tma_prefill_bf16"] = ("attention_tma", lambda: tma_prefill(bf16), (90,))
+    table["gated_delta_recurrent"] = ("gated_delta", recurrent, every)
+    if not full:
+        # the capability-only families compile in the dtype their capability runs in
+        for name in [n for n in table if n.startswith(("gemv_", "act_quant_", "pdl_"))]:
+            family, run, _ = table[name]
+            keep = tuple(c for c in every if (dtypes[c] is f16) == name.endswith("_f16"))
+            table[name] = (family, run, keep)
+        return table
+    table |= {
+        "attn_prefill_f16": ("attention", lambda: attention([60], [60], f16, f16), every),
+        "attn_prefill_bf16": ("attention", lambda: attention([60], [60], bf16, bf16), new),
+        "attn_verify_bf16": ("attention", lambda: attention([4, 4], [40, 90], bf16, bf16), new),
+    }
+    return {name: (family, run, every if family not in ("attention_tma",) else caps)
+            for name, (family, run, caps) in table.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m tests.support.compile_matrix OUT.json [--full]: run in a fresh process (Triton must not be
+    in interpreter mode, which the kernel tests switch on) and write every (scenario, kernel, capability) result."""
+    import argparse
+    import dataclasses
+    import time
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--full", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated scenario names")
+    args = parser.parse_args(argv)
+    table = scenarios(args.full)
+    if args.only:
+        table = {k: v for k, v in table.items() if k in args.only.split(",")}
+    import resource
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    results = compile_scenarios({k: v[1] for k, v in table.items()}, {k: v[2] for k, v in table.items()})
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)          # ptxas runs as a child process
+    with open(args.out, "w") as f:
+        json.dump({"seconds": time.perf_counter() - t0,
+                   "cpu_seconds": time.process_time() - cpu0 + children.ru_utime + children.ru_stime,
+                   "families": {k: v[0] for k, v in table.items()},
+                   "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
