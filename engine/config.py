@@ -19,6 +19,9 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+KV_ROLES = ("both", "producer", "consumer")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a Qwen3-family checkpoint (Hugging Face `config.json` fields)."""
@@ -183,6 +186,9 @@ class EngineConfig:
     lease_seconds: float = 60.0             # how long a prefilled (parked) request keeps its KV for a decode
     handoff_timeout_seconds: float = 5.0    # a parked handle older than this gives its room to a queued request
     seat_timeout_seconds: float = 60.0      # an attached request waits this long for a decode seat at most; 0 = no bound
+    # prefill/decode across engines (docs/disaggregation.md): "producer" prefills and lends the prompt's KV,
+    # "consumer" pulls it and decodes, "both" (the default) serves whole requests and either leg
+    kv_role: str = "both"
     quantization: str | None = None         # "fp8" / "ptpc_fp8": an unquantized checkpoint's linears in FP8 at load
     speculative_model: str | None = None    # a checkpoint whose mtp.* head drafts (when the model's has none)
     # vLLM's spelling: {"model": DIR, "num_speculative_tokens": k, "method": "mtp"} sets the two fields above
@@ -233,6 +239,11 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= 86_400):
                 raise InvalidArgumentError(name, f"must be in [0, 86400] seconds, got {value!r}")
+        if self.kv_role not in KV_ROLES:
+            raise InvalidArgumentError("kv_role", f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_role != "both" and self.tensor_parallel_size != 1:
+            raise InvalidArgumentError("kv_role", f"a {self.kv_role} moves one rank's KV pool: it needs "
+                                       f"tensor_parallel_size 1, got {self.tensor_parallel_size}")
 
         if self.quantization is not None and self.quantization not in ("fp8", "ptpc_fp8"):
             raise InvalidArgumentError("quantization", f"must be fp8 or ptpc_fp8, got {self.quantization!r}")

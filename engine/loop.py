@@ -29,11 +29,13 @@ from typing import Any
 
 import structlog
 
+from engine.cache import kv_landing
 from engine.core import EngineCore, RequestOutput
 from engine.errors import EngineDeadError, QueueTimeoutError, RequestNotFoundError
 from engine.engine_info import EngineInfo, WarmupReport
 from engine.sampling_params import SamplingParams
 from engine.request_stats import FinishReason
+from engine.worker.kv_regions import KVPoolLayout, kv_pool_layout
 
 log = structlog.get_logger(__name__)
 IDLE_TICK_S = 0.02            # how often an idle loop with queued or parked requests checks timeouts
@@ -259,6 +261,41 @@ class EngineLoop:
             for out in self.core.abort_all(request_id, FinishReason.ABORT):
                 self._deliver(out)
         return do
+
+    # -- KV lent across engines (prefill/decode disaggregation; engine.cache.kv_landing) ----------
+
+    def kv_pool_layout(self) -> KVPoolLayout:
+        """Where the KV pool's blocks sit (one rank: a producer or consumer runs tensor_parallel_size 1)."""
+        return self._call(lambda: kv_pool_layout(self.core.executor.driver.kv))
+
+    async def lent_blocks_async(self, request_id: str) -> list[int]:
+        """The blocks a parked request lends a consumer; NOT_FOUND when it is not parked (any more)."""
+        def do() -> list[int]:
+            if not self.core.scheduler.is_parked(request_id):
+                raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, released or expired)")
+            return kv_landing.lent_blocks(self.core.kv, self.core.scheduler.requests[request_id])
+        return await self._call_async(do)
+
+    async def reserve_landing_async(self, request_id: str, token_ids: list[int],
+                                    num_blocks: int) -> kv_landing.KVLanding | None:
+        """Fresh blocks for KV pulled from a producer, or None when the pool has no room now."""
+        return await self._call_async(lambda: kv_landing.reserve(self.core.kv, request_id, token_ids, num_blocks),
+                                      orphaned=lambda landing: landing and self.drop_landing(landing))
+
+    def drop_landing(self, landing: kv_landing.KVLanding) -> None:
+        """A pull that failed or was abandoned: its blocks go back (from any thread, before the next step)."""
+        self._commands.put((lambda: kv_landing.drop(self.core.kv, landing), None))
+
+    async def submit_landed_async(self, landing: kv_landing.KVLanding, prompt: list[int], params: SamplingParams,
+                                  request_id: str | None) -> RequestStream:
+        """Admit a request over KV that landed: the blocks join the prefix cache and the request, admitted in
+        the same command, takes them as a prefix hit (it recomputes only the rest of the prompt)."""
+        add = self._add(prompt, params, request_id, False)
+
+        def do() -> RequestStream:
+            kv_landing.land(self.core.kv, landing)
+            return add()
+        return await self._call_async(do, orphaned=lambda stream: self.abort(stream.request_id))
 
     def warmup(self) -> WarmupReport:
         """Compile every kernel a request takes and capture the CUDA graphs (see `EngineCore.warmup`)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import KV_ROLES, EngineConfig
 from engine.sampling_params import SamplingParams
 from services.server.address import join_host_port, split_host_port
 
@@ -104,6 +104,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "with retry pushback); 0 = no bound")
 
 
+def add_kv_role_arg(p: argparse.ArgumentParser) -> None:
+    """`ninfer engine` only: the engine's part in prefill/decode disaggregation (services/smg/pd.py)."""
+    p.add_argument("--kv-role", choices=KV_ROLES, default=EngineConfig.__dataclass_fields__["kv_role"].default,
+                   help="prefill/decode on different engines behind `smg launch --pd-disaggregation`: a producer "
+                        "prefills and lends the prompt's KV blocks (kept --lease-seconds at most), a consumer pulls "
+                        "them over NIXL and decodes; both = whole requests (docs/disaggregation.md)")
+
+
 AUTO_MAX_DRAFT_TOKENS = 4
 KV_CACHE_DTYPES = ("auto", "int8", "bfloat16", "float16", "float32")
 
@@ -144,7 +152,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         state_snapshots=args.state_snapshots, enforce_eager=args.enforce_eager, lease_seconds=args.lease_seconds,
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling, quantization=args.quantization,
-        speculative_model=args.speculative_model, speculative_config=args.speculative_config)
+        speculative_model=args.speculative_model, speculative_config=args.speculative_config,
+        kv_role=getattr(args, "kv_role", "both"))
 
 
 def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     engine = command("engine", "serve PrefillService and DecodeService over one engine", _servers("cmd_engine"))
     flags.add_engine_args(engine)
+    flags.add_kv_role_arg(engine)
     flags.add_server_args(engine, flags.DEFAULT_ENGINE_LISTEN, flags.DEFAULT_ENGINE_METRICS)
 
     gateway = command("gateway", "serve the public Gateway API in front of engine processes", _servers("cmd_gateway"))

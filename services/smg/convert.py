@@ -69,11 +69,10 @@ def structured_output(p: pb.SamplingParams) -> StructuredOutput | None:
 def check_unsupported_inputs(request: pb.GenerateRequest) -> None:
     for name in ("mm_inputs", "media_refs", "kv_transfer_params"):
         if request.HasField(name):
-            raise InvalidArgumentError(name, "is not supported by ninfer (text models, no PD transfer)")
+            raise InvalidArgumentError(name, "is not supported by ninfer (text models; PD hand-offs come in "
+                                       "kv_transfer_params_json, smg's NixlConnector mode)")
     if request.extra_mm_inputs:
         raise InvalidArgumentError("extra_mm_inputs", "is not supported by ninfer")
-    if request.HasField("kv_transfer_params_json"):
-        raise InvalidArgumentError("kv_transfer_params_json", "is not supported by ninfer")
     if request.WhichOneof("input") is None:
         raise InvalidArgumentError("input", "a prompt is required (tokenized or text)")
 

@@ -1,5 +1,6 @@
 """The one module of services/smg that talks to the engine, through the loop's front door
-(`EngineContext.loop`: submit, abort, metrics, add_kv_listener, reset_prefix_cache; `ctx.info` for
+(`EngineContext.loop`: submit, abort, metrics, add_kv_listener, reset_prefix_cache, the KV lent across
+engines; `ctx.info` for
 what it serves). Kept thin on purpose.
 
 The request and snapshot calls are coroutines for the server's event loop; the rest is safe from any thread.
@@ -14,9 +15,11 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.engine_info import EngineInfo
 from engine.cache.block_manager import KVEventListener
+from engine.cache.kv_landing import KVLanding
 from engine.loop import EngineLoop, RequestStream
 from engine.loading.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
+from engine.worker.kv_regions import KVPoolLayout
 from services.engine_context import EngineContext
 
 
@@ -47,9 +50,34 @@ class EnginePort:
 
     # -- requests -------------------------------------------------------------------------------
 
-    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None) -> RequestStream:
-        """Admit one request (validated at once; raises the engine's errors); no prefill/decode split."""
-        return await self._loop().submit_async(prompt, params, request_id or None)
+    async def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None,
+                     park_after_prefill: bool = False) -> RequestStream:
+        """Admit one request (validated at once; raises the engine's errors). `park_after_prefill`: a
+        producer's prefill leg, whose KV stays parked for a consumer (`release` ends it)."""
+        return await self._loop().submit_async(prompt, params, request_id or None, park_after_prefill)
+
+    # -- KV lent across engines (services/kv_transfer) ------------------------------------------
+
+    def kv_pool_layout(self) -> KVPoolLayout:
+        return self._loop().kv_pool_layout()
+
+    async def lent_blocks(self, request_id: str) -> list[int]:
+        return await self._loop().lent_blocks_async(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a parked prefill leg (its consumer pulled the KV); NOT_FOUND when it is not parked."""
+        self._loop().release(request_id)
+
+    async def reserve_landing(self, request_id: str, prompt: list[int], num_blocks: int) -> KVLanding | None:
+        return await self._loop().reserve_landing_async(request_id, prompt, num_blocks)
+
+    def drop_landing(self, landing: KVLanding) -> None:
+        if self.loaded:
+            self._loop().drop_landing(landing)
+
+    async def submit_landed(self, landing: KVLanding, prompt: list[int], params: SamplingParams,
+                            request_id: str | None) -> RequestStream:
+        return await self._loop().submit_landed_async(landing, prompt, params, request_id or None)
 
     async def embed(self, prompt: list[int], request_id: str | None) -> RequestStream:
         """An embedding request (UnsupportedError at once for a generative model); its final output carries it."""

@@ -9,8 +9,8 @@ and its final message carries MTP acceptance (`spec_accepted_tokens`, `spec_draf
 detects the protocol by trying each one's HealthCheck (SGLang's first, UNIMPLEMENTED here), so
 nothing needs configuring.
 
-A Generate is one in-process engine request (no prefill/decode split): the same scheduler, MTP and
-timings as ninfer.v1. What the protocol cannot carry (the timings, rates, per-position acceptance)
+A Generate is one in-process engine request: the same scheduler, MTP and timings as ninfer.v1; with
+`--kv-role producer|consumer` it is one leg of smg's prefill/decode disaggregation (services/smg/pd.py). What the protocol cannot carry (the timings, rates, per-position acceptance)
 goes in the trailing metadata `ninfer-request-stats-bin` as a serialized `ninfer.v1.RequestStats`,
 and into our spans, `engine_request_done` log and Prometheus metrics as for any request.
 """
@@ -21,6 +21,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,9 @@ from services.server.errors import RpcAbort
 from services.server.prometheus import observe_per_token
 from services.smg import convert
 from services.smg.engine_port import EnginePort
+from services.kv_transfer import handoff as kvh
 from services.smg.kv_events import KvEventPublisher
+from services.smg.pd import PDRole, complete_with_handoff
 from services.smg.tokenizer_bundle import tokenizer_chunks, tokenizer_zip
 from services.server.telemetry import stats_attributes
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb
@@ -84,6 +87,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self.kv_events: KvEventPublisher | None = None
         self._attach_lock = threading.Lock()
         self._bundle: bytes | None = None
+        self.pd = PDRole(self.port, config)          # --kv-role producer|consumer (services/smg/pd.py)
 
     def _engine(self):
         """The engine's facts, once it is loaded; the KV-event listener goes on at the first call."""
@@ -93,6 +97,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 publisher = KvEventPublisher(facts.info.block_size)
                 self.port.add_kv_listener(publisher)
                 self.kv_events = publisher
+        if self.pd.active:
+            self.pd.agent()                  # the KV pool registered with NIXL before the first leg comes
         return facts
 
     # -- generation -----------------------------------------------------------------------------
@@ -108,8 +114,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise InvalidArgumentError("text", "send token ids (`tokenized`): the router tokenizes")
             prompt = token_ids_from_proto(request.tokenized.input_ids, "tokenized.input_ids", info.vocab_size)
             params = convert.sampling_from_proto(request.sampling_params, len(prompt), info)
+            tags = kvh.parse(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
+            lending = bool(tags and tags.do_remote_decode and self.pd.role == "producer" and params.n == 1)
+            if lending:
+                params = self.pd.prefill_params(params, len(prompt))
+                # smg 1.13 gives up on a prefill leg that shows nothing within 3 s of its dispatch (504
+                # prefill_worker_silent, "dispatch" then "first_response"): the stream opens now and its first
+                # message, an empty chunk, goes out before a long prompt's prefill (smg drains and drops it)
+                await context.send_initial_metadata(())
+            landing = None
+            if tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer":
+                landing = await self.pd.pull(f"{request.request_id}:{uuid.uuid4().hex[:8]}", prompt, tags.handoff)
             try:
-                stream = await self.port.submit(prompt, params, request.request_id)
+                if landing is not None:
+                    stream = await self.port.submit_landed(landing, prompt, params, request.request_id)
+                else:
+                    stream = await self.port.submit(prompt, params, request.request_id, park_after_prefill=lending)
             except InvalidArgumentError as e:               # admission: named as the protocol names it
                 raise convert.protocol_error(e) from None
             guard = AbortWhenCallEnds(self.port, stream.request_id)
@@ -118,6 +138,10 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             else:
                 context.add_done_callback(guard)
             span.set_attribute("ninfer.request_id", stream.request_id)
+            if lending:
+                async for response in self._lend(stream, guard, len(prompt), span):
+                    yield response
+                return
             seqs = [_Sequence() for _ in range(params.n)]          # n > 1: one per index
             prompt_lp: list | None = None                            # prompt logprobs, until sent
             wants_lp = params.logprobs is not None
@@ -171,6 +195,23 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if not stream.finished:
                     guard()
                 raise
+
+    async def _lend(self, stream, guard: "AbortWhenCallEnds", prompt_len: int, span):
+        """A producer's prefill leg: its first token and the hand-off; the request stays parked for the
+        consumer (the call's end no longer aborts it: the consumer's notification or the lease frees it)."""
+        yield convert.chunk([], prompt_len, 0)
+        out = await stream.next_async()
+        if out.finished:
+            self._report(out.stats, span)
+            guard.disarm()
+            if out.finish_reason is FinishReason.ABORT:
+                raise RpcAbort(grpc.StatusCode.CANCELLED, f"request {stream.request_id!r} was aborted")
+            yield convert.complete(out.new_token_ids, out.stats, None)
+            return
+        guard.disarm()
+        self.ctx.metrics.observe_prefill(out.stats)
+        handoff_json = await self.pd.lend(stream.request_id, prompt_len)
+        yield complete_with_handoff(convert.complete(out.new_token_ids, out.stats, None), handoff_json)
 
     def _report(self, stats: RequestStats, span) -> None:
         span.set_attributes(stats_attributes(stats))
@@ -237,7 +278,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 active_requests=convert.active_requests(await self.port.metrics()), is_paused=self.ctx.state.draining,
                 last_receive_timestamp=self.last_receive, uptime_seconds=time.time() - self.started,
                 server_type="ninfer-grpc", data_parallel_size=1, kv_cache_dtype=info.kv_dtype,
-                block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=facts.max_batch)
+                block_size=info.block_size, model_dtype=info.dtype, max_num_seqs=facts.max_batch,
+                **self.pd.server_info())
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: grpc.aio.ServicerContext):
         with self.ctx.state.admit(during_drain=True):

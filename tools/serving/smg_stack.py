@@ -48,14 +48,30 @@ class SmgRouter:
     def start(cls, engine_addresses: list[str], model_dir: str | None, log_path: Path, *extra: str,
               policy: str = "cache_aware") -> "SmgRouter":
         """`model_dir` None: smg fetches the tokenizer from the engines (GetTokenizer)."""
+        return cls._launch(["--worker-urls", *[f"grpc://{a}" for a in engine_addresses]], model_dir, log_path,
+                           "--policy", policy, *extra)
+
+    @classmethod
+    def start_pd(cls, prefill_addresses: list[str], decode_addresses: list[str], model_dir: str | None,
+                 log_path: Path, *extra: str) -> "SmgRouter":
+        """smg's prefill/decode disaggregation over ninfer producers (`--kv-role producer`) and consumers
+        (`--kv-role consumer`): `smg launch --pd-disaggregation --prefill grpc://P --decode grpc://D`."""
+        workers = ["--pd-disaggregation"]
+        for a in prefill_addresses:
+            workers += ["--prefill", f"grpc://{a}"]
+        for a in decode_addresses:
+            workers += ["--decode", f"grpc://{a}"]
+        return cls._launch(workers, model_dir, log_path, *extra)
+
+    @classmethod
+    def _launch(cls, workers: list[str], model_dir: str | None, log_path: Path, *extra: str) -> "SmgRouter":
         command = smg_command()
         if command is None:
             raise RuntimeError("smg is not installed (pip install 'ninfer[test]')")
         port, metrics_port = free_port(), free_port()
-        argv = [*command, "launch", "--host", "127.0.0.1", "--port", str(port),
-                "--worker-urls", *[f"grpc://{a}" for a in engine_addresses],
-                *(["--model-path", model_dir] if model_dir else []), "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-                "--log-level", "info", *extra]
+        argv = [*command, "launch", "--host", "127.0.0.1", "--port", str(port), *workers,
+                *(["--model-path", model_dir] if model_dir else []), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(metrics_port), "--log-level", "info", *extra]
         log = open(log_path, "w")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -1,0 +1,163 @@
+"""Prefill/decode on different engines behind `smg launch --pd-disaggregation` (docs/disaggregation.md).
+
+smg drives the vLLM protocol's sequential PD flow (its NixlConnector mode): it sends the prefill leg to a
+producer (`max_tokens=1`, `kv_transfer_params_json={"do_remote_decode":true}`), drains it, and relays the
+producer's `GenerateComplete.kv_transfer_params_json` verbatim to a consumer's decode leg, whose stream is
+the answer.
+
+- Producer (`--kv-role producer`): the leg is submitted to park after its prefill; its answer carries the
+  first token and the hand-off (services.kv_transfer.handoff). The request stays parked, holding its KV,
+  until the consumer's notification says the blocks were pulled, or `--lease-seconds` passes (smg never
+  aborts a finished prefill: retries and client aborts orphan it, the lease frees it).
+- Consumer (`--kv-role consumer`): blocks are reserved on the engine thread, the pull runs in a worker
+  thread (the engine keeps stepping), then the request is admitted over the landed blocks as a prefix hit
+  and decodes from the prompt, sampling its first token itself. A failed pull answers UNAVAILABLE (smg
+  retries the whole pipeline) and leaves nothing held; no room for the blocks means a recomputed prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+import uuid
+
+import grpc
+import structlog
+
+from engine.config import EngineConfig
+from engine.cache.kv_landing import lendable_blocks
+from engine.errors import InvalidArgumentError, RequestNotFoundError
+from engine.sampling_params import SamplingParams
+from services.kv_transfer import handoff as kvh
+from services.kv_transfer.nixl_agent import KVTransferError, NixlKVAgent
+from services.server.errors import RpcAbort
+from services.smg.engine_port import EnginePort
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+log = structlog.get_logger(__name__)
+KV_CONNECTOR = "NixlConnector"          # smg's name for the mode that relays our hand-off verbatim
+PULLED = b"ninfer-kv-pulled:"           # consumer -> producer notification, then the producer's request id
+PULL_TIMEOUT_S = 30.0
+NOTIFY_POLL_S = 0.005
+
+
+class PDRole:
+    def __init__(self, port: EnginePort, config: EngineConfig):
+        self.port = port
+        self.role = config.kv_role
+        self.engine_id = f"ninfer-{uuid.uuid4().hex[:16]}"
+        self.max_model_len = config.max_model_len
+        self._agent: NixlKVAgent | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    @property
+    def active(self) -> bool:
+        return self.role != "both"
+
+    def server_info(self) -> dict:
+        """GetServerInfo's PD fields, as smg reads them (`kv_connector` picks its mode, `kv_role`)."""
+        if not self.active:
+            return {}
+        return {"kv_connector": KV_CONNECTOR, "kv_role": f"kv_{self.role}", "kv_engine_id": self.engine_id}
+
+    def agent(self) -> NixlKVAgent:
+        """The NIXL agent over the KV pool, made once the engine is loaded (the pool registered once)."""
+        with self._lock:
+            if self._agent is None:
+                self._agent = NixlKVAgent(self.port.kv_pool_layout(), self.engine_id)
+                if self.role == "producer":
+                    threading.Thread(target=self._serve_notifications, name="ninfer-kv-notify", daemon=True).start()
+            return self._agent
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            if self._agent is not None:
+                self._agent.close()
+
+    # -- producer -------------------------------------------------------------------------------
+
+    def prefill_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """The leg parks after its first token: it must not end there (max_tokens 1 from smg would)."""
+        room = (self.max_model_len or 1 << 62) - prompt_len
+        return dataclasses.replace(params, max_tokens=2) if params.max_tokens == 1 and room >= 2 else params
+
+    async def lend(self, request_id: str, prompt_len: int) -> str:
+        """The hand-off for a parked leg (or no pull when no full block is lendable: it is freed now)."""
+        agent = self.agent()
+        blocks = await self.port.lent_blocks(request_id)
+        if not blocks:
+            self._release(request_id)
+            return '{"do_remote_decode":false,"do_remote_prefill":false}'
+        log.info("kv_lent", request_id=request_id, blocks=len(blocks), bytes=len(blocks) * agent.layout.block_bytes)
+        return kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, blocks).to_json()
+
+    def _serve_notifications(self) -> None:
+        while not self._stop.wait(NOTIFY_POLL_S):
+            try:
+                messages = self._agent.notifications()
+            except Exception as e:  # noqa: BLE001 - the agent is closing
+                log.warning("kv_notifications_failed", error=repr(e))
+                return
+            for m in messages:
+                if m.startswith(PULLED):
+                    self._release(m[len(PULLED):].decode(errors="replace"))
+
+    def _release(self, request_id: str) -> None:
+        try:
+            self.port.release(request_id)
+        except RequestNotFoundError:          # expired, or aborted already: nothing held
+            log.info("kv_release_moot", request_id=request_id)
+        except Exception as e:  # noqa: BLE001 - the engine is gone
+            log.warning("kv_release_failed", request_id=request_id, error=repr(e))
+
+    # -- consumer -------------------------------------------------------------------------------
+
+    async def pull(self, request_id: str, prompt: list[int], handoff: kvh.Handoff):
+        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails."""
+        agent = self.agent()
+        handoff.check_fits(agent.layout, len(prompt))
+        if not handoff.block_ids:
+            return None
+        most = lendable_blocks(len(prompt), self.port.facts().info.block_size)
+        if len(handoff.block_ids) > most:
+            raise InvalidArgumentError(f"{kvh.FIELD}.remote_block_ids", f"{len(handoff.block_ids)} blocks for a "
+                                       f"prompt of {len(prompt)} tokens (at most {most})")
+        notification = PULLED + handoff.request_id.encode()
+        landing = await self.port.reserve_landing(request_id, prompt, len(handoff.block_ids))
+        if landing is None:
+            log.warning("kv_pull_skipped_no_room", request_id=request_id, blocks=len(handoff.block_ids))
+            return None
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, handoff.remote_descs(),
+                                       landing.block_ids, notification, PULL_TIMEOUT_S)
+        try:
+            await asyncio.shield(pulling)
+        except asyncio.CancelledError:            # the call ended: the blocks go back once the READ is over
+            pulling.add_done_callback(lambda f: self.port.drop_landing(landing))
+            raise
+        except KVTransferError as e:
+            self.port.drop_landing(landing)
+            agent.forget_peer(handoff.agent_metadata)
+            log.warning("kv_pull_failed", request_id=request_id, producer=handoff.engine_id, error=str(e))
+            raise RpcAbort(grpc.StatusCode.UNAVAILABLE,
+                           f"pulling the prompt's KV from producer {handoff.engine_id} failed: {e}") from None
+        except BaseException:
+            self.port.drop_landing(landing)
+            raise
+        seconds = time.perf_counter() - started
+        size = len(handoff.block_ids) * agent.layout.block_bytes
+        log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=len(handoff.block_ids),
+                 bytes=size, seconds=round(seconds, 6), gb_per_s=round(size / max(seconds, 1e-9) / 1e9, 3))
+        return landing
+
+
+def complete_with_handoff(response: pb.GenerateResponse, handoff_json: str) -> pb.GenerateResponse:
+    """The prefill leg's answer: its one token, finish "length" (the leg ends here), and the hand-off."""
+    response.complete.finish_reason = "length"
+    response.complete.kv_transfer_params_json = handoff_json
+    return response
