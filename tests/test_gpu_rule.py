@@ -12,7 +12,8 @@ TESTS = Path(__file__).resolve().parent
 CUDA_WORDS = ("torch.cuda", "device_count", "device=\"cuda", "device='cuda")
 ASKING = "torch.cuda.is_available()"           # asking whether there is a device is not using one
 # modules that name CUDA without touching a device, and why
-CPU_MODULES = {"engine/loading/test_moe_loading.py": "plans memory for a CUDA config on the CPU (plan_memory)"}
+CPU_MODULES = {"engine/loading/test_moe_loading.py": "plans memory for a CUDA config on the CPU (plan_memory)",
+               "engine/worker/test_memory_plan_16gb.py": "plans a 16 GB CUDA device's memory on the CPU (plan_memory)"}
 
 
 def _imports(tree: ast.AST) -> set[str]:
