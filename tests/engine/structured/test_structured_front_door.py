@@ -31,7 +31,19 @@ def loop(shared_model):
     lp.shutdown()
 
 
-def test_a_slow_compile_never_stalls_other_streams(loop):
+def test_a_slow_compile_never_stalls_other_streams(loop, monkeypatch):
+    # xgrammar compiles SLOW_REGEX in 0.2-1.5 s depending on the machine's load; 1.5 s more on the compiler's
+    # thread after the real compile make it slow everywhere (the engine thread must not notice either way)
+    from engine.structured.compiler import GrammarCompiler
+    real = GrammarCompiler._compile_now
+
+    def slow_compile(self, spec):
+        handle = real(self, spec)
+        if SLOW_REGEX in spec.key[1]:
+            time.sleep(1.5)
+        return handle
+
+    monkeypatch.setattr(GrammarCompiler, "_compile_now", slow_compile)
     running = loop.submit("def f(x):\n    return", SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0))
     first = running.next(timeout=30)
     arrivals: list[float] = []

@@ -184,11 +184,11 @@ def test_graph_path_reads_the_persistent_mask_buffer(shared_model, greedy_k0, as
 def test_tp2_lockstep_rounds_mask_on_every_rank(shared_model, greedy_k0, async_scheduling):
     """The executor packs once and uploads the step's host masks to every rank's buffer (TP = 2, k = 0,
     the lockstep path of captured rounds run by stand-ins): same tokens as TP = 1."""
-    from tests.engine.distributed.test_tp_cpu import _StandInRounds
+    from tests.support.graph_standin import StandInRounds
     llm = make_llm(shared_model, tensor_parallel_size=2, max_batch=8, async_scheduling=async_scheduling)
     ex = llm.engine.executor
     for runner in ex.runners:
-        runner.graphs = _StandInRounds(ex, runner, [2, 4, 8])
+        runner.graphs = StandInRounds(ex, runner, [2, 4, 8])
     assert [o.token_ids for o in llm.generate(PROMPTS, params_for())] == [o.token_ids for o in greedy_k0]
     assert ex.runners[0].graphs.launches > 0
     assert_kv_idle(llm.engine)

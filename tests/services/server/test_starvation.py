@@ -35,6 +35,8 @@ def options(**overrides) -> ServerOptions:
 @pytest.fixture(scope="module")
 def stack():
     s = ServeStack(EngineConfig(kv_capacity=4096), options(), engine_options=options()).start()
+    with GatewayClient(s.address) as gateway:       # the gateway routes once its poll adopted the engine's model
+        gateway.wait_until_serving(timeout_s=60)
     yield s
     s.stop()
 
