@@ -8,7 +8,6 @@ for every capability asked, down to cubin (ptxas included): the code a GPU of th
 
 CPU tensors stand in for CUDA ones: the JIT reads only their dtype and data_ptr() (16-byte alignment; the
 CPU allocator aligns to 64 bytes, CUDA's to 256, so fresh tensors specialize alike).
-The approach follows /work/scratch/compile research of 2026-12-04 (offline_triton.py); written anew here.
 """
 
 from __future__ import annotations

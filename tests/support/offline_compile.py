@@ -12,41 +12,10 @@ from __future__ import annotations
 import contextlib
 
 from triton import knobs
-from triton.backends.compiler import GPUTarget
-from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-
-class _StandInDriver(DriverBase):
-    def __init__(self, arch: int):
-        self.arch = arch
-
-    @classmethod
-    def is_active(cls):
-        return False
-
-    def map_python_to_cpp_type(self, ty: str) -> str:
-        raise NotImplementedError("no launcher is built offline")
-
-    def get_current_target(self):
-        return GPUTarget("cuda", self.arch, 32)
-
-    def get_current_device(self):
-        return f"offline-sm{self.arch}"          # the JIT keeps one kernel cache per device: one per target
-
-    def set_current_device(self, device):
-        pass
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        import torch
-        return torch.device("cpu")
-
-    def get_benchmarker(self):
-        raise NotImplementedError("no autotuning offline")
+from tests.support.compile_matrix import StandInCudaDriver
 
 
 @contextlib.contextmanager
@@ -60,7 +29,7 @@ def compile_for(arch: int):
     def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         compiled.append(fn.jit_function.__name__)
 
-    driver.set_active(_StandInDriver(arch))
+    driver.set_active(StandInCudaDriver(arch, f"offline-sm{arch}"))   # one JIT cache per target
     JITFunction.run = compile_only
     knobs.runtime.jit_post_compile_hook = record
     try:

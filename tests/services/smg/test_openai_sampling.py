@@ -3,26 +3,23 @@ the shared model: chat logprobs (streamed and not) equal log_softmax of the floa
 1e-3, top alternatives sorted; n seeded samples, distinct, each its own choice index, the same as the
 Python API's; presence, frequency and repetition penalties, min_p and min_tokens (completions) give
 the Python API's text. What smg 1.13 does not pass on (completions logprobs and echo, logit_bias,
-chat min_tokens: /work/scratch/pd/SMG_FIELDS.md) is tested on our own protocol instead
+chat min_tokens: docs/sampling.md, "Through smg 1.13") is tested on our own protocol instead
 (tests/services/smg/test_vllm_servicer.py, tests/gateway/test_sampling_fields.py)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from engine import SamplingParams
-from services.engine_client import EngineClient
 from tests.conftest import make_llm
 from tests.support.sampling_reference import load_reference_model, reference_logits
-from tools.serving.server_process import ServerProcess
-from tools.serving.smg_stack import SmgRouter, smg_command
+from tests.support.smg_fleet import engines_behind_smg
+from tools.serving.smg_stack import smg_command
 
 openai = pytest.importorskip("openai", reason="the `test` extra installs the openai SDK")
 pytestmark = pytest.mark.skipif(smg_command() is None, reason="smg is not installed (the `test` extra installs it)")
 
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MODEL = "tiny-qwen3-mtp"
 # ChatML, the Qwen family's (the tiny model ships no template; engine.tokenizer.Tokenizer.apply_chat_template)
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -38,25 +35,9 @@ def stack(shared_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smg")
     (tmp / "chatml.jinja").write_text(CHATML)
     args = ("--model", shared_model, "--kv-capacity", "4096", "--draft-tokens", "2")
-    engines = [ServerProcess.start("engine", *args, env=CHILD_ENV) for _ in range(2)]
-    clients = [EngineClient(e.address) for e in engines]
-    router = None
-    try:
-        for c in clients:
-            c.wait_until_serving(timeout_s=60)
-        router = SmgRouter.start([e.address for e in engines], shared_model, tmp / "smg.log",
-                                 "--chat-template", str(tmp / "chatml.jinja"))
-        router.wait_until_ready(workers=2, model=MODEL, timeout_s=60)
+    with engines_behind_smg(args, shared_model, MODEL, tmp / "smg.log", "--chat-template", str(tmp / "chatml.jinja")) \
+            as (clients, router):
         yield clients, openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", timeout=60)
-    finally:
-        if router is not None:
-            router.stop()
-        for p in engines:
-            if p.proc.poll() is None:
-                p.terminate()
-                p.wait(30)
-        for c in clients:
-            c.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,12 @@ import shutil
 import jsonschema
 import pytest
 
-from services.engine_client import EngineClient
-from tools.serving.server_process import ServerProcess
-from tools.serving.smg_stack import SmgRouter, smg_command
+from tests.support.smg_fleet import engines_behind_smg
+from tools.serving.smg_stack import smg_command
 
 openai = pytest.importorskip("openai", reason="the test extra installs the openai SDK")
 pytestmark = pytest.mark.skipif(smg_command() is None, reason="smg is not installed (the `test` extra installs it)")
 
-CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MODEL = "tiny-qwen3-mtp"
 # ChatML with tools, as Qwen's templates lay them out (the shared model's tokenizer_config has no template)
 CHAT_TEMPLATE = (
@@ -63,23 +61,9 @@ def model_dir(shared_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(model_dir, tmp_path_factory):
     args = ("--model", model_dir, "--kv-capacity", "4096", "--draft-tokens", "2")
-    engines = [ServerProcess.start("engine", *args, env=CHILD_ENV) for _ in range(2)]
-    router = None
-    try:
-        for e in engines:
-            with EngineClient(e.address) as c:
-                c.wait_until_serving(timeout_s=60)
-        router = SmgRouter.start([e.address for e in engines], model_dir, tmp_path_factory.mktemp("smg") / "smg.log")
-        router.wait_until_ready(workers=2, model=MODEL, timeout_s=60)
+    with engines_behind_smg(args, model_dir, MODEL, tmp_path_factory.mktemp("smg") / "smg.log") as (_, router):
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{router.port}/v1", api_key="unused", max_retries=0,
                             timeout=120)
-    finally:
-        if router is not None:
-            router.stop()
-        for p in engines:
-            if p.proc.poll() is None:
-                p.terminate()
-                p.wait(30)
 
 
 def chat(client, content: str, max_tokens: int = 160, **kw):
