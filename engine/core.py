@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
 from engine.errors import InvalidArgumentError, RequestNotFoundError, UnsupportedError
 from engine.cache.block_manager import KVCacheManager
+from engine.cache import kv_landing
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
 from engine.loading.pooling import Pooling, embedder_weights, read_pooling
 from engine.engine_info import EngineInfo, WarmupReport
@@ -396,6 +397,52 @@ class EngineCore:
         if not parked:
             return self.scheduler.resume(request_id)             # RequestNotFoundError, as before
         return [self.scheduler.resume(rid) for rid in parked][0]
+
+    # -- prefill/decode disaggregation: a request's whole state lands from a producer (engine.cache.kv_landing)
+
+    def reserve_landing(self, request_id: str, token_ids: list[int], num_blocks: int,
+                        whole: bool) -> kv_landing.KVLanding | None:
+        """Room for a pull: blocks; whole, also a state slot (hybrids) and a hidden-state row (MTP).
+        None when any of them is short now."""
+        landing = kv_landing.reserve(self.kv, request_id, token_ids, num_blocks, self.states if whole else None,
+                                     whole)
+        hidden = self.executor.driver.hidden
+        if landing is not None and whole and hidden is not None:
+            row = hidden.take(landing.request_id)
+            if row is None:
+                kv_landing.drop(self.kv, landing, self.states)
+                return None
+            landing.hidden_row = row
+        return landing
+
+    def drop_landing(self, landing: kv_landing.KVLanding) -> None:
+        kv_landing.drop(self.kv, landing, self.states)
+        if landing.hidden_row >= 0:
+            self.executor.driver.hidden.release([landing.request_id])
+            landing.hidden_row = -1
+
+    def add_pulled(self, landing: kv_landing.KVLanding, prompt: list[int], params: SamplingParams,
+                   first_token_id: int, request_id: str | None = None, arrival: float | None = None,
+                   grammar=None) -> tuple[Request, list[RequestOutput]]:
+        """Admit a request whose prompt a producer prefilled and whose state landed whole: it decodes from
+        the pulled KV, state and hidden row with the producer's first token, computing no prompt token.
+        -> the request and the first token's output. The landing is the request's afterwards."""
+        if params.n != 1 or params.prompt_logprobs is not None:
+            raise InvalidArgumentError("n", "a request admitted over pulled state continues one sequence")
+        if not 0 <= first_token_id < self.model_config.vocab_size:
+            raise InvalidArgumentError("kv_transfer_params_json.first_token_id",
+                                       f"{first_token_id} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        req = self.add_request(prompt, params, request_id, arrival=arrival, grammar=grammar)
+        runner = self.executor.driver
+        if landing.hidden_row >= 0:
+            runner.hidden.rename(landing.request_id, req.request_id)
+            landing.hidden_row = -1
+        event = self.scheduler.admit_pulled(req, landing, first_token_id)
+        if params.adjusts_logits:       # the option slot's history: the prompt and the first token
+            runner.options.fill(req.request_id, req.prompt_token_ids, list(req.output_token_ids), params,
+                                req.stop_token_ids, req.bad_words_token_ids)
+        self.metrics.record_step(self.clock(), 0, 0, len(req.prompt_token_ids))     # all of it a cache hit
+        return req, self._outputs(SchedulerOutput(prefills=[], decode=[], finished_request_ids=[]), [], [event])
 
     def is_unclaimed(self, request_id: str) -> bool:
         """A split request no decode has attached to (see Scheduler.is_unclaimed), by its sequence 0."""

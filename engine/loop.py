@@ -265,31 +265,62 @@ class EngineLoop:
     # -- KV lent across engines (prefill/decode disaggregation; engine.cache.kv_landing) ----------
 
     def kv_pool_layout(self) -> KVPoolLayout:
-        """Where the KV pool's blocks sit (one rank: a producer or consumer runs tensor_parallel_size 1)."""
-        return self._call(lambda: kv_pool_layout(self.core.executor.driver.kv))
+        """Where the KV pool's blocks sit, with the state slots' and hidden rows' pools (one rank: a producer
+        or consumer runs tensor_parallel_size 1)."""
+        def do() -> KVPoolLayout:
+            runner = self.core.executor.driver
+            states = [t for s in runner.states.layers for t in (s.conv, s.ssm)] if runner.states is not None else []
+            hidden = runner.hidden.states if runner.hidden is not None else None
+            return kv_pool_layout(runner.kv, states, hidden)
+        return self._call(do)
 
-    async def lent_blocks_async(self, request_id: str) -> list[int]:
-        """The blocks a parked request lends a consumer; NOT_FOUND when it is not parked (any more)."""
-        def do() -> list[int]:
+    async def lent_async(self, request_id: str) -> tuple[kv_landing.Lent, int]:
+        """What a parked request lends a consumer, and its hidden-state row (-1 without MTP); NOT_FOUND
+        when it is not parked (any more)."""
+        def do() -> tuple[kv_landing.Lent, int]:
             if not self.core.scheduler.is_parked(request_id):
                 raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, released or expired)")
-            return kv_landing.lent_blocks(self.core.kv, self.core.scheduler.requests[request_id])
+            hidden = self.core.executor.driver.hidden
+            row = hidden.rows[request_id] if hidden is not None else -1
+            return kv_landing.lent(self.core.kv, self.core.scheduler.requests[request_id]), row
         return await self._call_async(do)
 
-    async def reserve_landing_async(self, request_id: str, token_ids: list[int],
-                                    num_blocks: int) -> kv_landing.KVLanding | None:
-        """Fresh blocks for KV pulled from a producer, or None when the pool has no room now."""
-        return await self._call_async(lambda: kv_landing.reserve(self.core.kv, request_id, token_ids, num_blocks),
+    async def reserve_landing_async(self, request_id: str, token_ids: list[int], num_blocks: int,
+                                    whole: bool = False) -> kv_landing.KVLanding | None:
+        """Room for KV pulled from a producer (whole: and for its state slot and hidden row), or None when
+        the engine has no room now."""
+        return await self._call_async(lambda: self.core.reserve_landing(request_id, token_ids, num_blocks, whole),
                                       orphaned=lambda landing: landing and self.drop_landing(landing))
 
     def drop_landing(self, landing: kv_landing.KVLanding) -> None:
-        """A pull that failed or was abandoned: its blocks go back (from any thread, before the next step)."""
-        self._commands.put((lambda: kv_landing.drop(self.core.kv, landing), None))
+        """A pull that failed or was abandoned: what it held goes back (from any thread, before the next step)."""
+        self._commands.put((lambda: self.core.drop_landing(landing), None))
 
     async def submit_landed_async(self, landing: kv_landing.KVLanding, prompt: list[int], params: SamplingParams,
-                                  request_id: str | None) -> RequestStream:
-        """Admit a request over KV that landed: the blocks join the prefix cache and the request, admitted in
-        the same command, takes them as a prefix hit (it recomputes only the rest of the prompt)."""
+                                  request_id: str | None, first_token_id: int | None = None) -> RequestStream:
+        """Admit a request over KV that landed. Whole (`first_token_id` given): the request takes the landed
+        blocks, state and hidden row and decodes from them (nothing recomputed; its stream starts with the
+        producer's first token). Otherwise the blocks join the prefix cache and the request, admitted in the
+        same command, takes them as a prefix hit (it recomputes only the rest of the prompt). A request
+        refused at admission leaves the landing's room released."""
+        if landing.whole:
+            arrival = self.clock()
+            future = self.core.grammar_future(params)
+            grammar = await asyncio.wrap_future(future) if future is not None else None
+
+            def do() -> RequestStream:
+                try:
+                    req, outputs = self.core.add_pulled(landing, prompt, params, first_token_id, request_id,
+                                                        arrival, grammar)
+                except BaseException:
+                    self.core.drop_landing(landing)
+                    raise
+                stream = self._streams[req.request_id] = RequestStream(req.request_id, self, params.n)
+                stream.seed = req.seed
+                for out in outputs:
+                    self._deliver(out)
+                return stream
+            return await self._call_async(do, orphaned=lambda stream: self.abort(stream.request_id))
         add = self._add(prompt, params, request_id, False)
 
         def do() -> RequestStream:

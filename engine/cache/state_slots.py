@@ -42,6 +42,14 @@ class StateSlotPool:
         self.taken += 1
         return True
 
+    def hand_over(self, src: SlotRequest, dst: SlotRequest) -> None:
+        """`src`'s slot becomes `dst`'s (a KV landing's, once its request is admitted): no slot is freed."""
+        slot = src.state_slot
+        if slot < 0 or dst.state_slot >= 0 or self._owner.get(slot) != src.request_id:
+            raise RuntimeError(f"state slot {slot} cannot pass from {src.request_id} to {dst.request_id}")
+        self._owner[slot] = dst.request_id
+        dst.state_slot, src.state_slot = slot, -1
+
     def free(self, req: SlotRequest) -> None:
         """Return the request's slot, if it holds one (idempotent per request)."""
         slot = req.state_slot

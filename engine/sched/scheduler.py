@@ -36,6 +36,7 @@ from engine.sampling_params import TokenLogprob
 from engine.sched.draft_policy import DraftPolicy
 from engine.errors import InvalidArgumentError, QueueFullError, RequestNotFoundError
 from engine.cache.block_manager import KVCacheManager
+from engine.cache import kv_landing
 from engine.sched.prefill_lane import ForkWork, PrefillLane, PrefillWork
 from engine.sched.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -411,6 +412,25 @@ class Scheduler:
         self._attached_at[request_id] = self.clock()
         self.attached.append(req)
         return req
+
+    def admit_pulled(self, req: Request, landing: kv_landing.KVLanding, first_token_id: int) -> RequestEvent:
+        """A request whose prompt another engine prefilled (prefill/decode disaggregation): `add_request`
+        queued it; its prompt's KV, state slot and hidden row landed whole. It takes them, counts its
+        prompt as computed (cached: nothing is recomputed here) and waits for a decode seat like a resumed
+        parked request, with the producer's first token appended (-> that token's event)."""
+        self.waiting.remove(req)
+        kv_landing.hand_over(self.kv, self.states, landing, req)
+        now, n = self.clock(), len(req.prompt_token_ids)
+        req.num_prefill_tokens = req.num_computed_tokens = req.num_cached_tokens = n
+        req.num_mtp_computed = n - 1 if self.config.draft_tokens > 0 else 0
+        req.times.prefill_start = req.times.first_token = now
+        req.status = RequestStatus.PARKED
+        self._attached_at[req.request_id] = now
+        self.attached.append(req)
+        event = self._append(req, [first_token_id], now)
+        if not req.finished:
+            self._register(req, self.config.draft_tokens > 0)
+        return event
 
     def is_unclaimed(self, request_id: str) -> bool:
         """A split request no decode has attached to: parked, or still queued or prefilling on its way

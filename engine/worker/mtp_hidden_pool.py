@@ -27,6 +27,19 @@ class HiddenStatePool:
             row = self.rows[request_id] = self._free.pop()
         return row
 
+    def take(self, request_id: str) -> int | None:
+        """A row for a request that lands from another engine (its row's content is pulled), or None
+        when every row is taken."""
+        if request_id in self.rows or not self._free:
+            return None
+        return self.row_for(request_id)
+
+    def rename(self, old: str, new: str) -> None:
+        """The row held under `old` (a KV landing) is `new`'s from now on."""
+        if new in self.rows:
+            raise RuntimeError(f"request {new} already holds a hidden-state row")
+        self.rows[new] = self.rows.pop(old)
+
     def release(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             row = self.rows.pop(rid, None)

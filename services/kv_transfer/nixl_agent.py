@@ -45,12 +45,12 @@ class NixlKVAgent:
         self._peers: dict[bytes, str] = {}       # a producer's metadata -> its agent name here
         self._closed = False
 
-    def pull(self, peer_metadata: bytes, remote: list[tuple[int, int]], local_block_ids: list[int],
+    def pull(self, peer_metadata: bytes, remote: list[tuple[int, int]], local: list[tuple[int, int]],
              notification: bytes, timeout_s: float) -> None:
-        """READ the remote spans into these local blocks (same span order, `KVPoolLayout.block_descs`),
-        blocking the calling thread until done; the producer gets `notification` when the data is here."""
-        local = self.layout.block_descs(local_block_ids)
-        if len(local) != len(remote):
+        """READ the remote (address, bytes) spans into the local ones, pairwise (blocks, then a state slot
+        and a hidden row: `KVPoolLayout.block_descs`, `slot_descs`, `row_descs`), blocking the calling
+        thread until done; the producer gets `notification` when the data is here."""
+        if len(local) != len(remote) or any(a[1] != b[1] for a, b in zip(local, remote)):
             raise KVTransferError(f"{len(remote)} remote spans for {len(local)} local ones")
         dev = self.layout.device_id
         with self._lock:
@@ -65,12 +65,12 @@ class NixlKVAgent:
                     peer, notification)
                 state = self._agent.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL's errors (unknown peer, unregistered memory...)
-                raise KVTransferError(f"the pull of {len(local_block_ids)} blocks could not start: {e}") from None
+                raise KVTransferError(f"the pull of {len(local)} spans could not start: {e}") from None
         deadline = time.monotonic() + timeout_s
         try:
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise KVTransferError(f"the pull of {len(local_block_ids)} blocks from {peer!r} took longer "
+                    raise KVTransferError(f"the pull of {len(local)} spans from {peer!r} took longer "
                                           f"than {timeout_s:g} s")
                 time.sleep(0.0005)
                 with self._lock:
@@ -79,7 +79,7 @@ class NixlKVAgent:
                     except Exception as e:  # noqa: BLE001
                         state = f"ERR: {e}"
             if state != "DONE":
-                raise KVTransferError(f"the pull of {len(local_block_ids)} blocks from {peer!r} failed ({state})")
+                raise KVTransferError(f"the pull of {len(local)} spans from {peer!r} failed ({state})")
         finally:
             with self._lock:
                 try:

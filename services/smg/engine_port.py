@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.engine_info import EngineInfo
 from engine.cache.block_manager import KVEventListener
-from engine.cache.kv_landing import KVLanding
+from engine.cache.kv_landing import KVLanding, Lent
 from engine.loop import EngineLoop, RequestStream
 from engine.loading.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
@@ -61,23 +61,26 @@ class EnginePort:
     def kv_pool_layout(self) -> KVPoolLayout:
         return self._loop().kv_pool_layout()
 
-    async def lent_blocks(self, request_id: str) -> list[int]:
-        return await self._loop().lent_blocks_async(request_id)
+    async def lent(self, request_id: str) -> tuple[Lent, int]:
+        """What a parked prefill leg lends (blocks, state slot, first token) and its hidden-state row."""
+        return await self._loop().lent_async(request_id)
 
     def release(self, request_id: str) -> None:
         """Free a parked prefill leg (its consumer pulled the KV); NOT_FOUND when it is not parked."""
         self._loop().release(request_id)
 
-    async def reserve_landing(self, request_id: str, prompt: list[int], num_blocks: int) -> KVLanding | None:
-        return await self._loop().reserve_landing_async(request_id, prompt, num_blocks)
+    async def reserve_landing(self, request_id: str, prompt: list[int], num_blocks: int,
+                              whole: bool = False) -> KVLanding | None:
+        return await self._loop().reserve_landing_async(request_id, prompt, num_blocks, whole)
 
     def drop_landing(self, landing: KVLanding) -> None:
         if self.loaded:
             self._loop().drop_landing(landing)
 
     async def submit_landed(self, landing: KVLanding, prompt: list[int], params: SamplingParams,
-                            request_id: str | None) -> RequestStream:
-        return await self._loop().submit_landed_async(landing, prompt, params, request_id or None)
+                            request_id: str | None, first_token_id: int | None = None) -> RequestStream:
+        """Admit a request over what landed (whole: decoding from the producer's first token)."""
+        return await self._loop().submit_landed_async(landing, prompt, params, request_id or None, first_token_id)
 
     async def embed(self, prompt: list[int], request_id: str | None) -> RequestStream:
         """An embedding request (UnsupportedError at once for a generative model); its final output carries it."""

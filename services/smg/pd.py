@@ -9,10 +9,12 @@ the answer.
   first token and the hand-off (services.kv_transfer.handoff). The request stays parked, holding its KV,
   until the consumer's notification says the blocks were pulled, or `--lease-seconds` passes (smg never
   aborts a finished prefill: retries and client aborts orphan it, the lease frees it).
-- Consumer (`--kv-role consumer`): blocks are reserved on the engine thread, the pull runs in a worker
-  thread (the engine keeps stepping), then the request is admitted over the landed blocks as a prefix hit
-  and decodes from the prompt, sampling its first token itself. A failed pull answers UNAVAILABLE (smg
-  retries the whole pipeline) and leaves nothing held; no room for the blocks means a recomputed prompt.
+- Consumer (`--kv-role consumer`): blocks (hybrids: a state slot; MTP: a hidden-state row) are reserved on
+  the engine thread, the pull runs in a worker thread (the engine keeps stepping), then the request is
+  admitted over what landed straight into the decode batch, its stream starting with the producer's first
+  token: no prompt token is recomputed. A request that must compute its prompt (prompt_logprobs) pulls
+  the leading full blocks only, as a prefix hit. A failed pull answers UNAVAILABLE (smg retries the whole
+  pipeline) and leaves nothing held; no room for what lands means a recomputed prompt.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import grpc
 import structlog
 
 from engine.config import EngineConfig
-from engine.cache.kv_landing import lendable_blocks
+from engine.cache.kv_landing import lendable_blocks, prompt_blocks
 from engine.errors import InvalidArgumentError, RequestNotFoundError
 from engine.sampling_params import SamplingParams
 from services.kv_transfer import handoff as kvh
@@ -86,14 +88,14 @@ class PDRole:
         return dataclasses.replace(params, max_tokens=2) if params.max_tokens == 1 and room >= 2 else params
 
     async def lend(self, request_id: str, prompt_len: int) -> str:
-        """The hand-off for a parked leg (or no pull when no full block is lendable: it is freed now)."""
+        """The hand-off for a parked leg: its prompt's blocks, state slot, hidden row and first token."""
         agent = self.agent()
-        blocks = await self.port.lent_blocks(request_id)
-        if not blocks:
-            self._release(request_id)
-            return '{"do_remote_decode":false,"do_remote_prefill":false}'
-        log.info("kv_lent", request_id=request_id, blocks=len(blocks), bytes=len(blocks) * agent.layout.block_bytes)
-        return kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, blocks).to_json()
+        lent, hidden_row = await self.port.lent(request_id)
+        handoff = kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, lent,
+                                  hidden_row)
+        log.info("kv_lent", request_id=request_id, blocks=len(lent.block_ids), state_slot=lent.state_slot,
+                 hidden_row=hidden_row, bytes=sum(n for _, n in handoff.remote_descs()))
+        return handoff.to_json()
 
     def _serve_notifications(self) -> None:
         while not self._stop.wait(NOTIFY_POLL_S):
@@ -116,25 +118,37 @@ class PDRole:
 
     # -- consumer -------------------------------------------------------------------------------
 
-    async def pull(self, request_id: str, prompt: list[int], handoff: kvh.Handoff):
-        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails."""
+    async def pull(self, request_id: str, prompt: list[int], handoff: kvh.Handoff, whole: bool = True):
+        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails.
+        `whole` (and a whole hand-off): the request's every block, state slot and hidden row; otherwise the
+        prompt's leading full blocks, a prefix hit for a request that computes the rest."""
         agent = self.agent()
         handoff.check_fits(agent.layout, len(prompt))
         if not handoff.block_ids:
             return None
-        most = lendable_blocks(len(prompt), self.port.facts().info.block_size)
-        if len(handoff.block_ids) > most:
+        block_size = self.port.facts().info.block_size
+        whole = whole and handoff.whole
+        most = (prompt_blocks if handoff.whole else lendable_blocks)(len(prompt), block_size)
+        if len(handoff.block_ids) > most or (handoff.whole and len(handoff.block_ids) != most):
             raise InvalidArgumentError(f"{kvh.FIELD}.remote_block_ids", f"{len(handoff.block_ids)} blocks for a "
-                                       f"prompt of {len(prompt)} tokens (at most {most})")
-        notification = PULLED + handoff.request_id.encode()
-        landing = await self.port.reserve_landing(request_id, prompt, len(handoff.block_ids))
-        if landing is None:
-            log.warning("kv_pull_skipped_no_room", request_id=request_id, blocks=len(handoff.block_ids))
+                                       f"prompt of {len(prompt)} tokens (want {most})")
+        num_blocks = len(handoff.block_ids) if whole else min(len(handoff.block_ids),
+                                                              lendable_blocks(len(prompt), block_size))
+        if num_blocks == 0:
             return None
+        notification = PULLED + handoff.request_id.encode()
+        landing = await self.port.reserve_landing(request_id, prompt, num_blocks, whole)
+        if landing is None:
+            log.warning("kv_pull_skipped_no_room", request_id=request_id, blocks=num_blocks, whole=whole)
+            return None
+        local = agent.layout.block_descs(landing.block_ids[:num_blocks])
+        if whole:
+            local += agent.layout.slot_descs(landing.state_slot) + agent.layout.row_descs(landing.hidden_row)
+        remote = handoff.remote_descs(None if whole else num_blocks)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, handoff.remote_descs(),
-                                       landing.block_ids, notification, PULL_TIMEOUT_S)
+        pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, remote, local, notification,
+                                       PULL_TIMEOUT_S)
         try:
             await asyncio.shield(pulling)
         except asyncio.CancelledError:            # the call ended: the blocks go back once the READ is over
@@ -150,8 +164,8 @@ class PDRole:
             self.port.drop_landing(landing)
             raise
         seconds = time.perf_counter() - started
-        size = len(handoff.block_ids) * agent.layout.block_bytes
-        log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=len(handoff.block_ids),
+        size = sum(n for _, n in local)
+        log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=num_blocks, whole=whole,
                  bytes=size, seconds=round(seconds, 6), gb_per_s=round(size / max(seconds, 1e-9) / 1e9, 3))
         return landing
 

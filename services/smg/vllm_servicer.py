@@ -124,14 +124,22 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 await context.send_initial_metadata(())
             landing = None
             if tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer":
-                landing = await self.pd.pull(f"{request.request_id}:{uuid.uuid4().hex[:8]}", prompt, tags.handoff)
+                # the whole state lands unless the request must compute its prompt (its logprobs)
+                whole = params.n == 1 and params.prompt_logprobs is None
+                landing = await self.pd.pull(f"{request.request_id}:{uuid.uuid4().hex[:8]}", prompt, tags.handoff,
+                                             whole)
             try:
                 if landing is not None:
-                    stream = await self.port.submit_landed(landing, prompt, params, request.request_id)
+                    stream = await self.port.submit_landed(landing, prompt, params, request.request_id,
+                                                           tags.handoff.first_token_id if landing.whole else None)
                 else:
                     stream = await self.port.submit(prompt, params, request.request_id, park_after_prefill=lending)
             except InvalidArgumentError as e:               # admission: named as the protocol names it
                 raise convert.protocol_error(e) from None
+            except asyncio.CancelledError:                  # admitted or not, the landing holds nothing after
+                if landing is not None:
+                    self.port.drop_landing(landing)
+                raise
             guard = AbortWhenCallEnds(self.port, stream.request_id)
             if context.done():                       # the call has ended already
                 guard()

@@ -1,5 +1,6 @@
-"""engine.cache.kv_landing: what a producer lends (full, final blocks below the prompt's last token) and
-how a consumer's landing turns pulled blocks into a prefix hit for the request, or gives them back."""
+"""engine.cache.kv_landing: what a producer lends (a parked request's blocks, state slot and first token),
+how a consumer's whole landing becomes the request's, how a landing of leading blocks turns pulled blocks
+into a prefix hit, and how either gives everything back."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from engine.cache import kv_landing
 from engine.cache.block_manager import KVCacheManager
+from engine.cache.state_slots import StateSlotPool
 from tests.conftest import KVReq as Req
 
 BS = 4
@@ -22,18 +24,53 @@ class Parked(Req):
         return self.tokens
 
 
-@pytest.mark.parametrize("prompt_len, lendable", [(1, 0), (4, 0), (5, 1), (8, 1), (9, 2), (10, 2)])
-def test_a_producer_lends_the_full_blocks_below_the_last_prompt_token(prompt_len, lendable):
+class Parked(Req):
+    def __init__(self, rid: str, tokens: list[int], outputs: list[int] = ()):
+        super().__init__(rid, tokens)
+        self.output_token_ids, self.state_slot = list(outputs), -1
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.tokens
+
+
+@pytest.mark.parametrize("prompt_len, lendable, blocks", [(1, 0, 1), (4, 0, 1), (5, 1, 2), (8, 1, 2), (9, 2, 3)])
+def test_a_producer_lends_every_block_of_the_prompt_its_slot_and_first_token(prompt_len, lendable, blocks):
     assert kv_landing.lendable_blocks(prompt_len, BS) == lendable
-    kv = KVCacheManager(num_blocks=8, block_size=BS)
-    req = Parked("p", list(range(prompt_len)))
-    kv.allocate(req, prompt_len + 1)
-    kv.register_blocks(req, prompt_len)
-    assert kv_landing.lent_blocks(kv, req) == req.block_ids[:lendable]
-    kv.register_blocks(req, 0)
-    unregistered = Parked("q", list(range(prompt_len)))
-    kv.allocate(unregistered, prompt_len + 1)                   # nothing final yet: nothing to lend
-    assert kv_landing.lent_blocks(kv, unregistered) == []
+    assert kv_landing.prompt_blocks(prompt_len, BS) == blocks
+    kv, states = KVCacheManager(num_blocks=8, block_size=BS), StateSlotPool(2)
+    req = Parked("p", list(range(prompt_len)), outputs=[7])
+    kv.allocate(req, prompt_len + 1 + 3)                         # + the first token and draft slots
+    states.allocate(req)
+    lent = kv_landing.lent(kv, req)
+    assert lent == kv_landing.Lent(req.block_ids[:blocks], req.state_slot, 7)
+    with pytest.raises(RuntimeError):
+        kv_landing.lent(kv, Parked("q", list(range(prompt_len))))    # not parked: no first token, no blocks
+
+
+def test_a_whole_landing_becomes_the_request_s_and_holds_nothing_after():
+    kv, states = KVCacheManager(num_blocks=8, block_size=BS), StateSlotPool(2)
+    prompt = list(range(100, 110))                               # 10 tokens: 3 blocks, the last one partial
+    with pytest.raises(ValueError):
+        kv_landing.reserve(kv, "r1", prompt, 2, states, whole=True)     # whole means every block
+    landing = kv_landing.reserve(kv, "r1", prompt, 3, states, whole=True)
+    blocks, slot = list(landing.block_ids), landing.state_slot
+    assert len(blocks) == 3 and slot >= 0 and states.num_free == 1
+    req = Parked("r1", prompt)
+    kv_landing.hand_over(kv, states, landing, req)
+    assert (req.block_ids, req.state_slot) == (blocks, slot) and landing.block_ids == [] and landing.state_slot == -1
+    kv_landing.drop(kv, landing, states)                         # a landing handed over holds nothing
+    assert kv.num_free_blocks == 5 and states.num_free == 1
+    kv.free(req)
+    states.free(req)
+    assert idle(kv) and states.num_free == 2 and states.taken == states.dropped == 1
+
+
+def test_a_whole_landing_without_a_free_slot_is_none_and_takes_no_block():
+    kv, states = KVCacheManager(num_blocks=8, block_size=BS), StateSlotPool(1)
+    states.allocate(Parked("hog", [0]))
+    assert kv_landing.reserve(kv, "r1", list(range(9)), 3, states, whole=True) is None
+    assert idle(kv)
 
 
 def test_landed_blocks_are_the_next_request_s_prefix_hit_and_nothing_stays_held():
