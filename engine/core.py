@@ -450,7 +450,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        # requests that left (an aborted or released parked one) free their runner rows in a step of their own
+        return self.scheduler.has_work or self._inflight is not None or self.scheduler.has_leavers
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -605,6 +606,8 @@ class EngineCore:
         if self.states is not None:                  # hybrids: one linear-attention state per admitted request
             kv["state_slots"] = self.states.num_slots
             kv["state_slots_used"] = self.states.num_slots - self.states.num_free
+        hidden = self.executor.driver.hidden
+        kv["mtp_hidden_rows_used"] = len(hidden.rows) if hidden is not None else 0
         s = self.scheduler
         queue = {"waiting": len(s.waiting), "prefilling": len(s.lane),
                  "running": len(s.running) + len(s.attached),   # attached: decoding once a seat frees

@@ -445,6 +445,11 @@ class Scheduler:
         return bool(self.waiting or self.lane or self.running or self.attached)
 
     @property
+    def has_leavers(self) -> bool:
+        """Requests left since the last schedule: the runner has yet to drop their state."""
+        return bool(self._finished_ids)
+
+    @property
     def num_unfinished(self) -> int:
         return len(self.requests)
 

@@ -135,7 +135,7 @@ class MetricsPerformance(_message.Message):
     def __init__(self, requests: _Optional[_Mapping[str, int]] = ..., rounds: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_per_position: _Optional[_Iterable[float]] = ..., mean_prefill_tok_s: _Optional[float] = ..., mean_decode_tok_s: _Optional[float] = ...) -> None: ...
 
 class KvCacheState(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "block_size", "capacity_tokens", "usage", "refs_taken", "refs_dropped", "state_slots", "state_slots_used")
+    __slots__ = ("num_blocks", "free_blocks", "block_size", "capacity_tokens", "usage", "refs_taken", "refs_dropped", "state_slots", "state_slots_used", "mtp_hidden_rows_used")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class KvCacheState(_message.Message):
     REFS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     STATE_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    MTP_HIDDEN_ROWS_USED_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     block_size: int
@@ -154,7 +155,8 @@ class KvCacheState(_message.Message):
     refs_dropped: int
     state_slots: int
     state_slots_used: int
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ..., state_slots: _Optional[int] = ..., state_slots_used: _Optional[int] = ...) -> None: ...
+    mtp_hidden_rows_used: int
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., usage: _Optional[float] = ..., refs_taken: _Optional[int] = ..., refs_dropped: _Optional[int] = ..., state_slots: _Optional[int] = ..., state_slots_used: _Optional[int] = ..., mtp_hidden_rows_used: _Optional[int] = ...) -> None: ...
 
 class QueueState(_message.Message):
     __slots__ = ("waiting", "prefilling", "running", "parked", "awaiting_seat", "oldest_parked_s", "oldest_awaiting_seat_s")

@@ -1,9 +1,10 @@
 """Prefill/decode on different engines (`--kv-role producer|consumer`, services/smg/pd.py) with a real NIXL
 agent moving the KV between two engine hosts on 127.0.0.1, driven by hand over smg's engine protocol and by
 the real smg router (`smg launch --pd-disaggregation`): greedy output equals a single engine's (the PD pair
-runs MTP k = 3, the single engine k = 0), the consumer takes the pulled blocks as cached tokens, the
-producer frees its blocks on the consumer's notification or when the lease ends, and a pull that fails
-answers UNAVAILABLE with nothing held on either side."""
+runs MTP k = 3, the single engine k = 0), the consumer decodes from the pulled state (blocks; the
+hybrid's linear-attention state slot; the MTP hidden row) recomputing no prompt token, the producer frees
+what it lent on the consumer's notification or when the lease ends, and a pull that fails answers
+UNAVAILABLE with nothing held on either side."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import base64
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -28,7 +30,7 @@ pytest.importorskip("nixl_cu12", reason="NIXL is not installed (the `test` extra
 
 MODEL = "tiny-qwen3-mtp"
 LEASE_S = 3.0
-PROMPT = list(range(300, 370))                   # 70 tokens: 4 full blocks of 16 lendable
+PROMPT = list(range(300, 370))                   # 70 tokens: 5 blocks of 16, the last one partial
 REMOTE_DECODE = json.dumps({"do_remote_decode": True, "do_remote_prefill": False})
 PREFIX = "The Python standard library is very extensive, offering a wide range of facilities. " * 3
 
@@ -87,11 +89,17 @@ def assert_nothing_held(client: EngineClient) -> None:
     assert m.queue.parked == 0 and m.queue.running == 0, m.queue
     assert m.kv.free_blocks == m.kv.num_blocks, f"{m.kv.num_blocks - m.kv.free_blocks} blocks held"
     assert m.kv.refs_taken == m.kv.refs_dropped
+    assert m.kv.state_slots_used == 0 and m.kv.mtp_hidden_rows_used == 0, m.kv
 
 
 def cache_hits(client: EngineClient) -> int:
-    """Prompt tokens the engine took from its prefix cache, over the metrics' history."""
+    """Prompt tokens the engine took from its prefix cache (or pulled), over the metrics' history."""
     return sum(client.metrics().history.cache_hit_tokens)
+
+
+def prefill_computed(client: EngineClient) -> int:
+    """Prompt tokens the engine's prefill computed, over the metrics' history."""
+    return sum(client.metrics().history.prefill_tokens)
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:
@@ -119,24 +127,29 @@ def test_the_two_legs_by_hand_decode_what_one_engine_decodes_from_pulled_blocks(
         prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id=f"pd-{stream}")
         assert prefill.finish_reason == "length" and list(prefill.output_ids) == list(single.output_ids[:1])
         handoff = json.loads(prefill.kv_transfer_params_json)
-        assert handoff["do_remote_prefill"] is True and len(handoff["remote_block_ids"]) == 4
+        assert handoff["do_remote_prefill"] is True and len(handoff["remote_block_ids"]) == 5
+        assert handoff["first_token_id"] == single.output_ids[0] and handoff["remote_hidden_row"] >= 0
+        assert handoff["remote_state_spans"] == []                      # a dense model: no state slot
         assert clients["producer"].metrics().queue.parked == 1            # the KV waits for its consumer
+        computed = prefill_computed(clients["consumer"])
         decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, stream=stream,
                           request_id=f"pd-{stream}")
         assert list(decode.output_ids) == list(single.output_ids)      # k = 3 over pulled KV == k = 0 alone
-        assert decode.cached_tokens == 64                              # the 4 pulled blocks, not recomputed
+        assert decode.cached_tokens == len(PROMPT)                     # every prompt token pulled, ...
+        assert prefill_computed(clients["consumer"]) == computed       # ... none recomputed
         assert decode.spec_draft_tokens > 0
         assert wait_for(lambda: clients["producer"].metrics().queue.parked == 0), "notified: the lease ends"
         for name in ("producer", "consumer"):
             assert_nothing_held(clients[name])
 
 
-def test_a_prompt_under_two_blocks_lends_nothing_and_the_consumer_recomputes_it(stubs, clients):
+def test_a_prompt_under_one_block_moves_whole_too(stubs, clients):
     short = list(range(500, 510))
     prefill = generate(stubs["producer"], prompt=short, kv=REMOTE_DECODE, max_tokens=1, request_id="pd-short")
-    assert json.loads(prefill.kv_transfer_params_json)["do_remote_prefill"] is False
+    assert len(json.loads(prefill.kv_transfer_params_json)["remote_block_ids"]) == 1
     decode = generate(stubs["consumer"], prompt=short, kv=prefill.kv_transfer_params_json, request_id="pd-short")
     assert list(decode.output_ids) == list(generate(stubs["single"], prompt=short).output_ids)
+    assert decode.cached_tokens == len(short)
     for name in ("producer", "consumer"):
         assert_nothing_held(clients[name])
 
@@ -170,19 +183,24 @@ def test_a_pull_that_fails_is_unavailable_and_holds_nothing(stubs, clients):
     (lambda h: json.dumps(dict(h, remote_spans=h["remote_spans"][:-1])), "kv_transfer_params_json.spans"),
     (lambda h: json.dumps(dict(h, num_prompt_tokens=3)), "kv_transfer_params_json.num_prompt_tokens"),
     (lambda h: json.dumps(dict(h, remote_block_ids=list(range(9)))), "kv_transfer_params_json.remote_block_ids"),
+    (lambda h: json.dumps(dict(h, remote_block_ids=list(range(4)))), "kv_transfer_params_json.remote_block_ids"),
+    (lambda h: json.dumps(dict(h, first_token_id=-1)), "kv_transfer_params_json.first_token_id"),
+    (lambda h: json.dumps(dict(h, remote_hidden_spans=[])), "kv_transfer_params_json.remote_hidden_spans"),
+    (lambda h: json.dumps(dict(h, remote_state_spans=[[4096, 4096, 64]])), "kv_transfer_params_json.remote_state_spans"),
     (lambda h: json.dumps(dict(h, remote_agent_metadata="!!")), "kv_transfer_params_json.remote_agent_metadata"),
 ])
 def test_a_bad_hand_off_is_invalid_argument_naming_the_field(stubs, clients, mutate, field):
     handoff = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "ninfer-x",
                "remote_agent_metadata": base64.b64encode(b"x").decode(), "remote_request_id": "r",
-               "num_prompt_tokens": len(PROMPT), "remote_block_ids": [0],
-               "remote_spans": [[4096, 4096, 2048]] * 2}
+               "num_prompt_tokens": len(PROMPT), "remote_block_ids": [0, 1, 2, 3, 4],
+               "remote_spans": [[4096, 4096, 2048]] * 2, "first_token_id": 1, "remote_state_slot": -1,
+               "remote_state_spans": [], "remote_hidden_row": 0, "remote_hidden_spans": []}
     info = stubs["consumer"].GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert info.kv_role == "kv_consumer"
     # the consumer's own layout, so that only the mutated field is wrong
     own = json.loads(generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1,
                               request_id=f"pd-bad-{field}").kv_transfer_params_json)
-    handoff["remote_spans"] = own["remote_spans"]
+    handoff["remote_spans"], handoff["remote_hidden_spans"] = own["remote_spans"], own["remote_hidden_spans"]
     with pytest.raises(grpc.RpcError) as e:
         generate(stubs["consumer"], kv=mutate(handoff), request_id="pd-bad")
     assert e.value.code() is grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details(), e.value.details()
@@ -206,9 +224,8 @@ def test_through_smg_pd_greedy_text_equals_a_single_engine_k3_against_k0(hosts, 
             assert via_pd["choices"][0]["text"] == alone["choices"][0]["text"] and alone["choices"][0]["text"]
             assert via_pd["usage"]["completion_tokens"] == 24
             # smg 1.13's PD usage leaves out the decode leg's cached tokens: the consumer's own count says
-            # the lendable blocks were pulled and taken as a prefix hit, not recomputed
-            lent = (via_pd["usage"]["prompt_tokens"] - 1) // 16 * 16
-            assert cache_hits(clients["consumer"]) - hits == lent
+            # the whole prompt was pulled, not recomputed
+            assert cache_hits(clients["consumer"]) - hits == via_pd["usage"]["prompt_tokens"]
             events = list(pd.stream_completion(body))
             assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == alone["choices"][0]["text"]
             hits = cache_hits(clients["consumer"])
@@ -242,23 +259,73 @@ def test_a_producer_killed_before_the_pull_is_unavailable_on_the_consumer_which_
     assert_nothing_held(clients["consumer"])
 
 
-def test_a_hybrid_pair_recomputes_the_prompt_exactly_its_state_is_not_moved():
-    """Qwen3.5 hybrids: the linear-attention state does not move yet, so the consumer's prefix hit stops
-    at a state snapshot (none for pulled blocks) and it recomputes the prompt: the same tokens, no saving."""
+@pytest.fixture(scope="module")
+def hybrid():
+    """The trained tiny Qwen3.5 hybrid with MTP: a producer and a consumer at k = 3, a single engine at k = 0."""
     model = require_shared_hybrid()
-    producer, consumer = start_host(model, "producer", 0), start_host(model, "consumer", 0)
+    started = []
     try:
-        with grpc.insecure_channel(producer.address) as p, grpc.insecure_channel(consumer.address) as c, \
-                EngineClient(producer.address) as pc, EngineClient(consumer.address) as cc:
-            p_stub, c_stub = vllm_engine_pb2_grpc.VllmEngineStub(p), vllm_engine_pb2_grpc.VllmEngineStub(c)
-            alone = generate(p_stub, request_id="hy-alone")     # untagged: the producer serves it whole
-            prefill = generate(p_stub, kv=REMOTE_DECODE, max_tokens=1, request_id="hy")
-            decode = generate(c_stub, kv=prefill.kv_transfer_params_json, request_id="hy")
-            assert list(decode.output_ids) == list(alone.output_ids)
-            assert decode.cached_tokens == 0
-            assert wait_for(lambda: pc.metrics().queue.parked == 0)
-            for client in (pc, cc):
-                assert_nothing_held(client)
+        for role, k in (("producer", 3), ("consumer", 3), ("both", 0)):
+            started.append(start_host(model, role, k))
+        hosts = dict(zip(("producer", "consumer", "single"), started))
+        channels = {name: grpc.insecure_channel(h.address) for name, h in hosts.items()}
+        clients = {name: EngineClient(h.address) for name, h in hosts.items()}
+        yield SimpleNamespace(model=model, hosts=hosts, clients=clients,
+                              stubs={n: vllm_engine_pb2_grpc.VllmEngineStub(c) for n, c in channels.items()})
+        for c in (*channels.values(), *clients.values()):
+            c.close()
     finally:
-        producer.stop()
-        consumer.stop()
+        for h in started:
+            h.stop()
+
+
+def test_a_hybrid_s_state_and_mtp_row_move_whole_and_the_consumer_recomputes_nothing(hybrid):
+    """The consumer decodes from the pulled KV, linear-attention state and MTP hidden row: its tokens are the
+    single engine's (k = 3 against k = 0), its prefill computes nothing, and its drafts are the ones a single
+    k = 3 engine makes over the same prompt (the same acceptance: the first draft read the moved row)."""
+    stubs, clients = hybrid.stubs, hybrid.clients
+    single = generate(stubs["single"])
+    whole_k3 = generate(stubs["producer"], request_id="hy-whole")      # untagged: the producer serves it whole
+    assert list(whole_k3.output_ids) == list(single.output_ids)
+    for stream in (False, True):
+        prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id=f"hy-{stream}")
+        handoff = json.loads(prefill.kv_transfer_params_json)
+        assert handoff["remote_state_slot"] >= 0 and handoff["remote_hidden_row"] >= 0
+        assert len(handoff["remote_state_spans"]) >= 2 and len(handoff["remote_block_ids"]) == 5
+        computed = prefill_computed(clients["consumer"])
+        decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, stream=stream,
+                          request_id=f"hy-{stream}")
+        assert list(decode.output_ids) == list(single.output_ids)
+        assert decode.cached_tokens == len(PROMPT) and prefill_computed(clients["consumer"]) == computed
+        assert (decode.spec_draft_tokens, decode.spec_accepted_tokens) == (
+            whole_k3.spec_draft_tokens, whole_k3.spec_accepted_tokens) and decode.spec_accepted_tokens > 0
+        assert wait_for(lambda: clients["producer"].metrics().queue.parked == 0), "notified: the lease ends"
+        for name in ("producer", "consumer"):
+            assert_nothing_held(clients[name])
+
+
+@pytest.mark.skipif(smg_command() is None, reason="smg is not installed (the `test` extra installs it)")
+def test_a_hybrid_through_smg_pd_decodes_a_single_engine_s_text_recomputing_nothing(hybrid, tmp_path):
+    from tokenizers import Tokenizer
+    tokenizer = Tokenizer.from_file(os.path.join(hybrid.model, "tokenizer.json"))
+    clients = hybrid.clients
+    pd = SmgRouter.start_pd([hybrid.hosts["producer"].address], [hybrid.hosts["consumer"].address], hybrid.model,
+                            tmp_path / "smg-pd.log")
+    try:
+        pd.wait_until_ready(workers=2, model=os.path.basename(hybrid.model), timeout_s=60)
+        for prompt in (PREFIX + "alpha", "def fibonacci(n):"):
+            ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+            alone = generate(hybrid.stubs["single"], prompt=ids, max_tokens=24, request_id="hy-smg")
+            body = {"model": os.path.basename(hybrid.model), "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
+            hits, computed = cache_hits(clients["consumer"]), prefill_computed(clients["consumer"])
+            via_pd = pd.completion(body)
+            assert via_pd["usage"]["prompt_tokens"] == len(ids)
+            assert via_pd["choices"][0]["text"] == tokenizer.decode(list(alone.output_ids))
+            assert cache_hits(clients["consumer"]) - hits == len(ids)
+            assert prefill_computed(clients["consumer"]) == computed
+        for name in ("producer", "consumer"):
+            assert wait_for(lambda: clients[name].metrics().queue.parked == 0), f"{name}: a lease still held"
+            assert_nothing_held(clients[name])
+    finally:
+        pd.stop()
