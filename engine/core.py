@@ -427,8 +427,9 @@ class EngineCore:
         """Admit a request whose prompt a producer prefilled and whose state landed whole: it decodes from
         the pulled KV, state and hidden row with the producer's first token, computing no prompt token.
         -> the request and the first token's output. The landing is the request's afterwards."""
-        if params.n != 1 or params.prompt_logprobs is not None:
-            raise InvalidArgumentError("n", "a request admitted over pulled state continues one sequence")
+        if params.n != 1 or params.prompt_logprobs is not None or params.logprobs is not None:
+            raise InvalidArgumentError("n", "a request admitted over pulled state continues one sequence, "
+                                            "without prompt logprobs or logprobs (its first token's are not moved)")
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidArgumentError("kv_transfer_params_json.first_token_id",
                                        f"{first_token_id} is outside the vocabulary [0, {self.model_config.vocab_size})")

@@ -124,8 +124,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 await context.send_initial_metadata(())
             landing = None
             if tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer":
-                # the whole state lands unless the request must compute its prompt (its logprobs)
-                whole = params.n == 1 and params.prompt_logprobs is None
+                # the whole state lands unless the request must compute its prompt (prompt logprobs) or the
+                # first token's logprobs (the hand-off carries the token, not its logprobs)
+                whole = params.n == 1 and params.prompt_logprobs is None and params.logprobs is None
                 landing = await self.pd.pull(f"{request.request_id}:{uuid.uuid4().hex[:8]}", prompt, tags.handoff,
                                              whole)
             try:

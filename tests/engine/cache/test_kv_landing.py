@@ -105,3 +105,33 @@ def test_no_room_is_none_and_more_blocks_than_the_prompt_lends_is_refused():
     with pytest.raises(ValueError):
         kv_landing.reserve(kv, "r1", list(range(8)), 2)          # 8 tokens lend 1 block
     assert idle(kv)
+
+
+@pytest.mark.parametrize("max_tokens, stops", [(4, False), (1, False), (4, True)])
+def test_a_request_admitted_over_a_whole_landing_decodes_from_its_first_token(max_tokens, stops):
+    """Scheduler.admit_pulled: the request takes the landed blocks and slot, counts its prompt as cached
+    and computed (no prefill piece), starts with the producer's token, waits for a seat, and decodes with
+    its MTP entries computed to the prompt's last position; at its end everything is free once."""
+    from tests.conftest import make_request, make_scheduler, model_step
+    sched = make_scheduler(num_blocks=8, block_size=BS, draft_tokens=3)
+    sched.states = StateSlotPool(2)
+    prompt = list(range(100, 110))
+    req = make_request(prompt=prompt, max_tokens=max_tokens, stop_token_ids=[9] if stops else [])
+    req.stop_token_ids = frozenset([9] if stops else [])
+    landing = kv_landing.reserve(sched.kv, req.request_id, prompt, 3, sched.states, whole=True)
+    sched.add_request(req)
+    event = sched.admit_pulled(req, landing, 9 if stops else 5)
+    assert event.new_token_ids == [9 if stops else 5] and req.num_cached_tokens == len(prompt)
+    assert req.computed_prefill_tokens == 0 and not sched.waiting
+    if max_tokens == 1 or stops:
+        assert event.finished and not sched.requests
+    else:
+        out = sched.schedule()
+        assert not out.prefills and [w.request_id for w in out.decode] == [req.request_id]
+        assert out.decode[0].num_mtp_computed == len(prompt) - 1 and out.decode[0].mtp_token_ids == [5]
+        assert out.decode[0].state_slot == req.state_slot >= 0
+        while sched.has_work:
+            model_step(sched, out)
+            out = sched.schedule()
+        assert req.output_token_ids == [5, 7, 7, 7]
+    assert idle(sched.kv) and sched.states.num_free == 2 and sched.states.taken == sched.states.dropped == 1
