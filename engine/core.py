@@ -400,6 +400,18 @@ class EngineCore:
 
     # -- prefill/decode disaggregation: a request's whole state lands from a producer (engine.cache.kv_landing)
 
+    def lent(self, request_id: str) -> tuple[kv_landing.Lent, int]:
+        """What a parked request lends a consumer, and its hidden-state row (-1 without MTP); NOT_FOUND when
+        it is not parked (any more)."""
+        if not self.scheduler.is_parked(request_id):
+            raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, released or expired)")
+        runner = self.executor.driver
+        if runner.device.type == "cuda":
+            # the prefill's hidden-row write is enqueued after its sampling's host read: done before a peer reads
+            torch.cuda.synchronize(runner.device)
+        row = runner.hidden.rows[request_id] if runner.hidden is not None else -1
+        return kv_landing.lent(self.kv, self.scheduler.requests[request_id]), row
+
     def reserve_landing(self, request_id: str, token_ids: list[int], num_blocks: int,
                         whole: bool) -> kv_landing.KVLanding | None:
         """Room for a pull: blocks; whole, also a state slot (hybrids) and a hidden-state row (MTP).

@@ -277,13 +277,7 @@ class EngineLoop:
     async def lent_async(self, request_id: str) -> tuple[kv_landing.Lent, int]:
         """What a parked request lends a consumer, and its hidden-state row (-1 without MTP); NOT_FOUND
         when it is not parked (any more)."""
-        def do() -> tuple[kv_landing.Lent, int]:
-            if not self.core.scheduler.is_parked(request_id):
-                raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, released or expired)")
-            hidden = self.core.executor.driver.hidden
-            row = hidden.rows[request_id] if hidden is not None else -1
-            return kv_landing.lent(self.core.kv, self.core.scheduler.requests[request_id]), row
-        return await self._call_async(do)
+        return await self._call_async(lambda: self.core.lent(request_id))
 
     async def reserve_landing_async(self, request_id: str, token_ids: list[int], num_blocks: int,
                                     whole: bool = False) -> kv_landing.KVLanding | None:
