@@ -71,9 +71,10 @@ def clients(hosts):
 
 
 def generate(stub, prompt=PROMPT, kv: str | None = None, max_tokens: int = 16, request_id: str = "pd-1",
-             stream: bool = False) -> pb.GenerateComplete:
+             stream: bool = False, **sampling) -> pb.GenerateComplete:
     request = pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=prompt),
-                                 sampling_params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+                                 sampling_params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   **sampling),
                                  stream=stream)
     if kv is not None:
         request.kv_transfer_params_json = kv
@@ -142,6 +143,20 @@ def test_the_two_legs_by_hand_decode_what_one_engine_decodes_from_pulled_blocks(
         assert wait_for(lambda: clients["producer"].metrics().queue.parked == 0), "notified: the lease ends"
         for name in ("producer", "consumer"):
             assert_nothing_held(clients[name])
+
+
+def test_penalties_continue_from_the_prompt_and_the_producer_s_first_token(stubs, clients):
+    """The consumer's logit options start from the prompt and the moved first token, as after a prefill."""
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.4)
+    single = generate(stubs["single"], max_tokens=8, request_id="pd-pen", **penalties)
+    prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id="pd-pen", **penalties)
+    decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, max_tokens=8, request_id="pd-pen",
+                      **penalties)
+    assert list(decode.output_ids) == list(single.output_ids) != list(generate(stubs["single"], max_tokens=8).output_ids)
+    assert decode.cached_tokens == len(PROMPT)
+    for name in ("producer", "consumer"):
+        assert wait_for(lambda: clients[name].metrics().queue.parked == 0)
+        assert_nothing_held(clients[name])
 
 
 def test_a_prompt_under_one_block_moves_whole_too(stubs, clients):
