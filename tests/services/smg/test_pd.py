@@ -148,11 +148,11 @@ def test_the_two_legs_by_hand_decode_what_one_engine_decodes_from_pulled_blocks(
 def test_penalties_continue_from_the_prompt_and_the_producer_s_first_token(stubs, clients):
     """The consumer's logit options start from the prompt and the moved first token, as after a prefill."""
     penalties = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.4)
-    single = generate(stubs["single"], max_tokens=8, request_id="pd-pen", **penalties)
+    single = generate(stubs["single"], request_id="pd-pen", **penalties)
     prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id="pd-pen", **penalties)
-    decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, max_tokens=8, request_id="pd-pen",
+    decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, request_id="pd-pen",
                       **penalties)
-    assert list(decode.output_ids) == list(single.output_ids) != list(generate(stubs["single"], max_tokens=8).output_ids)
+    assert list(decode.output_ids) == list(single.output_ids) != list(generate(stubs["single"]).output_ids)
     assert decode.cached_tokens == len(PROMPT)
     for name in ("producer", "consumer"):
         assert wait_for(lambda: clients[name].metrics().queue.parked == 0)
