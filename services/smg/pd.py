@@ -80,6 +80,14 @@ class PDRole:
             if self._agent is not None:
                 self._agent.close()
 
+    def truncated(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as the engine keeps it (`truncate_prompt_tokens`, -1: the context limit), applied before
+        either leg: the hand-off's blocks and length are the kept prompt's on both sides."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt
+        return prompt[-(self.port.facts().info.max_model_len if keep == -1 else keep):]
+
     # -- producer -------------------------------------------------------------------------------
 
     def prefill_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:

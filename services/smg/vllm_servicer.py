@@ -116,6 +116,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             params = convert.sampling_from_proto(request.sampling_params, len(prompt), info)
             tags = kvh.parse(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
             lending = bool(tags and tags.do_remote_decode and self.pd.role == "producer" and params.n == 1)
+            if lending or (tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer"):
+                prompt = self.pd.truncated(prompt, params)     # both legs mean the prompt the producer prefilled
             if lending:
                 params = self.pd.prefill_params(params, len(prompt))
                 # smg 1.13 gives up on a prefill leg that shows nothing within 3 s of its dispatch (504

@@ -145,8 +145,9 @@ def test_the_two_legs_by_hand_decode_what_one_engine_decodes_from_pulled_blocks(
             assert_nothing_held(clients[name])
 
 
-def test_penalties_continue_from_the_prompt_and_the_producer_s_first_token(stubs, clients):
-    """The consumer's logit options start from the prompt and the moved first token, as after a prefill."""
+def test_penalties_and_truncation_through_the_two_legs(stubs, clients):
+    """The consumer's logit options start from the prompt and the moved first token, as after a prefill; a
+    truncated prompt is the kept tail on both legs."""
     penalties = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.4)
     single = generate(stubs["single"], request_id="pd-pen", **penalties)
     prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id="pd-pen", **penalties)
@@ -154,6 +155,13 @@ def test_penalties_continue_from_the_prompt_and_the_producer_s_first_token(stubs
                       **penalties)
     assert list(decode.output_ids) == list(single.output_ids) != list(generate(stubs["single"]).output_ids)
     assert decode.cached_tokens == len(PROMPT)
+    # a truncated prompt: both legs mean the kept tail (the hand-off's blocks and length are its)
+    kept = dict(truncate_prompt_tokens=40)
+    prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id="pd-cut", **kept)
+    assert json.loads(prefill.kv_transfer_params_json)["num_prompt_tokens"] == 40
+    decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, max_tokens=4, request_id="pd-cut", **kept)
+    assert list(decode.output_ids) == list(generate(stubs["single"], prompt=PROMPT[-40:], max_tokens=4).output_ids)
+    assert decode.cached_tokens == 40
     for name in ("producer", "consumer"):
         assert wait_for(lambda: clients[name].metrics().queue.parked == 0)
         assert_nothing_held(clients[name])
