@@ -87,6 +87,18 @@ class NixlKVAgent:
                 except Exception as e:  # noqa: BLE001 - an aborted transfer may refuse its release
                     log.warning("kv_transfer_release_failed", peer=peer, error=repr(e))
 
+    def notify(self, peer_metadata: bytes, notification: bytes) -> None:
+        """Send a notification without a transfer (a consumer that will not pull tells the producer to free);
+        KVTransferError when the peer cannot be reached."""
+        with self._lock:
+            try:
+                peer = self._peers.get(peer_metadata)
+                if peer is None:
+                    peer = self._peers[peer_metadata] = self._agent.add_remote_agent(peer_metadata)
+                self._agent.send_notif(peer, notification)
+            except Exception as e:  # noqa: BLE001 - NIXL's errors (unknown peer, a closed connection...)
+                raise KVTransferError(f"the notification could not be sent: {e}") from None
+
     def forget_peer(self, peer_metadata: bytes) -> None:
         """Drop a peer that failed (a restarted producer comes back with new metadata)."""
         with self._lock:

@@ -142,12 +142,14 @@ class PDRole:
                                        f"prompt of {len(prompt)} tokens (want {most})")
         num_blocks = len(handoff.block_ids) if whole else min(len(handoff.block_ids),
                                                               lendable_blocks(len(prompt), block_size))
-        if num_blocks == 0:
-            return None
         notification = PULLED + handoff.request_id.encode()
+        if num_blocks == 0:
+            await self._let_go(handoff, notification)
+            return None
         landing = await self.port.reserve_landing(request_id, prompt, num_blocks, whole)
         if landing is None:
             log.warning("kv_pull_skipped_no_room", request_id=request_id, blocks=num_blocks, whole=whole)
+            await self._let_go(handoff, notification)
             return None
         local = agent.layout.block_descs(landing.block_ids[:num_blocks])
         if whole:
@@ -176,6 +178,15 @@ class PDRole:
         log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=num_blocks, whole=whole,
                  bytes=size, seconds=round(seconds, 6), gb_per_s=round(size / max(seconds, 1e-9) / 1e9, 3))
         return landing
+
+    async def _let_go(self, handoff: kvh.Handoff, notification: bytes) -> None:
+        """No pull after all (the prompt is recomputed here): the producer frees what it lent now rather than
+        at its lease's end (best effort: the lease still ends it)."""
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.agent().notify, handoff.agent_metadata,
+                                                             notification)
+        except KVTransferError as e:
+            log.warning("kv_let_go_failed", producer=handoff.engine_id, error=str(e))
 
 
 def complete_with_handoff(response: pb.GenerateResponse, handoff_json: str) -> pb.GenerateResponse:

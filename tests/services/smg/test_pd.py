@@ -104,6 +104,10 @@ def prefill_computed(client: EngineClient) -> int:
     return sum(client.metrics().history.prefill_tokens)
 
 
+def leases_expired(client: EngineClient) -> int:
+    return client.metrics().performance.requests.get("lease_expired", 0)
+
+
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -145,9 +149,9 @@ def test_the_two_legs_by_hand_decode_what_one_engine_decodes_from_pulled_blocks(
             assert_nothing_held(clients[name])
 
 
-def test_penalties_and_truncation_through_the_two_legs(stubs, clients):
+def test_penalties_truncation_and_logprobs_through_the_two_legs(stubs, clients):
     """The consumer's logit options start from the prompt and the moved first token, as after a prefill; a
-    truncated prompt is the kept tail on both legs."""
+    truncated prompt is the kept tail on both legs; a request for logprobs computes its prompt."""
     penalties = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.4)
     single = generate(stubs["single"], request_id="pd-pen", **penalties)
     prefill = generate(stubs["producer"], kv=REMOTE_DECODE, max_tokens=1, request_id="pd-pen", **penalties)
@@ -162,6 +166,17 @@ def test_penalties_and_truncation_through_the_two_legs(stubs, clients):
     decode = generate(stubs["consumer"], kv=prefill.kv_transfer_params_json, max_tokens=4, request_id="pd-cut", **kept)
     assert list(decode.output_ids) == list(generate(stubs["single"], prompt=PROMPT[-40:], max_tokens=4).output_ids)
     assert decode.cached_tokens == 40
+    # logprobs: the first token's are not moved, so the consumer computes the prompt; with no full block
+    # below a short prompt's last token it pulls nothing and tells the producer to free at once
+    short = list(range(500, 510))
+    expired = leases_expired(clients["producer"])
+    prefill = generate(stubs["producer"], prompt=short, kv=REMOTE_DECODE, max_tokens=1, request_id="pd-lp", logprobs=1)
+    decode = generate(stubs["consumer"], prompt=short, kv=prefill.kv_transfer_params_json, max_tokens=4,
+                      request_id="pd-lp", logprobs=1)
+    assert list(decode.output_ids) == list(generate(stubs["single"], prompt=short, max_tokens=4).output_ids)
+    assert decode.cached_tokens == 0
+    assert wait_for(lambda: clients["producer"].metrics().queue.parked == 0)
+    assert leases_expired(clients["producer"]) == expired, "released on the consumer's word, not by its lease"
     for name in ("producer", "consumer"):
         assert wait_for(lambda: clients[name].metrics().queue.parked == 0)
         assert_nothing_held(clients[name])
