@@ -445,7 +445,13 @@ class EngineCore:
         if not 0 <= first_token_id < self.model_config.vocab_size:
             raise InvalidArgumentError("kv_transfer_params_json.first_token_id",
                                        f"{first_token_id} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        if list(prompt) != landing.token_ids:
+            raise InvalidArgumentError("prompt", "is not the prompt whose state landed (truncate it before the pull)")
         req = self.add_request(prompt, params, request_id, arrival=arrival, grammar=grammar)
+        if req.prompt_token_ids != landing.token_ids:          # truncate_prompt_tokens cut it at admission
+            self.abort_all(req.request_id)
+            raise InvalidArgumentError("truncate_prompt_tokens", "apply it before the pull: the landed state is "
+                                       f"the state of all {len(landing.token_ids)} prompt tokens")
         runner = self.executor.driver
         if landing.hidden_row >= 0:
             runner.hidden.rename(landing.request_id, req.request_id)
