@@ -220,6 +220,7 @@ class EngineCore:
         self.grammars = Grammars(self.tokenizer.to_json, model_config.vocab_size, model_config.eos_token_ids)
         # n > 1: request id -> the ids of its sequences (0 first), until every one has finished
         self._groups: dict[str, list[str]] = {}
+        self._landings: set[str] = set()        # whole PD landings in flight (each holds a hidden-state row)
 
     def warmup(self) -> WarmupReport:
         """What every entry point runs before it serves: one short request through the split path
@@ -416,6 +417,11 @@ class EngineCore:
                         whole: bool) -> kv_landing.KVLanding | None:
         """Room for a pull: blocks; whole, also a state slot (hybrids) and a hidden-state row (MTP).
         None when any of them is short now."""
+        s = self.scheduler
+        # a whole landing becomes an attached request: it counts among the parked and attached, whose bound
+        # keeps a hidden-state row for every request the prefill lane admits
+        if whole and len(s.parked) + len(s.attached) + len(self._landings) >= (s.config.max_parked or s.config.max_batch):
+            return None
         landing = kv_landing.reserve(self.kv, request_id, token_ids, num_blocks, self.states if whole else None,
                                      whole)
         hidden = self.executor.driver.hidden
@@ -425,9 +431,12 @@ class EngineCore:
                 kv_landing.drop(self.kv, landing, self.states)
                 return None
             landing.hidden_row = row
+        if landing is not None and whole:
+            self._landings.add(landing.request_id)
         return landing
 
     def drop_landing(self, landing: kv_landing.KVLanding) -> None:
+        self._landings.discard(landing.request_id)
         kv_landing.drop(self.kv, landing, self.states)
         if landing.hidden_row >= 0:
             self.executor.driver.hidden.release([landing.request_id])
@@ -448,6 +457,7 @@ class EngineCore:
         if list(prompt) != landing.token_ids:
             raise InvalidArgumentError("prompt", "is not the prompt whose state landed (truncate it before the pull)")
         req = self.add_request(prompt, params, request_id, arrival=arrival, grammar=grammar)
+        self._landings.discard(landing.request_id)
         if req.prompt_token_ids != landing.token_ids:          # truncate_prompt_tokens cut it at admission
             self.abort_all(req.request_id)
             raise InvalidArgumentError("truncate_prompt_tokens", "apply it before the pull: the landed state is "
