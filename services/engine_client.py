@@ -83,12 +83,14 @@ class EngineClient(ServerClient):
         return self.info_stub.GetModelInfo(engine_info_pb2.GetModelInfoRequest(), metadata=self.metadata)
 
     def wait_idle(self, timeout_s: float = 30.0, poll_s: float = 0.02) -> engine_info_pb2.EngineMetrics:
-        """Metrics once no request is queued, prefilling, running or parked (or after `timeout_s`:
-        the caller asserts on what it gets)."""
+        """Metrics once no request is queued, prefilling, running or parked and the runner has dropped the
+        hidden-state rows of those that left (a step after them) (or after `timeout_s`: the caller asserts
+        on what it gets)."""
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
             q = m.queue
-            if not (q.waiting or q.prefilling or q.running or q.parked) or time.monotonic() > deadline:
+            busy = q.waiting or q.prefilling or q.running or q.parked or m.kv.mtp_hidden_rows_used
+            if not busy or time.monotonic() > deadline:
                 return m
             time.sleep(poll_s)
