@@ -16,16 +16,15 @@ and renormalises its top k only when norm_topk_prob.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from engine.config import ModelConfig
-from engine.distributed.tp_group import SINGLE_RANK, TPGroup
-from engine.errors import ModelLoadError
 from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
 
 FLAT = (".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight")
+GROUPED = (".in_proj_qkvz", ".in_proj_ba")
 
 
 def split_projections(cfg: ModelConfig, qkvz: torch.Tensor | None, ba: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -45,14 +44,13 @@ def split_projections(cfg: ModelConfig, qkvz: torch.Tensor | None, ba: torch.Ten
 
 
 class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup = SINGLE_RANK, with_mtp: bool = True,
-                 max_position: int | None = None):
-        quantized = sorted(m for m in (cfg.quant.modules or ()) if m.endswith((".in_proj_qkvz", ".in_proj_ba"))) \
-            if cfg.quant is not None else []
-        if quantized:
-            raise ModelLoadError(f"Qwen3-Next: quantized grouped input projections are not supported ({quantized[0]}, "
-                                 f"{len(quantized)} in all); keep in_proj_qkvz / in_proj_ba unquantized")
-        super().__init__(cfg, tp, with_mtp, max_position)
+    DEQUANTIZED_WHY = ("experts in a layout the expert kernels do not run; grouped DeltaNet input projections, whose "
+                       "rows are permuted into Qwen3.5's order at load")
+
+    @classmethod
+    def dequantized_modules(cls, cfg: ModelConfig) -> set[str]:
+        grouped = {m for m in (cfg.quant.modules or ()) if m.endswith(GROUPED)} if cfg.quant is not None else set()
+        return super().dequantized_modules(cfg) | grouped
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         cfg, h = self.cfg, self.cfg.hidden_size
@@ -66,19 +64,18 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
                 shapes[f"{base}.in_proj_ba.weight"] = (2 * hv, h)
             else:
                 shapes[name] = shape
-        return shapes
+        return self.at_load.disk_shapes(shapes, lambda m: m.endswith(GROUPED))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def converted():
-            for name, tensor in weights:
-                for packed, parts in ((".in_proj_qkvz.weight", ("qkv", "z")), (".in_proj_ba.weight", ("b", "a"))):
-                    if name.endswith(packed):
-                        base = name[:-len(packed)]
-                        split = split_projections(self.cfg, tensor if parts[0] == "qkv" else None,
-                                                  tensor if parts[0] == "b" else None)
-                        for part in parts:
-                            yield f"{base}.in_proj_{part}.weight", split[part]
-                        break
-                else:
-                    yield name, tensor
-        super().load_weights(converted())
+    def renamed_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Grouped in_proj_qkvz / in_proj_ba (dequantized already where quantized) as the flat projections."""
+        for name, tensor in weights:
+            for packed, parts in ((".in_proj_qkvz.weight", ("qkv", "z")), (".in_proj_ba.weight", ("b", "a"))):
+                if name.endswith(packed):
+                    base = name[:-len(packed)]
+                    split = split_projections(self.cfg, tensor if parts[0] == "qkv" else None,
+                                              tensor if parts[0] == "b" else None)
+                    for part in parts:
+                        yield f"{base}.in_proj_{part}.weight", split[part]
+                    break
+            else:
+                yield name, tensor
