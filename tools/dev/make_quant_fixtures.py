@@ -25,7 +25,9 @@ Base models (made for each run and removed after it; seed 0, bf16, tied embeddin
 attention with 2 key and 4 value heads of 64), and one MTP layer (`mtp.*`, random) that each producer
 keeps or drops as it does on real checkpoints. Every quantized dimension is a multiple of the group
 sizes used (32, 64, 128), and with TP=2 the row-parallel inputs (o_proj 256 -> 128, down_proj 256 -> 128,
-out_proj 256 -> 128) are still whole groups.
+out_proj 256 -> 128) are still whole groups. The MoE fixtures (qwen3_moe, qwen3_next) take tests/support/moe.py's
+tiny shapes (hidden 64, 8 experts of 32, top 2; Qwen3-Next's shared expert 64) in bf16 with tied embeddings and
+no MTP layer; their compressed-tensors probes call the format's compressor on each module's tensors.
 """
 from __future__ import annotations
 
