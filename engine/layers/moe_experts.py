@@ -12,9 +12,10 @@ experts' choice are replicated: every rank computes the same routing.
 Checkpoint layouts, both loaded anywhere in a model (docs/moe.md):
 - per expert: `X.experts.{e}.gate_proj.weight [I, H]`, `.up_proj.weight [I, H]`, `.down_proj.weight [H, I]`
   (Qwen3-MoE, Qwen3-Next, the MTP layer of Qwen3.5-MoE, transformers' `save_pretrained`), and the
-  quantized forms of the same names (FP8 `weight_scale_inv`, NVFP4 `weight_scale` / `weight_scale_2`);
+  quantized forms of the same modules (FP8 `weight_scale_inv`, NVFP4 `weight_scale` / `weight_scale_2`, here;
+  integer and FP8 per-channel experts arrive dequantized: `dequantized_experts`);
 - fused: `X.experts.gate_up_proj [E, 2I, H]`, `X.experts.down_proj [E, H, I]` (Qwen3.5-MoE's main layers;
-  unquantized only).
+  unquantized only: `refuse_quantized_fused`).
 The quantized parameters follow engine.quant.linear's layouts with an expert dimension in front: FP8
 `w13_weight_scale_inv [E, 2 I_rank / br, ceil(H / 128)]` (br = gcd(128, I_rank): a rank's slice or the
 up part never starts inside a scale block), NVFP4 packed codes, E4M3 group scales, and the per-tensor
