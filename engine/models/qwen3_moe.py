@@ -37,7 +37,8 @@ class ExpertWeights:
     def load_weights(self, weights) -> None:
         if self.at_load.modules and not self.at_load.plain:
             self.checkpoint_shapes()                       # records the unquantized shape of each such module
-        super().load_weights(self.renamed_weights(self.at_load(weights)))
+        device = next(self.parameters()).device
+        super().load_weights(self.renamed_weights(self.at_load(weights, device)))
 
     def renamed_weights(self, weights):
         """The checkpoint stream (modules dequantized already) as the layers name their tensors."""

@@ -56,9 +56,11 @@ class DequantizeAtLoad:
             out.update(self.scheme.layout.disk_shapes(module, self.scheme.spec(module), shape[0], shape[1]))
         return out
 
-    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def __call__(self, weights: Iterable[tuple[str, torch.Tensor]],
+                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint stream with each of our modules' tensors replaced by its dequantized `X.weight`
-        (float32 [out, in]), yielded as soon as the module's last tensor has come."""
+        (float32 [out, in], computed on `device`: the model's, so a GPU does the arithmetic), yielded as soon as
+        the module's last tensor has come."""
         if not self.modules:
             yield from weights
             return
@@ -84,16 +86,16 @@ class DequantizeAtLoad:
             need.discard(suffix)
             if not need:
                 done.add(module)
-                yield f"{module}.weight", self._dequantized(module, spec, pending.pop(module, {}))
+                yield f"{module}.weight", self._dequantized(module, spec, pending.pop(module, {}), device)
         incomplete = sorted(f"{m} (missing {', '.join(sorted(needed[m]))})" for m in needed if m not in done)
         if incomplete:
             raise ModelLoadError(f"quantized modules with tensors missing: {'; '.join(incomplete[:4])}")
 
-    def _dequantized(self, module: str, spec, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _dequantized(self, module: str, spec, tensors: dict[str, torch.Tensor], device) -> torch.Tensor:
         from engine.layers.linear import ReplicatedLinear
         from engine.quant.linear import dequantized_weight
         out, inp = self.plain[module]
-        with torch.device("cpu"):
+        with torch.device(device):
             layer = ReplicatedLinear(inp, out, quant=spec.at(module))
         params = dict(layer.named_parameters())
         for suffix, tensor in tensors.items():
@@ -103,7 +105,7 @@ class DequantizeAtLoad:
             if tensor.dtype != param.dtype:
                 raise ModelLoadError(f"{module}.{suffix}: dtype {tensor.dtype}, the quantized layout needs {param.dtype}")
             try:
-                param.weight_loader(param, tensor.cpu())
+                param.weight_loader(param, tensor.to(param.device))
             except (RuntimeError, ModelLoadError) as e:
                 raise ModelLoadError(f"{module}.{suffix}: {e}") from None
         return dequantized_weight(layer)                       # [out, in] float32
