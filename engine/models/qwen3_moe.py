@@ -22,8 +22,14 @@ class ExpertWeights:
 
     def __init__(self, cfg: ModelConfig, *args, **kwargs):
         at_load = DequantizeAtLoad(cfg.quant, self.dequantized_modules(cfg), self.DEQUANTIZED_WHY)
-        super().__init__(replace(cfg, quant=at_load.layer_scheme()) if at_load.modules else cfg, *args, **kwargs)
-        self.at_load = at_load
+        layer_quant = self.layer_scheme(cfg.quant, at_load)
+        super().__init__(replace(cfg, quant=layer_quant) if layer_quant is not cfg.quant else cfg, *args, **kwargs)
+        self.checkpoint_quant, self.at_load = cfg.quant, at_load
+
+    @classmethod
+    def layer_scheme(cls, scheme, at_load: DequantizeAtLoad):
+        """The scheme the layers are built with (the checkpoint's, less what loads dequantized)."""
+        return at_load.layer_scheme()
 
     DEQUANTIZED_WHY = "experts quantized in a layout the expert kernels do not run (integer, FP8 per channel)"
 

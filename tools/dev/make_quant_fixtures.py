@@ -84,6 +84,7 @@ FIXTURES = {
     "modelopt_nvfp4/qwen3_moe": ("main", "modelopt", "qwen3_moe", {"cfg": "NVFP4_DEFAULT_CFG"}),
     "modelopt_nvfp4/qwen3_next": ("main", "modelopt", "qwen3_next", {"cfg": "NVFP4_DEFAULT_CFG"}),
     "ct_w4a16_g16/qwen3_moe": ("llmc", "llmc", "qwen3_moe", {"config_groups": W4_G16, "ignore": MOE_IGNORE}),
+    "ct_w4a16_g16/qwen3_next": ("llmc", "llmc", "qwen3_next", {"config_groups": W4_G16, "ignore": MOE_IGNORE}),
     "ct_fp8_dynamic/qwen3_next": ("llmc", "llmc", "qwen3_next", {"scheme": "FP8_DYNAMIC", "ignore": MOE_IGNORE}),
 }
 MOE_ARCHS = ("qwen3_moe", "qwen3_next")

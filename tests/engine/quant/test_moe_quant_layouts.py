@@ -3,9 +3,10 @@
 - the real producers' fixtures (tests/fixtures/quant/*/qwen3_moe, */qwen3_next: ModelOpt NVFP4, llmcompressor W4A16
   and FP8_DYNAMIC) load with their experts where they belong -- NVFP4 experts in the stacked NVFP4 parameters, integer
   and per-channel FP8 experts dequantized at load into model-dtype stacks -- and Qwen3-Next's quantized grouped DeltaNet
-  projections dequantized before their rows are permuted (their logits against the reference: test_layouts.py);
+  projections kept quantized, their converted rows permuted into Qwen3.5's flat projections (their logits against
+  the reference, and TP = 2: test_layouts.py);
 - Qwen3-Next in Qwen's FP8 block layout with in_proj_qkvz / in_proj_ba quantized too (128x128 blocks that the
-  grouped rows cut): logits equal the dequantized reference and greedy MTP k = 3 equals k = 0;
+  grouped rows cut): dequantized at load; logits equal the dequantized reference and greedy MTP k = 3 equals k = 0;
 - a quantized fused expert stack (`experts.gate_up_proj` [E, 2I, H] stored in FP8 with a scale beside it) is refused
   naming its tensors."""
 
@@ -37,17 +38,25 @@ def sparse_blocks(llm) -> list[SparseMoeBlock]:
     return [l.mlp for l in llm.engine.executor.driver.model.model.layers if isinstance(l.mlp, SparseMoeBlock)]  # noqa: E741
 
 
-@pytest.mark.parametrize("name, experts", [("modelopt_nvfp4/qwen3_moe", "nvfp4"), ("ct_w4a16_g16/qwen3_moe", None),
-                                           ("modelopt_nvfp4/qwen3_next", "nvfp4"), ("ct_fp8_dynamic/qwen3_next", None)])
-def test_producer_fixtures_load_experts_where_they_belong(name, experts):
+# (fixture, the experts' kind in memory, the DeltaNet input projections' kinds: (qkv + z [+ b + a], separate b + a))
+@pytest.mark.parametrize("name, experts, in_proj", [
+    ("modelopt_nvfp4/qwen3_moe", "nvfp4", None), ("ct_w4a16_g16/qwen3_moe", None, None),
+    # ModelOpt quantizes in_proj_qkvz and keeps in_proj_ba: two input projections
+    ("modelopt_nvfp4/qwen3_next", "nvfp4", ("nvfp4", None)),
+    # llmcompressor quantizes both per channel: one input projection of four parts
+    ("ct_fp8_dynamic/qwen3_next", None, ("fp8_channel", "none")),
+    # and as integers in groups of 16: integer experts dequantized, the grouped projections kept as integers
+    ("ct_w4a16_g16/qwen3_next", None, ("int", "none"))])
+def test_producer_fixtures_load_where_they_belong(name, experts, in_proj):
     llm = make_llm(str(ql.FIXTURES / name), kv_capacity=1024)
     quantized = llm.engine.model_config.quant.modules
     assert "model.layers.2.mlp.experts.7.down_proj" in quantized            # the producer quantized every expert
     blocks = sparse_blocks(llm)
     assert blocks and all(b.experts.quant == experts for b in blocks)
-    if name.endswith("qwen3_next"):
+    if in_proj is not None:
         assert "model.layers.0.linear_attn.in_proj_qkvz" in quantized
-        assert all(la.in_proj.quant is None for la in llm.engine.executor.driver.model.linear_layers())
+        for la in llm.engine.executor.driver.model.linear_layers():
+            assert (la.in_proj.quant, "none" if la.in_proj_ba is None else la.in_proj_ba.quant) == in_proj
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +84,9 @@ def test_qwen3_next_fp8_grouped_projections_match_the_reference(next_fp8_grouped
     llm, plain = make_llm(str(q)), make_llm(str(ref))
     assert "model.layers.0.linear_attn.in_proj_ba" in llm.engine.model_config.quant.modules
     assert all(b.experts.quant == "fp8" for b in sparse_blocks(llm))
+    # FP8 blocks do not survive the rows' permutation: dequantized at load, one unquantized input projection
+    assert all(la.in_proj.quant is None and la.in_proj_ba is None
+               for la in llm.engine.executor.driver.model.linear_layers())
     for ids in PROMPTS:
         assert rel_diff(llm.prompt_logits(ids), plain.prompt_logits(ids)) < 1e-5
     greedy = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
