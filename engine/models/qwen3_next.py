@@ -10,8 +10,9 @@ Qwen3-Next fuses them per key-head group g (r = value heads per key head):
 Qwen3.5 keeps them flat: in_proj_qkv = [all q | all k | all v] (the conv's channel order), in_proj_z,
 in_proj_b, in_proj_a. The loader permutes the rows at load (`split_projections`) and the layer is
 Qwen3.5's GatedDeltaNet, so both architectures run one code path. Where a producer quantized the grouped
-projections (ModelOpt, llmcompressor, FP8 blocks) they are dequantized before the permutation
-(engine.quant.dequantize_at_load: the rows of a quantized layout's scale blocks do not survive it in general). Qwen3-Next also honours
+projections, row-wise layouts (NVFP4, FP8 per channel, integer) are converted to the layer's tensors and their
+rows permuted alike (they stay quantized); FP8 128x128 blocks, which the permutation would cut, are dequantized
+at load (engine.quant.dequantize_at_load). Qwen3-Next also honours
 decoder_sparse_step / mlp_only_layers (dense layers where they say; none in published checkpoints)
 and renormalises its top k only when norm_topk_prob.
 """

@@ -4,9 +4,10 @@ Two cases (docs/moe.md, docs/quantization.md):
 - routed experts quantized in a layout the expert kernels do not run (integer GPTQ / AWQ / compressed-tensors
   pack-quantized, FP8 per channel): the stacked experts are built unquantized and each expert's projection is
   dequantized by the reference as it arrives;
-- Qwen3-Next's grouped DeltaNet input projections (`in_proj_qkvz`, `in_proj_ba`), quantized by llmcompressor and
-  ModelOpt: their rows are interleaved per key head and permuted at load into Qwen3.5's flat projections, which
-  a quantized layout's row blocks and scales do not survive in general, so they are dequantized first.
+- Qwen3-Next's grouped DeltaNet input projections (`in_proj_qkvz`, `in_proj_ba`) in FP8 128x128 blocks: their
+  rows are interleaved per key head and permuted at load into Qwen3.5's flat projections, which the 128-row
+  scale blocks do not survive in general, so they are dequantized first (row-wise layouts are permuted
+  quantized: engine.models.qwen3_next).
 
 The checkpoint keeps its quantized tensors (their names, shapes and dtypes are checked as for any quantized
 module); the layers see one float32 `X.weight` per module, cast to the model dtype by the loader. Dequantization
