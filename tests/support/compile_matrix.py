@@ -85,6 +85,7 @@ class Launch:
         return self.fn.__name__
 
     def compile(self, capability: int):
+        """The CompiledKernel for sm_<capability> (its asm holds the PTX and the cubin)."""
         options = {k: _as_tuples(v) for k, v in self.options.items() if k not in TARGET_DERIVED_OPTIONS}
         source = ASTSource(self.fn, self.signature, self.constexprs, self.attrs)
         return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
@@ -136,6 +137,21 @@ class CompileResult:
     capability: int
     ok: bool
     error: str = ""
+    local_bytes: int = -1      # stack + local memory of the cubin (spills), where measured; -1: not measured
+
+
+def local_memory_bytes(cubin: bytes) -> int:
+    """Stack plus local memory of a cubin's kernel (register spills), as the cuobjdump Triton ships reports it."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", usage))
 
 
 def first_error_line(error: BaseException) -> str:
@@ -151,9 +167,10 @@ def first_error_line(error: BaseException) -> str:
     return lines[0][:300]
 
 
-def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: dict[str, tuple[int, ...]]
-                      ) -> list[CompileResult]:
-    """Capture each scenario's launches, then compile each for the capabilities listed for it."""
+def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: dict[str, tuple[int, ...]],
+                      spill_checked: frozenset[str] = frozenset()) -> list[CompileResult]:
+    """Capture each scenario's launches, then compile each for the capabilities listed for it (and measure the
+    local memory of the scenarios in `spill_checked`)."""
     results: list[CompileResult] = []
     for name, run in scenarios.items():
         with capture_launches(name) as launches:
@@ -163,10 +180,12 @@ def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: di
         for launch in launches:
             for cap in capabilities[name]:
                 try:
-                    launch.compile(cap)
-                    results.append(CompileResult(name, launch.kernel, cap, True))
+                    kernel = launch.compile(cap)
                 except Exception as error:  # noqa: BLE001 - the matrix records why a target fails
                     results.append(CompileResult(name, launch.kernel, cap, False, first_error_line(error)))
+                    continue
+                local = local_memory_bytes(kernel.asm["cubin"]) if name in spill_checked else -1
+                results.append(CompileResult(name, launch.kernel, cap, True, local_bytes=local))
     return results
 
 
@@ -222,6 +241,50 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
             torch.randn(B, n, hv), torch.randn(hv), torch.randn(hv), torch.zeros(3, hv, d, d, dtype=f),
             torch.tensor([0, 1], dtype=torch.int32))
 
+    def moe_experts(fmt, dtype):
+        # Qwen3-30B-A3B's router (128 experts, top 8); hidden and intermediate sized to the tiles its 2048 and
+        # 768 (384 at TP=2) take, with the same divisibility. The weights are never read: nothing runs.
+        from engine.distributed.tp_group import SINGLE_RANK
+        from engine.layers.moe_experts import FusedExperts
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return FusedExperts(128, 256, 128, SINGLE_RANK, fmt)
+        finally:
+            torch.set_default_dtype(previous)
+
+    def moe_decode(dtype):
+        # one decode token: the one-launch route and sort, both grouped GEMMs (gate/up with SwiGLU; down), combine
+        from engine.kernels.moe.fused_moe import sparse_moe
+        x, shared = torch.randn(1, 256, dtype=dtype), torch.randn(1, 256, dtype=dtype)
+        sparse_moe(x, torch.randn(1, 128, dtype=dtype), moe_experts(None, dtype), 8, True, shared,
+                   torch.randn(1, 1, dtype=dtype))
+
+    def moe_quantized(fmt, dtype):
+        # the gate/up grouped GEMM of FP8 / NVFP4 experts (its route and sort: moe_decode's launch, a cache hit)
+        from engine.kernels.moe.align import route_and_sort
+        from engine.kernels.moe.fused_moe import block_m_for
+        from engine.kernels.moe.grouped_gemm import moe_gemm
+        experts = moe_experts(fmt, dtype)
+        _, _, slots = route_and_sort(torch.randn(1, 128, dtype=dtype), 8, True, block_m_for(1))
+        moe_gemm(torch.randn(1, 256, dtype=dtype), experts, "w13", slots,
+                 torch.empty(8, experts.intermediate, dtype=dtype), a_div=8)
+
+    def moe_sort_chunked(dtype):
+        # a 512-token prefill chunk: [T, E] exceeds one program, so routing, count, offsets and placement
+        from engine.kernels.moe.align import route_and_sort
+        from engine.kernels.moe.fused_moe import block_m_for
+        route_and_sort(torch.randn(512, 128, dtype=dtype), 8, True, block_m_for(512))
+
+    def int_linear(dtype, rows, bits=4, act_order=False):
+        # a GPTQ/AWQ layer in groups of 128: 1 row takes the FMA GEMV, 16 rows the tl.dot GEMM
+        from engine.kernels.linear.int_gemm import int_matmul
+        N, K = 512, 1024
+        scales = torch.ones(N, K // 128)
+        g_idx = torch.arange(K, dtype=torch.int32) // 128 if act_order else None
+        int_matmul(torch.randn(rows, K, dtype=dtype), torch.zeros(N, K * bits // 32, dtype=torch.int32), scales,
+                   scales, bits, 128, g_idx)
+
     table: dict[str, tuple[str, Callable[[], None], tuple[int, ...]]] = {}
     for dtype, caps in ((f16, old), (bf16, new)):
         tag = "f16" if dtype is f16 else "bf16"
@@ -245,9 +308,22 @@ def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tu
             f"gemv_fp8_{tag}": ("fp8_linear", lambda d=dtype: qc.check_gemv("fp8", 1, 256, 512, cpu, dtype=d), every),
             f"act_quant_fp8_{tag}": ("fp8_activation_quant", lambda d=dtype: act_quant(d), every),
             f"pdl_{tag}": ("pdl", lambda d=dtype: rms_norm_pdl(d), every),
+            f"moe_decode_{tag}": ("moe", lambda d=dtype: moe_decode(d), caps),
+            f"moe_fp8_{tag}": ("moe_fp8", lambda d=dtype: moe_quantized("fp8", d), caps),
+            f"moe_nvfp4_{tag}": ("moe_nvfp4", lambda d=dtype: moe_quantized("nvfp4", d), caps),
+            # the chunked sort's four kernels compile for 20 s of CPU on sm70/75 and 5 s on sm80+: CI takes sm80
+            f"moe_sort_chunked_{tag}": ("moe", lambda d=dtype: moe_sort_chunked(d),
+                                        caps if full else tuple(c for c in caps if c == 80)),
+            f"int_gemv_{tag}": ("int_linear", lambda d=dtype: int_linear(d, 1), caps),
+            f"int_gemm_{tag}": ("int_linear", lambda d=dtype: int_linear(d, 16), caps),
         }
+        if full:
+            table |= {f"int_gemv_8bit_{tag}": ("int_linear", lambda d=dtype: int_linear(d, 4, bits=8), caps),
+                      f"int_gemm_act_order_{tag}": ("int_linear", lambda d=dtype: int_linear(d, 64, act_order=True),
+                                                    caps)}
     table["tma_prefill_bf16"] = ("attention_tma", lambda: tma_prefill(bf16), (90,))
     table["gated_delta_recurrent"] = ("gated_delta", recurrent, every)
+    table = {name: entry for name, entry in table.items() if entry[2]}
     if not full:
         # the capability-only families compile in the dtype their capability runs in
         for name in [n for n in table if n.startswith(("gemv_", "act_quant_", "pdl_"))]:
@@ -279,13 +355,28 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
     import resource
+
+    from tests.support import nvrtc
     t0, cpu0 = time.perf_counter(), time.process_time()
-    results = compile_scenarios({k: v[1] for k, v in table.items()}, {k: v[2] for k, v in table.items()})
+    spill_checked = frozenset(k for k, v in table.items() if v[0] == "int_linear")
+    results = compile_scenarios({k: v[1] for k, v in table.items()}, {k: v[2] for k, v in table.items()},
+                                spill_checked)
+    families = {k: v[0] for k, v in table.items()}
+    # the CUDA C, through NVRTC where its library is installed (the test extra's nvidia-cuda-nvrtc)
+    library, nvrtc_cpu0 = nvrtc.find_libnvrtc(), time.process_time()
+    if library and not args.only:
+        for name, source in nvrtc.engine_cuda_sources().items():
+            families[name] = source.family
+            results += [CompileResult(name, "+".join(source.files), cap, *nvrtc.try_compile(library, source, cap))
+                        for cap in nvrtc.TARGETS]
+    nvrtc_cpu = time.process_time() - nvrtc_cpu0
     children = resource.getrusage(resource.RUSAGE_CHILDREN)          # ptxas runs as a child process
     with open(args.out, "w") as f:
         json.dump({"seconds": time.perf_counter() - t0,
                    "cpu_seconds": time.process_time() - cpu0 + children.ru_utime + children.ru_stime,
-                   "families": {k: v[0] for k, v in table.items()},
+                   "nvrtc": {"library": library, "version": nvrtc.version(library), "cpu_seconds": nvrtc_cpu}
+                   if library else None,
+                   "families": families,
                    "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
 
 
