@@ -110,11 +110,12 @@ def test_every_capability_compiles_the_kernels_its_dtype_needs(matrix):
 
 def test_moe_experts_compile_in_every_format_for_every_capability(matrix):
     """The grouped GEMM of 16-bit, FP8 and NVFP4 experts: the quantized bytes decode with integer operations
-    in registers (weight-only), so even sm70 compiles them; the selector takes them everywhere."""
+    in registers (weight-only), so even sm70 compiles them (the full matrix); the selector takes them everywhere."""
     for family in ("moe", "moe_fp8", "moe_nvfp4"):
         gemms = {r["capability"] for r in matrix["results"] if matrix["families"][r["scenario"]] == family
                  and r["kernel"] == "_moe_gemm_kernel" and r["ok"]}
-        assert gemms == {70, 75, 80, 89, 90}, family
+        # CI compiles quantized experts for sm80+ (the full matrix: sm70/75 too)
+        assert gemms == ({70, 75, 80, 89, 90} if family == "moe" or FULL else {80, 89, 90}), family
         assert all(selects(family, cap, "auto") for cap in gemms)
 
 
@@ -136,7 +137,7 @@ def test_every_cu_file_under_engine_compiles_through_nvrtc_and_the_sm90_only_one
     sm70 = [r for r in rows if r["capability"] == 70]
     assert sm70 and all("gpu-architecture" in r["error"] for r in sm70), sm70
     # the MMA GEMV waits on griddepcontrol (PDL): an sm90 instruction, so sm90 only
-    mma = [r for r in rows if r["scenario"] == "cuda_mma_gemv" and r["capability"] in (75, 80, 89)]
+    mma = [r for r in rows if r["scenario"] == "cuda_mma_gemv" and r["capability"] in (80, 89)]
     assert mma and all(not r["ok"] and "requires .target sm_90" in r["error"] for r in mma), mma
     assert ("cuda_mma_gemv", 90) in ok
 
