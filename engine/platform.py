@@ -191,4 +191,14 @@ def engine_paths(config: Any, model: Any) -> KernelPaths:
         first = torch.device(config.device).index or 0      # the ranks' devices, as the executor numbers them
         ranks = range(first, min(first + config.tensor_parallel_size, max(torch.cuda.device_count(), first + 1)))
         capability = min(device_capability(torch.device("cuda", i)) for i in ranks)
-    return select_paths(capability, config.dtype, config.kv_dtype, quant_format)
+    paths = select_paths(capability, config.dtype, config.kv_dtype, quant_format)
+    check_tp_comm(paths, config.tp_comm, config.tensor_parallel_size)
+    return paths
+
+
+def check_tp_comm(paths: KernelPaths, tp_comm: str, tensor_parallel_size: int) -> None:
+    """Refuse `--tp-comm p2p` where the P2P all-reduce kernels are not selected (before anything loads);
+    `auto` takes NCCL there (engine.distributed.cuda_communicator.make_communicator)."""
+    if tp_comm == "p2p" and tensor_parallel_size > 1 and paths.tp_allreduce == "nccl":
+        raise InvalidArgumentError("tp_comm", f"the P2P all-reduce kernels are not selected on {paths.capability} "
+                                              "(CUDA 13's NVRTC starts at sm75): use --tp-comm nccl or auto")

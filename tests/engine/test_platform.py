@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidArgumentError
-from engine.platform import COMPILED_CAPABILITIES, capability_override, moe_family, select_paths
+from engine.platform import COMPILED_CAPABILITIES, capability_override, check_tp_comm, moe_family, select_paths
 
 CAPS = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
 
@@ -108,3 +108,11 @@ def test_each_expert_format_has_its_own_moe_family(cap):
     assert [moe_family(p, fmt) for fmt in (None, "fp8", "nvfp4")] == [p.moe_experts, p.moe_fp8_experts,
                                                                         p.moe_nvfp4_experts]
     assert set(p.as_dict()) >= {"moe_experts", "moe_fp8_experts", "moe_nvfp4_experts", "int_linear", "tp_allreduce"}
+
+
+def test_p2p_all_reduce_is_refused_naming_tp_comm_where_its_kernels_are_not_selected():
+    with pytest.raises(InvalidArgumentError) as e:
+        check_tp_comm(select_paths((7, 0)), "p2p", 2)
+    assert e.value.field == "tp_comm" and "sm70" in str(e.value) and "--tp-comm nccl" in str(e.value)
+    for cap, comm, tp in (((7, 0), "auto", 2), ((7, 0), "p2p", 1), ((7, 5), "p2p", 2), (None, "p2p", 2)):
+        check_tp_comm(select_paths(cap), comm, tp)            # auto falls back to NCCL; one rank all-reduces nothing
