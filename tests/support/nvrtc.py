@@ -57,7 +57,8 @@ def compile_cubin(lib_path: str, source: str, capability: int, name_expressions:
             lib.nvrtcGetProgramLog(program, log)
             lib.nvrtcGetErrorString.restype = ctypes.c_char_p
             reason = lib.nvrtcGetErrorString(status).decode()
-            text = log.value.decode(errors="replace").strip() or f"nvrtcCompileProgram: {reason} ({' '.join(map(bytes.decode, args))})"
+            options_text = " ".join(a.decode() for a in args)
+            text = log.value.decode(errors="replace").strip() or f"nvrtcCompileProgram: {reason} ({options_text})"
             if "libnvrtc-builtins" in text:
                 raise RuntimeError(f"a broken NVRTC install, not a compile error: {text}")
             raise NvrtcError(text)
