@@ -51,7 +51,9 @@ def _shapes(weights, model_config) -> dict[str, tuple[int, ...]]:
     fused expert stacks stated per expert)."""
     found = weights.shapes()
     if model_config.is_moe:
-        from engine.layers.moe_experts import per_expert_shapes
+        from engine.layers.moe_experts import per_expert_shapes, refuse_quantized_fused
+        if hasattr(weights, "dtypes"):
+            refuse_quantized_fused(weights.dtypes())
         found = per_expert_shapes(found)
     if model_config.quant is None:
         return found

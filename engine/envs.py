@@ -181,10 +181,6 @@ P2P_PUSH_MAX_BYTES = _register(
 TRITON_INTERPRET_TESTS = _register(
     "NINFER_TRITON_INTERPRET_TESTS", False, parse_bool, "development",
     "1 runs the Triton kernel tests under Triton's interpreter on the CPU (slow; needs triton installed).")
-TRITON_COMPILE_TESTS = _register(
-    "NINFER_TRITON_COMPILE_TESTS", False, parse_bool, "development",
-    "1 runs the opt-in offline compile tests of Triton kernels for GPU targets on a machine without one (minutes of "
-    "ptxas; needs triton installed, no interpreter).")
 TEST_WORKERS = _register(
     "NINFER_TEST_WORKERS", 2, parse_count, "development",
     "The pytest-xdist workers .ci/run spreads the suite over (a file stays on one worker); 0 runs it in one process.")
@@ -195,11 +191,11 @@ COMMIT = _register(
 COMPILE_MATRIX_FULL = _register(
     "NINFER_COMPILE_MATRIX_FULL", False, parse_bool, "development",
     "1 makes tests/engine/kernels/test_compile_matrix.py compile every kernel in both dtypes for every capability, "
-    "prefill attention included (tens of minutes of ptxas), not CI's representative set.")
+    "prefill attention and the MoE chunked sort included (tens of minutes of ptxas), not CI's representative set.")
 NVRTC_LIB = _register(
     "NINFER_NVRTC_LIB", "", parse_str, "development",
-    "Path of a libnvrtc.so for the NVRTC compile test of the CUDA C kernels (default: the nvidia-cuda-nvrtc wheel's, "
-    "if installed; the test skips without one).")
+    "Path of a libnvrtc.so for the compile matrix's NVRTC compiles of the CUDA C kernels (default: the test extra's "
+    "nvidia-cuda-nvrtc wheel; without one those tests skip).")
 KERNEL_CAPABILITY = _register(
     "NINFER_KERNEL_CAPABILITY", "", parse_str, "development",
     "Choose kernel paths as if the GPU were this older compute capability (\"7.0\", \"8.0\", \"8.9\"): runs the "

@@ -10,6 +10,12 @@ FP8 `cvt.e4m3x2` decodes and FP8 tensor cores, bf16 throughout. Older GPUs lack 
     sm89 (L40S, L4)    bf16, FP8 tensor cores; no TMA, no PDL    -> the non-TMA attention, the FP8/NVFP4 GEMV kernels
     sm90 (H100, H200)  everything                                -> TMA prefill attention, PDL, the CUDA C MMA GEMV
 
+The MoE kernels (routing, sort, grouped GEMM, combine) and the integer weight-only GEMV/GEMM compile for every
+capability of the matrix; FP8 and NVFP4 experts are decoded in registers with integer operations (weight-only:
+no FP8 tensor-core MoE kernel exists), so they run from sm70 on. Below sm80 Triton 3.6 lowers `tl.dot` to FMA
+(CUDA cores; checked in the PTX). The P2P all-reduce kernels (CUDA C, compiled at run time by NVRTC through
+CuPy) compile from sm75: CUDA 13's NVRTC has no sm70 target, so V100s all-reduce with NCCL.
+
 A family is selectable on a capability only where its kernels compile for it (tests/kernels/test_compile_matrix.py
 compiles them offline for sm70..sm90 and checks this table against the results). A setting the device cannot
 honour is refused here, naming it, before anything is loaded. No torch at import: the gateway and the
@@ -27,6 +33,8 @@ from engine.errors import InvalidArgumentError
 # capabilities the compile matrix covers; newer majors (Blackwell) take the sm90 rules where they are
 # supersets and the portable forms where they are not (the TMA kernels are Hopper-only code).
 COMPILED_CAPABILITIES = ((7, 0), (7, 5), (8, 0), (8, 9), (9, 0))
+# the oldest target CUDA 13's NVRTC compiles for (the CUDA C kernels: P2P all-reduce, the MMA GEMV)
+NVRTC_MIN_CAPABILITY = (7, 5)
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,11 @@ class KernelPaths:
     dense_linear: str                 # 16-bit weights, 1-16 rows: "triton-gemv+skinny" | "torch"; more rows: cuBLAS
     elementwise: str                  # "triton" | "torch"
     gated_delta: str                  # "triton" | "torch"
+    moe_experts: str                  # 16-bit/fp32 experts, routing, sort, combine: "triton-grouped-gemm" | "torch"
+    moe_fp8_experts: str              # "triton-grouped-gemm-dequant" (weight-only, in registers) | "torch"
+    moe_nvfp4_experts: str            # "triton-grouped-gemm-dequant" (weight-only, in registers) | "torch"
+    int_linear: str                   # GPTQ/AWQ/pack-quantized: "triton-int-gemv+gemm" | "torch-dequantize" | "torch"
+    tp_allreduce: str                 # "p2p-one-shot+nccl" (CUDA C one-shot, NCCL above its size) | "nccl" | "local"
 
     @property
     def fp8_tensor_cores(self) -> bool:
@@ -92,8 +105,10 @@ def select_paths(capability: tuple[int, int] | None, dtype: str = "auto", kv_dty
         raise InvalidArgumentError("kv_dtype", f"bfloat16 KV is not supported on {capability_name(capability)}; "
                                                "use float16 or int8")
     if capability is None:
-        return KernelPaths("cpu", run_dtype, fallback, "torch", "torch", False, "torch", "torch", False,
-                           "torch", "torch", "torch")
+        return KernelPaths("cpu", run_dtype, fallback, attention_decode="torch", attention_prefill="torch", pdl=False,
+                           fp8_linear="torch", nvfp4_linear="torch", fp8_activation_quant=False, dense_linear="torch",
+                           elementwise="torch", gated_delta="torch", moe_experts="torch", moe_fp8_experts="torch",
+                           moe_nvfp4_experts="torch", int_linear="torch", tp_allreduce="local")
     hopper = capability[0] == 9
     fp8 = capability >= (8, 9)
     half = run_dtype in ("bfloat16", "float16")
@@ -110,7 +125,18 @@ def select_paths(capability: tuple[int, int] | None, dtype: str = "auto", kv_dty
         nvfp4_linear=("mma-gemv+triton-gemv" if capability[0] >= 9 and half
                       else "triton-gemv" if fp8 and half else "torch-dequantize"),
         fp8_activation_quant=fp8,
-        dense_linear="triton-gemv+skinny", elementwise="triton", gated_delta="triton")
+        dense_linear="triton-gemv+skinny", elementwise="triton", gated_delta="triton",
+        # the MoE kernels compile for sm70..sm90 in every expert format (quantized bytes decode with integer ops)
+        moe_experts="triton-grouped-gemm", moe_fp8_experts="triton-grouped-gemm-dequant",
+        moe_nvfp4_experts="triton-grouped-gemm-dequant",
+        # the integer kernels take 16-bit activations (float32 dequantizes by torch, as on the CPU)
+        int_linear="triton-int-gemv+gemm" if half else "torch-dequantize",
+        tp_allreduce="p2p-one-shot+nccl" if capability >= NVRTC_MIN_CAPABILITY else "nccl")
+
+
+def moe_family(paths: KernelPaths, experts_format: str | None) -> str:
+    """The family of a sparse MoE block whose experts are in `experts_format` (None, "fp8" or "nvfp4")."""
+    return {None: paths.moe_experts, "fp8": paths.moe_fp8_experts, "nvfp4": paths.moe_nvfp4_experts}[experts_format]
 
 
 _DEVICE_PATHS: dict[Any, KernelPaths] = {}
@@ -165,4 +191,14 @@ def engine_paths(config: Any, model: Any) -> KernelPaths:
         first = torch.device(config.device).index or 0      # the ranks' devices, as the executor numbers them
         ranks = range(first, min(first + config.tensor_parallel_size, max(torch.cuda.device_count(), first + 1)))
         capability = min(device_capability(torch.device("cuda", i)) for i in ranks)
-    return select_paths(capability, config.dtype, config.kv_dtype, quant_format)
+    paths = select_paths(capability, config.dtype, config.kv_dtype, quant_format)
+    check_tp_comm(paths, config.tp_comm, config.tensor_parallel_size)
+    return paths
+
+
+def check_tp_comm(paths: KernelPaths, tp_comm: str, tensor_parallel_size: int) -> None:
+    """Refuse `--tp-comm p2p` where the P2P all-reduce kernels are not selected (before anything loads);
+    `auto` takes NCCL there (engine.distributed.cuda_communicator.make_communicator)."""
+    if tp_comm == "p2p" and tensor_parallel_size > 1 and paths.tp_allreduce == "nccl":
+        raise InvalidArgumentError("tp_comm", f"the P2P all-reduce kernels are not selected on {paths.capability} "
+                                              "(CUDA 13's NVRTC starts at sm75): use --tp-comm nccl or auto")

@@ -85,6 +85,7 @@ from engine import envs
 from engine.distributed import p2p_push
 from engine.distributed.p2p_launch import RankLaunch
 from engine.distributed.tp_group import TPGroup
+from engine.errors import InvalidArgumentError
 from engine.kernels.cuda_source import read_cuda_source
 from engine.distributed.fused_allreduce import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, add_norm_launch_shape
 
@@ -557,16 +558,34 @@ def _enable_peer_access(cupy, devices: list[int]) -> None:
                         raise
 
 
+def _p2p_unselected(devices) -> str:
+    """The capability of the first device whose kernel paths do not take the CUDA C all-reduce; "" if none."""
+    from engine.platform import paths_for
+    for d in devices:
+        paths = paths_for(torch.device("cuda", d))
+        if paths.tp_allreduce != "p2p-one-shot+nccl":
+            return paths.capability
+    return ""
+
+
 def make_communicator(kind: str, devices, **p2p_options) -> NcclCommunicator | P2PCommunicator:
     """kind: "nccl", "p2p" (fails where peer access or the kernel is unavailable), or "auto":
     the one-shot P2P all-reduce where it works (the faster one for decode-size messages), else NCCL."""
     if kind == "nccl":
         return NcclCommunicator(devices)
+    if kind not in ("p2p", "auto"):
+        raise ValueError(f"communicator kind must be 'nccl', 'p2p' or 'auto', got {kind!r}")
+    unselected = _p2p_unselected(devices)
+    if unselected and kind == "p2p":
+        raise InvalidArgumentError("tp_comm", f"the P2P all-reduce kernels are not selected on {unselected} "
+                                              "(CUDA 13's NVRTC starts at sm75): use --tp-comm nccl or auto")
     if kind == "p2p":
         return P2PCommunicator(devices, **p2p_options)
-    if kind != "auto":
-        raise ValueError(f"communicator kind must be 'nccl', 'p2p' or 'auto', got {kind!r}")
     nccl = NcclCommunicator(devices)
+    if unselected:
+        log.info("p2p_all_reduce_unavailable", reason=f"not selected on {unselected} (engine/platform.py)",
+                 using="nccl")
+        return nccl
     if not 2 <= nccl.world_size <= MAX_RANKS:
         return nccl
     try:

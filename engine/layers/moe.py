@@ -11,7 +11,8 @@ the residual add and the next norm (`reduce` False, set by engine.layers.reduce_
 The shared expert's gate reads the whole x and is replicated, so g * partial sums to g * shared.
 
 On the CPU every step is plain torch (engine.kernels.moe.reference); on CUDA the routing, the
-expert-sorted grouped GEMMs and the weighted combine run as Triton kernels (engine.kernels.moe.fused_moe).
+expert-sorted grouped GEMMs and the weighted combine run as Triton kernels (engine.kernels.moe.fused_moe)
+where engine/platform.py selects them for the device (else the torch reference, as on the CPU).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.distributed.tp_group import SINGLE_RANK, TPGroup
 from engine.layers import moe_experts
 from engine.layers.linear import ReplicatedLinear, quant_format
 from engine.layers.mlp import Qwen3MLP
+from engine.platform import moe_family, paths_for
 
 
 class SparseMoeBlock(nn.Module):
@@ -54,7 +56,7 @@ class SparseMoeBlock(nn.Module):
         shared = shared_gate = None
         if self.shared_expert is not None:
             shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)     # [T, H], [T, 1]
-        if x.is_cuda:
+        if x.is_cuda and moe_family(paths_for(x.device), self.experts.quant).startswith("triton"):
             from engine.kernels.moe import fused_moe
             out = fused_moe.sparse_moe(x, logits, self.experts, self.top_k, self.renormalize, shared, shared_gate)
         else:

@@ -12,9 +12,10 @@ experts' choice are replicated: every rank computes the same routing.
 Checkpoint layouts, both loaded anywhere in a model (docs/moe.md):
 - per expert: `X.experts.{e}.gate_proj.weight [I, H]`, `.up_proj.weight [I, H]`, `.down_proj.weight [H, I]`
   (Qwen3-MoE, Qwen3-Next, the MTP layer of Qwen3.5-MoE, transformers' `save_pretrained`), and the
-  quantized forms of the same names (FP8 `weight_scale_inv`, NVFP4 `weight_scale` / `weight_scale_2`);
+  quantized forms of the same modules (FP8 `weight_scale_inv`, NVFP4 `weight_scale` / `weight_scale_2`, here;
+  integer and FP8 per-channel experts arrive dequantized: `dequantized_experts`);
 - fused: `X.experts.gate_up_proj [E, 2I, H]`, `X.experts.down_proj [E, H, I]` (Qwen3.5-MoE's main layers;
-  unquantized only).
+  unquantized only: `refuse_quantized_fused`).
 The quantized parameters follow engine.quant.linear's layouts with an expert dimension in front: FP8
 `w13_weight_scale_inv [E, 2 I_rank / br, ceil(H / 128)]` (br = gcd(128, I_rank): a rank's slice or the
 up part never starts inside a scale block), NVFP4 packed codes, E4M3 group scales, and the per-tensor
@@ -53,6 +54,23 @@ def expert_param_name(name: str) -> tuple[str, tuple[int | None, str]] | None:
     return None
 
 
+# a fused stack's companions (`experts.gate_up_proj_scale_inv`, `experts.down_proj.weight_scale`, ...)
+FUSED_COMPANION = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>gate_up_proj|down_proj)[._].+$")
+FLOAT_HEADER_DTYPES = ("F32", "BF16", "F16")
+
+
+def refuse_quantized_fused(dtypes: dict[str, str]) -> None:
+    """Quantized experts are read per expert only (the form ModelOpt, llmcompressor, gptqmodel and Qwen's FP8
+    releases write): a fused stack (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj`) stored quantized, or
+    carrying scales, is refused naming its tensors."""
+    bad = sorted(f"{n} ({d})" for n, d in dtypes.items()
+                 if (FUSED.match(n) and d not in FLOAT_HEADER_DTYPES) or FUSED_COMPANION.match(n))
+    if bad:
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        raise ModelLoadError(f"quantized fused expert stacks are not read: {shown}; quantized experts load per expert "
+                             "(X.experts.{e}.gate_proj / up_proj / down_proj with their scales), fused stacks unquantized")
+
+
 def per_expert_shapes(found: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Checkpoint shapes with every fused expert tensor stated as the per-expert tensors it holds, so that
     one expected layout checks both (a fused tensor whose shape cannot split stays, and is reported)."""
@@ -80,6 +98,18 @@ def checkpoint_shapes(prefix: str, num_experts: int, hidden: int, intermediate: 
         shapes[f"{prefix}.{e}.up_proj.weight"] = (intermediate, hidden)
         shapes[f"{prefix}.{e}.down_proj.weight"] = (hidden, intermediate)
     return shapes
+
+
+EXPERT_MODULE = re.compile(r"^.+\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+
+
+def dequantized_experts(quant) -> set[str]:
+    """The per-expert checkpoint modules quantized in a kind the expert kernels do not run (integer -- GPTQ, AWQ,
+    compressed-tensors pack-quantized -- and FP8 per channel): the layers hold them in the model dtype,
+    dequantized at load (engine.quant.dequantize_at_load)."""
+    if quant is None:
+        return set()
+    return {m for m in quant.modules or () if EXPERT_MODULE.match(m) and quant.spec(m).kind not in (FP8, NVFP4)}
 
 
 def experts_format(quant, prefix: str, num_experts: int) -> str | None:

@@ -120,7 +120,7 @@ def dequantized_weight(layer: nn.Module) -> torch.Tensor:
 def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x: [T, in] -> [T, out]
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        if layer.quant == INT:
+        if layer.quant == INT and _paths(x.device).int_linear == "triton-int-gemv+gemm":
             from engine.kernels.linear import int_gemm
             return int_gemm.int_linear(layer, x)
         if layer.quant == FP8_CHANNEL and _has_quant_kernels(layer, x.device):
@@ -130,11 +130,16 @@ def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             and _has_quant_kernels(layer, x.device):
         from engine.kernels.linear import quant_gemm
         return quant_gemm.quant_linear(layer, x)
-    # the CPU, and GPUs without an e4m3 decode (below sm89, engine/platform.py): weight-only, dequantized by torch
+    # the CPU, GPUs without an e4m3 decode (below sm89) and any family engine/platform.py does not select on the
+    # device (its start-up `kernel_paths` line says "torch-dequantize"): weight-only, dequantized by torch
     return F.linear(x, dequantized_weight(layer).to(x.dtype))
 
 
-def _has_quant_kernels(layer: nn.Module, device: torch.device) -> bool:
+def _paths(device: torch.device):
     from engine.platform import paths_for
-    paths = paths_for(device)
+    return paths_for(device)
+
+
+def _has_quant_kernels(layer: nn.Module, device: torch.device) -> bool:
+    paths = _paths(device)
     return (paths.nvfp4_linear if layer.quant == NVFP4 else paths.fp8_linear) != "torch-dequantize"

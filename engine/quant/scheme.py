@@ -33,7 +33,8 @@ KEPT = ("model.embed_tokens.weight", "lm_head.weight")
 # A mixture of experts' router and its shared expert's gate decide which weights run and how much of them
 # counts: kept in the model dtype when quantizing everything else, as ModelOpt's and Qwen's releases keep them.
 # Qwen3-Next's grouped DeltaNet input projections (`in_proj_qkvz`, `in_proj_ba`) are kept too: the loader
-# permutes their rows into Qwen3.5's order (engine/models/qwen3_next.py) and refuses them quantized.
+# permutes their rows into Qwen3.5's order (engine/models/qwen3_next.py); it reads them quantized too (row-wise
+# layouts kept quantized, FP8 blocks dequantized at load), but in FP8 blocks -- this quantizer's -- nothing is saved.
 KEPT_MODULES = (".mlp.gate", ".shared_expert_gate", ".in_proj_qkvz", ".in_proj_ba")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidArgumentError
-from engine.platform import COMPILED_CAPABILITIES, capability_override, select_paths
+from engine.platform import COMPILED_CAPABILITIES, capability_override, check_tp_comm, moe_family, select_paths
 
 CAPS = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0)]
 
@@ -53,11 +53,20 @@ def test_each_capability_and_dtype_is_served_or_refused_naming_the_setting(cap, 
     assert (p.fp8_linear == "fp8-gemv+scaled-mm") == (cap >= (8, 9) and half)
     assert p.pdl == (cap[0] >= 9)
     assert p.elementwise == "triton" and p.gated_delta == "triton" and p.dense_linear == "triton-gemv+skinny"
+    # the MoE kernels compile for every capability in every expert format (float32: their IEEE dots); the
+    # integer kernels take 16-bit activations only
+    assert (p.moe_experts, p.moe_fp8_experts, p.moe_nvfp4_experts) == (
+        "triton-grouped-gemm", "triton-grouped-gemm-dequant", "triton-grouped-gemm-dequant")
+    assert p.int_linear == ("triton-int-gemv+gemm" if half else "torch-dequantize")
+    # the CUDA C all-reduce: CUDA 13's NVRTC has no sm70 target
+    assert p.tp_allreduce == ("nccl" if cap < (7, 5) else "p2p-one-shot+nccl")
 
 
 def test_the_cpu_takes_the_torch_paths_and_float32_by_default():
     p = select_paths(None)
     assert p.capability == "cpu" and p.dtype == "float32" and p.attention_decode == "torch" and not p.pdl
+    assert p.moe_experts == p.moe_fp8_experts == p.moe_nvfp4_experts == p.int_linear == "torch"
+    assert p.tp_allreduce == "local"
     assert select_paths(None, "float16").dtype == "float16"
 
 
@@ -91,3 +100,19 @@ def test_an_older_capability_can_be_chosen_on_a_newer_gpu_never_a_newer_one():
         capability_override("9.0", (8, 0))
     with pytest.raises(ValueError, match="takes major.minor"):
         capability_override("sm70", (9, 0))
+
+
+@pytest.mark.parametrize("cap", [None, (7, 0), (9, 0)], ids=["cpu", "sm70", "sm90"])
+def test_each_expert_format_has_its_own_moe_family(cap):
+    p = select_paths(cap)
+    assert [moe_family(p, fmt) for fmt in (None, "fp8", "nvfp4")] == [p.moe_experts, p.moe_fp8_experts,
+                                                                        p.moe_nvfp4_experts]
+    assert set(p.as_dict()) >= {"moe_experts", "moe_fp8_experts", "moe_nvfp4_experts", "int_linear", "tp_allreduce"}
+
+
+def test_p2p_all_reduce_is_refused_naming_tp_comm_where_its_kernels_are_not_selected():
+    with pytest.raises(InvalidArgumentError) as e:
+        check_tp_comm(select_paths((7, 0)), "p2p", 2)
+    assert e.value.field == "tp_comm" and "sm70" in str(e.value) and "--tp-comm nccl" in str(e.value)
+    for cap, comm, tp in (((7, 0), "auto", 2), ((7, 0), "p2p", 1), ((7, 5), "p2p", 2), (None, "p2p", 2)):
+        check_tp_comm(select_paths(cap), comm, tp)            # auto falls back to NCCL; one rank all-reduces nothing

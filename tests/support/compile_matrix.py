@@ -85,6 +85,7 @@ class Launch:
         return self.fn.__name__
 
     def compile(self, capability: int):
+        """The CompiledKernel for sm_<capability> (its asm holds the PTX and the cubin)."""
         options = {k: _as_tuples(v) for k, v in self.options.items() if k not in TARGET_DERIVED_OPTIONS}
         source = ASTSource(self.fn, self.signature, self.constexprs, self.attrs)
         return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
@@ -136,6 +137,21 @@ class CompileResult:
     capability: int
     ok: bool
     error: str = ""
+    local_bytes: int = -1      # stack + local memory of the cubin (spills), where measured; -1: not measured
+
+
+def local_memory_bytes(cubin: bytes) -> int:
+    """Stack plus local memory of a cubin's kernel (register spills), as the cuobjdump Triton ships reports it."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", usage))
 
 
 def first_error_line(error: BaseException) -> str:
@@ -151,9 +167,10 @@ def first_error_line(error: BaseException) -> str:
     return lines[0][:300]
 
 
-def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: dict[str, tuple[int, ...]]
-                      ) -> list[CompileResult]:
-    """Capture each scenario's launches, then compile each for the capabilities listed for it."""
+def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: dict[str, tuple[int, ...]],
+                      spill_checked: frozenset[str] = frozenset()) -> list[CompileResult]:
+    """Capture each scenario's launches, then compile each for the capabilities listed for it (and measure the
+    local memory of the scenarios in `spill_checked`)."""
     results: list[CompileResult] = []
     for name, run in scenarios.items():
         with capture_launches(name) as launches:
@@ -163,105 +180,13 @@ def compile_scenarios(scenarios: dict[str, Callable[[], None]], capabilities: di
         for launch in launches:
             for cap in capabilities[name]:
                 try:
-                    launch.compile(cap)
-                    results.append(CompileResult(name, launch.kernel, cap, True))
+                    kernel = launch.compile(cap)
                 except Exception as error:  # noqa: BLE001 - the matrix records why a target fails
                     results.append(CompileResult(name, launch.kernel, cap, False, first_error_line(error)))
+                    continue
+                local = local_memory_bytes(kernel.asm["cubin"]) if name in spill_checked else -1
+                results.append(CompileResult(name, launch.kernel, cap, True, local_bytes=local))
     return results
-
-
-# -- the representative launches: shapes of the reference models, each tagged with the family it proves -------
-
-def scenarios(full: bool = False) -> dict[str, tuple[str, Callable[[], None], tuple[int, ...]]]:
-    """name -> (the engine/platform.py family it belongs to, the launch code, the capabilities to compile for).
-    The fast set (CI) compiles each family for every capability that may select it in the dtype that capability
-    runs in (float16 below sm80, bfloat16 from sm80); `full` adds the prefill-shaped attention (sm70's alone takes
-    ~100 s to compile) and every family in both dtypes on every capability."""
-    import torch
-
-    from tests.support import kernel_checks as kc
-    from tests.support import quant_kernel_checks as qc
-
-    f16, bf16, i8, cpu = torch.float16, torch.bfloat16, torch.int8, torch.device("cpu")
-    old, new, every = (70, 75), (80, 89, 90), (70, 75, 80, 89, 90)
-    dtypes = {70: f16, 75: f16, 80: bf16, 89: bf16, 90: bf16}
-
-    def attention(query_lens, seq_lens, dtype, kv_dtype, kv_heads=2, head_dim=128):
-        from engine.kernels.attention.paged import paged_attention
-        q, kv, ctx = kc.attention_case(query_lens, seq_lens, 8, kv_heads, head_dim, 16, kv_dtype, dtype, cpu, 0)
-        paged_attention(q, kv, ctx, head_dim ** -0.5)
-
-    def rms_norm_pdl(dtype):
-        # the decode kernels' PDL form: the real RMSNorm kernel launched with the attribute on
-        from engine.kernels.elementwise.norm_rope import _rms_norm_kernel
-        x = torch.randn(2, 1024, dtype=dtype)
-        w = torch.ones(1024, dtype=dtype)
-        _rms_norm_kernel[(2,)](x, x, w, x, x, 1024, 1024, 1024, 1024, 1024, 1e-6, BLOCK=1024, HAS_RESIDUAL=False,
-                               ZERO_CENTRED=False, num_warps=2, USE_PDL=True, launch_pdl=True)
-
-    def tma_prefill(dtype):
-        from engine.kernels.attention.prefill_tma import prefill_attention
-        q = torch.randn(200, 8, 128, dtype=dtype)
-        k, v = torch.randn(300, 2, 128, dtype=dtype), torch.randn(300, 2, 128, dtype=dtype)
-        prefill_attention(q, k, v, torch.tensor([0, 200], dtype=torch.int32), torch.tensor([0, 300], dtype=torch.int32),
-                          200, 128 ** -0.5)
-
-    def skinny_dense(dtype):
-        from engine.kernels.linear.skinny_gemm import skinny_dense as run
-        run(torch.randn(4, 512, dtype=dtype), torch.randn(1024, 512, dtype=dtype))
-
-    def act_quant(dtype):
-        from engine.kernels.linear.act_quant import quantize_activations_fused
-        quantize_activations_fused(torch.randn(5, 256, dtype=dtype))
-
-    def recurrent():
-        from engine.kernels.gated_delta.decode_step import recurrent as run
-        B, n, hk, hv, d = 2, 1, 2, 4, 128
-        f = torch.float32
-        run(torch.randn(B, n, hk, d), torch.randn(B, n, hk, d), torch.randn(B, n, hv, d), torch.randn(B, n, hv),
-            torch.randn(B, n, hv), torch.randn(hv), torch.randn(hv), torch.zeros(3, hv, d, d, dtype=f),
-            torch.tensor([0, 1], dtype=torch.int32))
-
-    table: dict[str, tuple[str, Callable[[], None], tuple[int, ...]]] = {}
-    for dtype, caps in ((f16, old), (bf16, new)):
-        tag = "f16" if dtype is f16 else "bf16"
-        table |= {
-            f"rms_norm_{tag}": ("elementwise", lambda d=dtype: kc.check_rms_norm(3, 1024, d, cpu, 0, True), caps),
-            f"silu_and_mul_{tag}": ("elementwise", lambda d=dtype: kc.check_silu_and_mul(3, 1024, d, cpu, 0), caps),
-            f"write_kv_int8_{tag}": ("elementwise", lambda d=dtype: kc.check_write_kv(5, 2, 128, 16, i8, d, cpu, 0),
-                                     caps),
-            f"split_merge_{tag}": ("attention", lambda d=dtype: kc.check_split_merge(3, 8, 4, 128, d, cpu, 0), caps),
-            # the padded KV head count: 2 (27B at TP=2), 4 (8 KV heads at TP=2), 8 (TP=1)
-            **{f"qk_norm_rope_kvh{h}_{tag}": ("elementwise", lambda d=dtype, h=h: kc.check_qk_norm_rope(
-                3, 4 * h, h, 128, d, cpu, 0, kv_dtype=i8), caps) for h in (2, 4, 8)},
-            f"attn_decode_int8_{tag}": ("attention", lambda d=dtype: attention([1, 1], [37, 300], d, i8), caps),
-            f"attn_decode_{tag}": ("attention", lambda d=dtype: attention([1, 1], [37, 300], d, d),
-                                   caps if full else caps[:1]),
-            f"gemv_nvfp4_{tag}": ("nvfp4_linear", lambda d=dtype: qc.check_gemv("nvfp4", 1, 256, 512, cpu, dtype=d),
-                                  every),
-            f"gemv_dense_{tag}": ("dense_linear", lambda d=dtype: qc.check_gemv("bf16", 1, 256, 512, cpu, dtype=d),
-                                  caps),
-            f"skinny_dense_{tag}": ("dense_linear", lambda d=dtype: skinny_dense(d), caps),
-            f"gemv_fp8_{tag}": ("fp8_linear", lambda d=dtype: qc.check_gemv("fp8", 1, 256, 512, cpu, dtype=d), every),
-            f"act_quant_fp8_{tag}": ("fp8_activation_quant", lambda d=dtype: act_quant(d), every),
-            f"pdl_{tag}": ("pdl", lambda d=dtype: rms_norm_pdl(d), every),
-        }
-    table["tma_prefill_bf16"] = ("attention_tma", lambda: tma_prefill(bf16), (90,))
-    table["gated_delta_recurrent"] = ("gated_delta", recurrent, every)
-    if not full:
-        # the capability-only families compile in the dtype their capability runs in
-        for name in [n for n in table if n.startswith(("gemv_", "act_quant_", "pdl_"))]:
-            family, run, _ = table[name]
-            keep = tuple(c for c in every if (dtypes[c] is f16) == name.endswith("_f16"))
-            table[name] = (family, run, keep)
-        return table
-    table |= {
-        "attn_prefill_f16": ("attention", lambda: attention([60], [60], f16, f16), every),
-        "attn_prefill_bf16": ("attention", lambda: attention([60], [60], bf16, bf16), new),
-        "attn_verify_bf16": ("attention", lambda: attention([4, 4], [40, 90], bf16, bf16), new),
-    }
-    return {name: (family, run, every if family not in ("attention_tma",) else caps)
-            for name, (family, run, caps) in table.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -275,17 +200,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--full", action="store_true")
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     args = parser.parse_args(argv)
+    from tests.support.compile_scenarios import scenarios
     table = scenarios(args.full)
     if args.only:
         table = {k: v for k, v in table.items() if k in args.only.split(",")}
     import resource
+
+    from tests.support import nvrtc
     t0, cpu0 = time.perf_counter(), time.process_time()
-    results = compile_scenarios({k: v[1] for k, v in table.items()}, {k: v[2] for k, v in table.items()})
+    spill_checked = frozenset(k for k, v in table.items() if v[0] == "int_linear")
+    results = compile_scenarios({k: v[1] for k, v in table.items()}, {k: v[2] for k, v in table.items()},
+                                spill_checked)
+    families = {k: v[0] for k, v in table.items()}
+    # the CUDA C, through NVRTC where its library is installed (the test extra's nvidia-cuda-nvrtc)
+    library, nvrtc_cpu0 = nvrtc.find_libnvrtc(), time.process_time()
+    if library and not args.only:
+        for name, source in nvrtc.engine_cuda_sources().items():
+            families[name] = source.family
+            results += [CompileResult(name, "+".join(source.files), cap, *nvrtc.try_compile(library, source, cap))
+                        for cap in source.targets]
+    nvrtc_cpu = time.process_time() - nvrtc_cpu0
     children = resource.getrusage(resource.RUSAGE_CHILDREN)          # ptxas runs as a child process
     with open(args.out, "w") as f:
         json.dump({"seconds": time.perf_counter() - t0,
                    "cpu_seconds": time.process_time() - cpu0 + children.ru_utime + children.ru_stime,
-                   "families": {k: v[0] for k, v in table.items()},
+                   "nvrtc": {"library": library, "version": nvrtc.version(library), "cpu_seconds": nvrtc_cpu}
+                   if library else None,
+                   "families": families,
                    "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
 
 

@@ -25,7 +25,9 @@ Base models (made for each run and removed after it; seed 0, bf16, tied embeddin
 attention with 2 key and 4 value heads of 64), and one MTP layer (`mtp.*`, random) that each producer
 keeps or drops as it does on real checkpoints. Every quantized dimension is a multiple of the group
 sizes used (32, 64, 128), and with TP=2 the row-parallel inputs (o_proj 256 -> 128, down_proj 256 -> 128,
-out_proj 256 -> 128) are still whole groups.
+out_proj 256 -> 128) are still whole groups. The MoE fixtures (qwen3_moe, qwen3_next) take tests/support/moe.py's
+tiny shapes (hidden 64, 8 experts of 32, top 2; Qwen3-Next's shared expert 64) in bf16 with tied embeddings and
+no MTP layer; their compressed-tensors probes call the format's compressor on each module's tensors.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -50,6 +53,12 @@ W8_ASYM = {"group_0": {"targets": ["Linear"], "weights": {
     "num_bits": 8, "type": "int", "symmetric": False, "strategy": "group", "group_size": 128}}}
 W4_ASYM_G64 = {"group_0": {"targets": ["Linear"], "weights": {
     "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 64}}}
+# mixtures of experts (tests/support/moe.py's tiny configs, bf16, tied embeddings, no MTP): routers and
+# shared-expert gates ignored as the producers' Qwen3-MoE / Qwen3-Next examples do; Qwen3-Next's grouped
+# DeltaNet input projections left to the recipe's "Linear" target (quantized)
+MOE_IGNORE = ["lm_head", "re:.*mlp\\.gate$", "re:.*shared_expert_gate$"]
+W4_G16 = {"group_0": {"targets": ["Linear"], "weights": {
+    "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 16}}}
 FIXTURES = {
     "modelopt_fp8/qwen3": ("main", "modelopt", "qwen3", {"cfg": "FP8_DEFAULT_CFG"}),
     "modelopt_fp8/qwen3_5": ("main", "modelopt", "qwen3_5", {"cfg": "FP8_DEFAULT_CFG"}),
@@ -72,7 +81,13 @@ FIXTURES = {
     "awq_gemm_autoawq/qwen3": ("legacy", "autoawq", "qwen3", {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}),
     "awq_gemm_g64/qwen3": ("gptq", "gptqmodel", "qwen3", {"quant_method": "awq", "format": "gemm", "bits": 4, "group_size": 64, "sym": False, "_dtype": "float16"}),
     "awq_gemm/qwen3_5": ("gptq", "gptqmodel", "qwen3_5", {"quant_method": "awq", "format": "gemm", "bits": 4, "group_size": 128, "sym": False, "_dtype": "float16"}),
+    "modelopt_nvfp4/qwen3_moe": ("main", "modelopt", "qwen3_moe", {"cfg": "NVFP4_DEFAULT_CFG"}),
+    "modelopt_nvfp4/qwen3_next": ("main", "modelopt", "qwen3_next", {"cfg": "NVFP4_DEFAULT_CFG"}),
+    "ct_w4a16_g16/qwen3_moe": ("llmc", "llmc", "qwen3_moe", {"config_groups": W4_G16, "ignore": MOE_IGNORE}),
+    "ct_w4a16_g16/qwen3_next": ("llmc", "llmc", "qwen3_next", {"config_groups": W4_G16, "ignore": MOE_IGNORE}),
+    "ct_fp8_dynamic/qwen3_next": ("llmc", "llmc", "qwen3_next", {"scheme": "FP8_DYNAMIC", "ignore": MOE_IGNORE}),
 }
+MOE_ARCHS = ("qwen3_moe", "qwen3_next")
 # `--quality-out`: each layout from its real producer on the shared trained models (tools/quality/quant_quality.py
 # measures them), calibrated on in-domain text (tools/quality/calibration_texts.py); not kept in the repository
 G128 = {"bits": 4, "group_size": 128}
@@ -111,6 +126,15 @@ COMMON = dict(vocab_size=384, hidden_size=128, intermediate_size=256, num_hidden
 
 def build_base(arch: str, out: str) -> None:
     import torch
+    if arch in MOE_ARCHS:
+        from tests.support.moe import build_reference, write_checkpoint
+        from engine.loading.embedded_model import build_default_tokenizer
+        # a shared expert of 64 (Qwen3-Next): NVFP4 groups of 16 must tile each rank's 32 columns at TP=2
+        shared = {"shared_expert_intermediate_size": 64} if arch == "qwen3_next" else {}
+        model, _ = build_reference(arch, seed=0, tie_word_embeddings=True, **shared)
+        write_checkpoint(model.to(torch.bfloat16), {}, Path(out), "transformers", with_mtp=False)
+        write_tokenizer(out, build_default_tokenizer())
+        return
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -330,6 +354,28 @@ def dequantize_ct(d: str) -> tuple[dict, str]:
             "compressed-tensors decompressors via transformers CompressedTensorsConfig(dequantize=True)")
 
 
+def dequantize_ct_tensors(d: str) -> tuple[dict, str]:
+    """compressed-tensors 0.19's compressor of the checkpoint's format, called on each module's tensors (the MoE
+    fixtures: transformers fuses the experts when it loads them, so its dequantized state dict has no per-expert
+    weights to probe)."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    qc = json.load(open(os.path.join(d, "config.json")))["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]),
+                                input_activations=group.get("input_activations") and
+                                QuantizationArgs(**group["input_activations"]))
+    compressor = BaseCompressor.get_value_from_registry(qc["format"])
+    t, out = load_tensors(d), {}
+    for m in sorted({n.rsplit(".", 1)[0] for n in t if n.endswith(".weight_scale")}):
+        # float32 scales: the compressor computes in the scale's dtype (bf16 on disk would round its result)
+        tensors = {n[len(m) + 1:]: (v.float() if v.dtype == torch.bfloat16 else v)
+                   for n, v in t.items() if n.rsplit(".", 1)[0] == m}
+        out[m] = compressor.decompress(tensors, scheme)["weight"].float()
+    return out, f"compressed-tensors {compressor.__name__}.decompress on each module's tensors, float32 scales"
+
+
 def dequantize_gptq(d: str) -> tuple[dict, str]:
     import torch
     from gptqmodel.utils.model_dequant import dequantize_model
@@ -379,7 +425,7 @@ def probe_fixture(name: str) -> str:
     if prod == "modelopt":
         dense, what = dequantize_modelopt(d, opts["cfg"])
     elif prod == "llmc":
-        dense, what = dequantize_ct(d)
+        dense, what = dequantize_ct_tensors(d) if _arch in MOE_ARCHS else dequantize_ct(d)
     elif prod == "autoawq" or opts.get("quant_method") == "awq":
         dense, what = dequantize_awq(d, legacy=prod == "autoawq")
     else:
@@ -419,7 +465,7 @@ def sha256(path: str) -> str:
 def write_manifest(done: dict, bases: dict) -> None:
     path = os.path.join(FIX, "MANIFEST.json")
     manifest = json.load(open(path)) if os.path.exists(path) else {"fixtures": {}}
-    manifest["base_model_sha256"] = bases
+    manifest["base_model_sha256"] = {**manifest.get("base_model_sha256", {}), **bases}
     manifest["generator"] = "tools/dev/make_quant_fixtures.py (venvs: tools/dev/quant_fixture_venvs.sh)"
     manifest["probe"] = (f"producer_probe.safetensors: the producer's own dequantized weight at {PROBES} seeded "
                          "positions of every quantized linear (<module>.idx int32 [n, 2], <module>.val float32 [n])")
@@ -502,7 +548,7 @@ def main() -> None:
         sys.exit(f"missing producer venvs {missing}: run tools/dev/quant_fixture_venvs.sh DIR, then pass --venvs DIR")
     sys.path.insert(0, REPO)
     bases = {}
-    for arch in ("qwen3", "qwen3_5"):
+    for arch in sorted({FIXTURES[n][2] for n in names}):
         shutil.rmtree(base_dir(arch), ignore_errors=True)
         build_base(arch, base_dir(arch))
         bases[arch] = sha256(os.path.join(base_dir(arch), "model.safetensors"))

@@ -133,3 +133,33 @@ class ByPrefix(Layout):
 
     def convert(self, module, suffix, tensor, spec):
         return self.of(module).convert(module, suffix, tensor, spec)
+
+
+class Renamed(Layout):
+    """`layout` with some modules loaded under other names (`aliases`: new name -> checkpoint module) whose
+    tensors the model has already converted to the layer's (Qwen3-Next's grouped DeltaNet projections, their
+    converted rows permuted into Qwen3.5's flat ones): an alias takes its checkpoint module's kind and
+    exclusions, states no disk tensors of its own and passes its tensors through unconverted."""
+
+    def __init__(self, layout: Layout, aliases: dict[str, str]):
+        self.layout, self.aliases = layout, dict(aliases)
+        self.name, self.markers, self.scalars, self.optional = layout.name, layout.markers, layout.scalars, layout.optional
+
+    def excluded_by(self, module):
+        return self.layout.excluded_by(self.aliases.get(module, module))
+
+    def linear_quant(self, module):
+        return self.layout.linear_quant(self.aliases.get(module, module))
+
+    def disk_shapes(self, module, spec, out, inp):
+        if module in self.aliases:
+            return {f"{module}.weight": (out, inp)}         # stated by the model under the checkpoint's name
+        return self.layout.disk_shapes(module, spec, out, inp)
+
+    def dtypes_for(self, module, spec):
+        return {} if module in self.aliases else self.layout.dtypes_for(module, spec)
+
+    def convert(self, module, suffix, tensor, spec):
+        if module in self.aliases:
+            return [(suffix, tensor)]
+        return self.layout.convert(module, suffix, tensor, spec)

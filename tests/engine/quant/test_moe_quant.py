@@ -23,7 +23,7 @@ from tests.support.moe import build_random_moe
 PROMPTS = random_prompts(384, [9, 37], seed=8)
 
 
-@pytest.fixture(scope="module", params=[("qwen3_moe", "fp8"), ("qwen3_next", "fp8"), ("qwen3_next", "nvfp4"),
+@pytest.fixture(scope="module", params=[("qwen3_moe", "fp8"), ("qwen3_moe", "nvfp4"), ("qwen3_next", "fp8"), ("qwen3_next", "nvfp4"),
                                          ("qwen3_5_moe", "fp8"), ("qwen3_5_moe", "nvfp4")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def quantized(request, tmp_path_factory):
