@@ -89,8 +89,8 @@ class EngineClient(ServerClient):
         deadline = time.monotonic() + timeout_s
         while True:
             m = self.metrics()
-            q = m.queue
-            busy = q.waiting or q.prefilling or q.running or q.parked or m.kv.mtp_hidden_rows_used
+            q, held = m.queue, m.kv
+            busy = q.waiting or q.prefilling or q.running or q.parked or held.mtp_hidden_rows_used
             if not busy or time.monotonic() > deadline:
                 return m
             time.sleep(poll_s)
