@@ -171,12 +171,13 @@ def test_a_pull_that_fails_is_unavailable_and_holds_nothing(stubs, clients):
     (lambda h: json.dumps(dict(h, num_prompt_tokens=3)), "kv_transfer_params_json.num_prompt_tokens"),
     (lambda h: json.dumps(dict(h, remote_block_ids=list(range(9)))), "kv_transfer_params_json.remote_block_ids"),
     (lambda h: json.dumps(dict(h, remote_agent_metadata="!!")), "kv_transfer_params_json.remote_agent_metadata"),
+    (lambda h: json.dumps(dict(h, remote_lease=[4096, 0])), "kv_transfer_params_json.remote_lease"),
 ])
 def test_a_bad_hand_off_is_invalid_argument_naming_the_field(stubs, clients, mutate, field):
     handoff = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "ninfer-x",
                "remote_agent_metadata": base64.b64encode(b"x").decode(), "remote_request_id": "r",
                "num_prompt_tokens": len(PROMPT), "remote_block_ids": [0],
-               "remote_spans": [[4096, 4096, 2048]] * 2}
+               "remote_spans": [[4096, 4096, 2048]] * 2, "remote_lease": [4096, 1]}
     info = stubs["consumer"].GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert info.kv_role == "kv_consumer"
     # the consumer's own layout, so that only the mutated field is wrong
