@@ -8,8 +8,9 @@ The pool is registered once, and beside it a table of 8-byte words: a producer's
 into its own, then, once that READ is complete, READs the lease's word into a landing word with a
 notification that tells the producer it may free the blocks: the word says whether the lease held
 throughout the pull. The producer's side runs no code per read (the agent's progress thread serves it)
-and reads its notifications from a thread of its own, never the engine's. Peers are learnt from the metadata blob the producer hands out with each request
-(`get_agent_metadata()`, a few hundred bytes: its UCX address and registered regions).
+and reads its notifications from a thread of its own, never the engine's. Peers are learnt from the
+metadata blob the producer hands out with each request (`get_agent_metadata()`, a few hundred bytes: its
+UCX address and registered regions).
 """
 
 from __future__ import annotations

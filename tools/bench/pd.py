@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections import Counter
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,12 +44,17 @@ def run(bench, sec: dict) -> None:
         return
     model = str(bench.acceptance_model)
     name = Path(model).name
-    flags = ("--model", model, "--device", bench.device, "--kv-capacity", str(plan.kv_capacity),
-             "--max-num-seqs", str(max(plan.streams)), "--num-speculative-tokens", "0")
+    flags = ("--model", model, "--kv-capacity", str(plan.kv_capacity), "--max-num-seqs", str(max(plan.streams)),
+             "--num-speculative-tokens", "0")
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if bench.kind == "cpu" else None
+    # two GPUs: the consumer on the second, so that the pull crosses the link (NVLink / PCIe), not one device
+    devices = {role: bench.device for role in ROLES}
+    if bench.kind == "cuda" and bench.gpu_count() >= 2:
+        devices["consumer"] = "cuda:1"
 
     def start(role: str) -> ServerProcess:
-        proc = ServerProcess.start("engine", *flags, "--kv-role", role, "--log-level", "info", env=env, timeout_s=900)
+        proc = ServerProcess.start("engine", *flags, "--device", devices[role], "--kv-role", role, "--log-level",
+                                   "info", env=env, timeout_s=900)
         with EngineClient(proc.address) as client:
             client.wait_until_serving(900)
         return proc
@@ -68,25 +74,33 @@ def run(bench, sec: dict) -> None:
         sides = dict(zip(("pd", "single"), routers))
         body = {"model": name, "prompt": _words(plan.prompt), "max_tokens": plan.decode_tokens, "temperature": 0,
                 "ignore_eos": True}
-        for side in sides.values():                     # the first requests through each path: not measured
-            _stream(side, {**body, "prompt": "[warm] " + body["prompt"]})
+        for router in sides.values():                   # the first requests through each path: not measured
+            _stream(router, {**body, "prompt": "[warm] " + body["prompt"]})
         sec.update(model=name, prompt_tokens_about=plan.prompt, decode_tokens=plan.decode_tokens,
-                   engines={"kv_capacity": plan.kv_capacity, "draft_tokens": 0, "device": bench.device})
+                   engines={"kv_capacity": plan.kv_capacity, "draft_tokens": 0, "device": bench.device,
+                            "devices": devices})
         sec["streams"] = {}
         counter = iter(range(1 << 30))
         for n in plan.streams:
-            calls = {label: (lambda r=router, n=n: _round(r, body, n, next(counter))) for label, r in sides.items()}
+            calls = {label: (lambda r=side, n=n: _round(r, body, n, next(counter)))
+                     for label, side in sides.items()}
             sec["streams"][str(n)] = interleave.run(calls, plan.reps, budget=bench.budget, round_s=30.0, streams=n)
             record = sec["streams"][str(n)]
             say("pd", f"{n} stream(s): TTFT ms single / PD {_med(record, 'single', 'ttft_ms_median')} / "
                       f"{_med(record, 'pd', 'ttft_ms_median')}; inter-token ms "
-                      f"{_med(record, 'single', 'inter_token_ms_median')} / {_med(record, 'pd', 'inter_token_ms_median')}")
+                      f"{_med(record, 'single', 'inter_token_ms_median')} / "
+                      f"{_med(record, 'pd', 'inter_token_ms_median')}")
             bench.save()
         for r in routers:
             r.stop()
         procs["consumer"].terminate()                   # its log is complete once it has exited
         procs["consumer"].wait(60)
-        sec["transfer"] = transfer_figures([e for e in procs["consumer"].events if e.get("event") == "kv_pulled"])
+        events = procs["consumer"].events
+        sec["transfer"] = transfer_figures([e for e in events if e.get("event") == "kv_pulled"])
+        # what became of the decode legs' hand-offs: pulled, recomputed (stale lease, no room), failed
+        sec["consumer_log"] = dict(Counter(e["event"] for e in events if str(e.get("event", "")).startswith("kv_")))
+        sec["consumer_log"]["engine_request_done"] = sum(e.get("event") == "engine_request_done" for e in events)
+        sec["consumer_log"]["unparsed_lines"] = len(procs["consumer"].other_lines)
         t = sec["transfer"]
         if t.get("pulls"):
             say("pd", f"{t['pulls']} pulls: {t['bytes_median'] / 1e6:.2f} MB in {t['ms_median']:.2f} ms median "
