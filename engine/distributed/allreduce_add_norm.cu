@@ -45,7 +45,7 @@ __device__ __forceinline__ uint4 normed_word(uint4 h_word, uint4 w_word, float r
 template <typename T>
 __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void* xp, const void* rp,
                                                   const void* wp, void* op, void* rop, int rows,
-                                                  int row_units, float eps, int zero_centred, int splits) {
+                                                  int row_units, float eps, int zero_centred) {
     typedef Unit<T, true> U;
     typedef typename U::word word;
     typedef typename Num<T>::raw raw;
@@ -60,28 +60,10 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
     word* res_out = (word*)rop;
     word* mine = (word*)(a.stage[a.rank] + (u64)parity * a.cap);
 
-    // 1. Stage this block's rows of the local partial where the peers can read them; with
-    //    splits > 1, x holds [splits][rows][H] partials of slices of K: their fp32 sum, rounded once.
-    const int split_units = rows * row_units;
+    // 1. Stage this block's rows of the local partial where the peers can read them.
     for (int row = (int)blockIdx.x; row < rows; row += (int)gridDim.x) {
         const int base = row * row_units;
-        for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x) {
-            if (splits == 1) {
-                mine[base + i] = x[base + i];
-            } else {                                // all loads first (unrolled), then the fp32 sum
-                word v[MAX_SPLITS];
-#pragma unroll
-                for (int sp = 0; sp < MAX_SPLITS; ++sp) {
-                    if (sp < splits) v[sp] = x[sp * split_units + base + i];
-                }
-                float acc[U::N];
-#pragma unroll
-                for (int sp = 0; sp < MAX_SPLITS; ++sp) {
-                    if (sp < splits) U::add(acc, v[sp], sp == 0);
-                }
-                mine[base + i] = U::pack(acc);
-            }
-        }
+        for (int i = (int)threadIdx.x; i < row_units; i += (int)blockDim.x) mine[base + i] = x[base + i];
     }
     __syncthreads();
 
@@ -125,9 +107,9 @@ __device__ __forceinline__ void one_shot_add_norm(const RankArgs& a, const void*
 #define ADD_NORM_ENTRY(NAME, BODY, T)                                                             \
     extern "C" __global__ void __launch_bounds__(1024) NAME(const RankArgs a, const void* x,      \
             const void* residual, const void* weight, void* out, void* residual_out, int rows,    \
-            int row_units, float eps, int zero_centred, int splits) {                             \
+            int row_units, float eps, int zero_centred) {                                         \
         allow_dependents();                                                                       \
-        BODY<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps, zero_centred, splits); \
+        BODY<T>(a, x, residual, weight, out, residual_out, rows, row_units, eps, zero_centred);   \
     }
 ADD_NORM_ENTRY(ninfer_ar_add_norm_f32, one_shot_add_norm, F32)
 ADD_NORM_ENTRY(ninfer_ar_add_norm_f16, one_shot_add_norm, F16)

@@ -86,7 +86,7 @@ from engine.distributed import p2p_push
 from engine.distributed.p2p_launch import RankLaunch
 from engine.distributed.tp_group import TPGroup
 from engine.kernels.cuda_source import read_cuda_source
-from engine.distributed.fused_allreduce import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, MAX_SPLITS, add_norm_launch_shape
+from engine.distributed.fused_allreduce import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, add_norm_launch_shape
 
 log = structlog.get_logger(__name__)
 
@@ -437,27 +437,25 @@ class P2PCommunicator(_CudaCommunicator):
                                 eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One launch for `h = all_reduce(x) + residual; (rms_norm(h) * weight, h)` (engine.distributed.fused_allreduce).
 
-        x, residual: [..., H] on devices[rank] (x may also be [S, ..., H]: this rank's partials of
-        S slices of K, summed before the exchange); weight: [H]. Returns (normed, h) as new tensors,
+        x, residual: [..., H] on devices[rank]; weight: [H]. Returns (normed, h) as new tensors,
         or None where the fused kernel does not apply (dtype, shapes, rows not 16-byte multiples,
         more than max_bytes): the caller then runs the unfused ops. The decision depends on shapes
         and dtypes only, never on this rank's pointers, so every rank decides alike."""
         self._check(rank, x)
         kind = _P2P_DTYPES.get(x.dtype)
-        splits = x.shape[0] if x.dim() == residual.dim() + 1 else 1
         hidden = residual.shape[-1] if residual.dim() else 0
         row_bytes = hidden * x.element_size()
         nbytes = residual.numel() * x.element_size()
         limit = self.max_bytes if FUSED_MAX_BYTES is None else min(self.max_bytes, FUSED_MAX_BYTES)
-        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or splits > MAX_SPLITS or x.shape[x.dim() - residual.dim():]
-                != residual.shape or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
+        if (kind is None or nbytes == 0 or nbytes > limit or row_bytes % 16 or x.shape != residual.shape
+                or residual.dtype != x.dtype or weight.dtype != x.dtype or weight.shape != (hidden,)):
             return None
         if torch.cuda.current_device() != self.devices[rank]:
             with torch.cuda.device(self.devices[rank]):
-                return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred, splits)
-        return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred, splits)
+                return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred)
+        return self._add_norm(rank, kind, x, residual, weight, eps, zero_centred)
 
-    def _add_norm(self, rank, kind, x, residual, weight, eps, zero_centred, splits):
+    def _add_norm(self, rank, kind, x, residual, weight, eps, zero_centred):
         def aligned(t):           # contiguous and 16-byte aligned, else a copy (pointers differ per rank)
             return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
         x, residual, weight = aligned(x), aligned(residual), aligned(weight)
@@ -472,11 +470,11 @@ class P2PCommunicator(_CudaCommunicator):
                            else (("add_norm", kind), self._args, self._fast))
         if self.fast_launch:
             call = (fast[rank].add_norm, self._function_ptrs[rank][key], blocks, threads, stream,
-                    pointers, rows, units, eps, zero_centred, splits)
+                    pointers, rows, units, eps, zero_centred)
         else:
             call = (_launch, self._functions[rank][key], (blocks,), (threads,),
                     (args[rank], *(np.uint64(p) for p in pointers), np.int32(rows), np.int32(units),
-                     np.float32(eps), np.int32(1 if zero_centred else 0), np.int32(splits)), _Stream(stream))
+                     np.float32(eps), np.int32(1 if zero_centred else 0)), _Stream(stream))
         self._in_context(rank, call)
         return out, residual_out
 

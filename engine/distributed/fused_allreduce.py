@@ -12,10 +12,7 @@ adds the residual, writes the new residual and writes the normed output:
     y = round(h * rstd * (1 + w))                        zero-centred (engine.layers.hybrid_norm)
     rstd = rsqrt(mean(h^2) + eps)                        over the row, fp32
 
-rounding where the unfused ops round ("round" = to the activation dtype). With `splits` > 1 the
-rank's input is [splits, T, H]: partial outputs of a row-parallel projection computed over slices
-of its input features (RowParallelLinear.k_splits), summed in fp32 in slice order and rounded once
-before they are staged, which takes the place of cuBLAS's split-K reduce kernel. Every rank runs the same
+rounding where the unfused ops round ("round" = to the activation dtype). Every rank runs the same
 grid over the same numbers in the same order, so the outputs are bitwise equal across ranks.
 
 Launch shape: one block per row (a token's hidden vector), blocks striding over rows when there are
@@ -34,9 +31,7 @@ import torch
 
 from engine.kernels.cuda_source import read_cuda_source
 
-MAX_SPLITS = 8          # partials of K slices one fused call sums per rank
-
-ADD_NORM_SOURCE = read_cuda_source(__file__, "allreduce_add_norm.cu", MAX_SPLITS=MAX_SPLITS)
+ADD_NORM_SOURCE = read_cuda_source(__file__, "allreduce_add_norm.cu")
 
 ADD_NORM_KERNEL_NAMES = {kind: f"ninfer_ar_add_norm_{kind}" for kind in ("f32", "f16", "bf16")}
 
@@ -55,8 +50,6 @@ def add_norm_reference(parts: list[torch.Tensor], residual: torch.Tensor, weight
     residual [..., H], weight [H] -> (normed [..., H], new residual [..., H]), rounded to the
     activation dtype where the unfused ops (all_reduce, add, RMSNorm) round."""
     dtype = parts[0].dtype
-    if parts[0].dim() == residual.dim() + 1:          # [S, ..., H] partials of K slices per rank
-        parts = [sum_splits(p) for p in parts]
     total = parts[0].float().clone()
     for p in parts[1:]:
         total += p.float()
@@ -68,10 +61,3 @@ def add_norm_reference(parts: list[torch.Tensor], residual: torch.Tensor, weight
         out = normed.to(dtype).float() * weight.float()
     return out.to(dtype), h
 
-
-def sum_splits(x: torch.Tensor) -> torch.Tensor:
-    """[S, ..., H] partials -> [..., H]: summed in fp32 in split order, rounded once (as the kernel stages them)."""
-    acc = x[0].float()
-    for part in x[1:]:
-        acc = acc + part.float()
-    return acc.to(x.dtype)

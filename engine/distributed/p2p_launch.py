@@ -20,15 +20,15 @@ class RankLaunch:
         self._driver = driver
         self.args = ctypes.create_string_buffer(rank_args, len(rank_args))
         self._ptrs = [ctypes.c_uint64() for _ in range(5)]
-        self._ints = [ctypes.c_int32() for _ in range(4)]
+        self._ints = [ctypes.c_int32() for _ in range(3)]
         self._eps = ctypes.c_float()
         at = ctypes.addressof
         # ninfer_ar_*(RankArgs a, void* x, int units)
         self._plain = (ctypes.c_void_p * 3)(at(self.args), at(self._ptrs[0]), at(self._ints[0]))
         # ninfer_ar_add_norm_*(RankArgs a, x, residual, weight, out, residual_out, int rows,
-        #                      int row_units, float eps, int zero_centred, int splits)
-        self._add_norm = (ctypes.c_void_p * 11)(at(self.args), *(at(p) for p in self._ptrs), at(self._ints[0]),
-                                                at(self._ints[1]), at(self._eps), at(self._ints[2]), at(self._ints[3]))
+        #                      int row_units, float eps, int zero_centred)
+        self._add_norm = (ctypes.c_void_p * 10)(at(self.args), *(at(p) for p in self._ptrs), at(self._ints[0]),
+                                                at(self._ints[1]), at(self._eps), at(self._ints[2]))
 
     def all_reduce(self, function: int, blocks: int, threads: int, stream: int, x: int, units: int) -> None:
         self._ptrs[0].value = x
@@ -37,11 +37,10 @@ class RankLaunch:
                                   ctypes.addressof(self._plain), 0)
 
     def add_norm(self, function: int, blocks: int, threads: int, stream: int, pointers: tuple[int, ...],
-                 rows: int, row_units: int, eps: float, zero_centred: bool, splits: int = 1) -> None:
+                 rows: int, row_units: int, eps: float, zero_centred: bool) -> None:
         for slot, p in zip(self._ptrs, pointers):      # x, residual, weight, out, residual_out
             slot.value = p
         self._ints[0].value, self._ints[1].value, self._ints[2].value = rows, row_units, int(zero_centred)
-        self._ints[3].value = splits
         self._eps.value = eps
         self._driver.launchKernel(function, blocks, 1, 1, threads, 1, 1, 0, stream,
                                   ctypes.addressof(self._add_norm), 0)

@@ -13,8 +13,8 @@ flag.
   state per rank:            {u64 count of finished push calls, u32 blocks done, u32 last units}
 
   Call p on rank r (p = count + 1, read on the device so a CUDA graph replays it; b = p % 3):
-  1. every word i of x (the row's partials summed first with splits > 1) goes to
-     recv_q[b][r][i] of each peer q (16-byte volatile stores over NVLink); the thread keeps it
+  1. every word i of x goes to recv_q[b][r][i] of each peer q (16-byte volatile stores over
+     NVLink); the thread keeps it
      (with -0.0 made +0.0 as sent, so that every rank sums the same numbers: equal bits on all);
   2. the thread polls recv_r[b][q][i] of each peer q until no 32-bit lane is the sentinel;
   3. sums the ranks in rank order in fp32 and rounds as the pull kernels do (same numbers, same

@@ -100,7 +100,7 @@ __device__ __forceinline__ void push_all_reduce(const RankArgs& a, void* xp, int
 template <typename T>
 __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp, const void* rp, const void* wp,
                                               void* op, void* rop, int rows, int row_units, float eps,
-                                              int zero_centred, int splits) {
+                                              int zero_centred) {
     typedef Unit<T, true> U;
     typedef typename U::word word;
     __shared__ u64 s_call;
@@ -113,22 +113,14 @@ __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp,
     const word* w = (const word*)wp;
     word* out = (word*)op;
     word* res_out = (word*)rop;
-    const int split_units = rows * row_units;
     const int i = (int)threadIdx.x;                  // one word of the row per thread (row_units <= blockDim)
     const bool mine = i < row_units;
     const float n = (float)(row_units * U::N);
     for (int row = (int)blockIdx.x; row < rows; row += (int)gridDim.x) {
         const int base = row * row_units;
         word own = make_uint4(0u, 0u, 0u, 0u);
-        if (mine) {                                  // 1. this rank's partial (split partials summed once), pushed
-            if (splits == 1) {
-                own = x[base + i];
-            } else {                                 // in slice order, rounded once (as the pull kernel)
-                float part[U::N];
-                for (int sp = 0; sp < splits; ++sp) U::add(part, x[sp * split_units + base + i], sp == 0);
-                own = U::pack(part);
-            }
-            own = canonical(own);                    // every rank sums the numbers it sends
+        if (mine) {                                  // 1. this rank's partial, pushed
+            own = canonical(x[base + i]);            // every rank sums the numbers it sends
             for (int q = 0; q < a.world; ++q)
                 if (q != a.rank) push_word(recv_slot(a, q, b, a.rank) + base + i, own);
         }
@@ -145,7 +137,7 @@ __device__ __forceinline__ void push_add_norm(const RankArgs& a, const void* xp,
         const float rstd = rsqrtf(block_sum(ss, s_part) / n + eps);   // every thread of the block
         if (mine) out[base + i] = normed_word<T>(U::pack(acc), w[i], rstd, zero_centred);
     }
-    push_finish(a, call, s_last, (u32)split_units);
+    push_finish(a, call, s_last, (u32)(rows * row_units));
 }
 
 #define PUSH_ENTRY(NAME, T)                                                                       \

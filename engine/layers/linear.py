@@ -173,24 +173,13 @@ class RowParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup = SINGLE_RANK, quant: str | None = None):
         super().__init__(tp.shard(in_features, "in_features"), out_features, tp, quant, cols_sharded=True)
         self.reduce = True
-        # With reduce False: for up to `split_rows` rows, a batched GEMM over `k_splits` slices of
-        # the input features, returning [k_splits, T, out] partials that the fused all-reduce sums
-        # (engine.layers.reduce_add_norm); it replaces cuBLAS's split-K GEMV and its separate reduce kernel.
-        self.k_splits, self.split_rows = 1, 0
 
     def _col_range(self):
         return self.tp.rank * self.in_features, self.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._k_split(x):
-            s, k, n = self.k_splits, self.in_features, self.out_features        # x: [T, k] -> [s, T, n]
-            return torch.bmm(x.reshape(-1, s, k // s).transpose(0, 1), self.weight.view(n, s, k // s).permute(1, 2, 0))
         y = super().forward(x)
         return self.tp.all_reduce(y) if self.reduce else y
-
-    def _k_split(self, x: torch.Tensor) -> bool:
-        return (not self.reduce and self.k_splits > 1 and self.quant is None and x.dim() == 2
-                and x.shape[0] <= self.split_rows)
 
 
 def quant_format(cfg, prefix: str, parts: list[str]):

@@ -27,31 +27,18 @@ from torch import nn
 
 from engine import envs
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
-from engine.layers.linear import RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.distributed.tp_group import TPGroup
-from engine.distributed.fused_allreduce import sum_splits
 
 FUSED = envs.TP_FUSED_NORM.read()
-# Row-parallel projections with at most SPLIT_ROWS rows may run as a batched GEMM over K_SPLITS slices of their
-# input (RowParallelLinear.k_splits) when the communicator fuses. 1: off. Over 8 slices it beat cuBLAS alone on an
-# H200's TP=2 shards in graphs (qwen3-8b down_proj 15.6 us as split-K GEMV + reduce kernel -> 10.7 us at 1 row) and
-# removes 36 kernels per qwen3-8b round, but the fused kernel's staging of 8 partials costs ~0.8 us per call and
-# the engine measured no gain: decode b1 4.164 ms with it, 4.151 ms without (bench/results/2026-11-30-h200-tpfuse/).
-# It also rounds 8 partials per rank instead of one. tools/dev/tp_points.py measures other values.
-K_SPLITS = 1
-SPLIT_ROWS = 8                                   # the row counts measured (1 and 8)
 
 
 def defer_reduce(tp: TPGroup, *projections: nn.Module) -> bool:
     """Make these row-parallel layers (or sparse MoE blocks: anything with a `reduce` flag) return partial
     sums when tp has several ranks; True if so."""
     deferred = tp.size > 1
-    fused = deferred and FUSED and hasattr(tp.comm, "all_reduce_add_rms_norm")
     for p in projections:
         p.reduce = not deferred
-        if fused and K_SPLITS > 1 and isinstance(p, RowParallelLinear) and p.in_features % K_SPLITS == 0:
-            p.k_splits, p.split_rows = K_SPLITS, SPLIT_ROWS
     return deferred
 
 
@@ -67,7 +54,5 @@ def reduce_add_norm(tp: TPGroup, norm: nn.Module, x: torch.Tensor,
                             zero_centred=isinstance(norm, ZeroCentredRMSNorm))
                 if got is not None:
                     return got
-        if x.dim() == residual.dim() + 1:                # [S, T, hidden] partials of K slices
-            x = sum_splits(x)
         x = tp.all_reduce(x)
     return norm(x, residual)

@@ -11,7 +11,7 @@ all_gather); then microseconds per all-reduce of 8-64 KB bf16, eager and inside 
 floor of a graph node; peer copy bandwidth. A compact table comes last; everything goes to
 $OUT/comm.json when OUT is set (rewritten after each phase, so a crash keeps what was done).
 
-The check helpers are reused by tests/engine/distributed/test_communicators_gpu.py.
+The check helpers are reused by tests/engine/distributed/test_communicators_multi_gpu.py.
 """
 
 import os

@@ -2,8 +2,9 @@
 of every launch config against F.linear in fp32, then a timing table against cuBLAS and the M = 1 GEMV at
 the qwen3-8b layer shapes and their TP=2 shards.
 
-    PYTHONUNBUFFERED=1 python3 -m tools.dev.skinny_bf16_sweep [--budget-s 105] [--rows 1,2,4,8] [--configs a,b]
+    PYTHONUNBUFFERED=1 python3 -m tools.dev.skinny_bf16_sweep [--budget-s 105] [--rows 1,2,4,8] [--configs a,b] [--write]
     SKINNY_SWEEP_CPU=1 python3 -m tools.dev.skinny_bf16_sweep         # the script's logic under the interpreter
+    python3 -m tools.dev.skinny_bf16_sweep --from-json RUN/skinny_bf16_sweep.json --write [PATH]   # no device
 
 Each point is a CUDA graph of 20 calls (or more) that cycle through enough copies of the weight to exceed
 the 60 MB L2 several times over, so every call streams its weight from HBM (tools/dev/gemv_sweep.py's method),
@@ -11,6 +12,10 @@ timed by CUDA events, median of 7 replays. The figure is the weight's bytes per 
 device-to-device copy measured in the same run. Per M: shape | cuBLAS | best skinny config | GEMV (M = 1),
 and the sums over one layer (qkv + o + gate_up + down, TP1 and TP2) and lm_head. JSON to
 $OUT/skinny_bf16_sweep.json.
+
+--write [PATH] puts the run's winners into the engine's data file (default
+engine/kernels/linear/tuned/h200.json, section "skinny_dense", the others kept; `tuned_values` says how they are
+picked), which `default_dense_config` reads at import; --from-json takes an earlier run's JSON instead of measuring.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from engine.kernels.linear import gemv as G
 from engine.kernels import pdl
 from engine.kernels.linear import skinny_gemm as Q
 from engine.kernels.linear.splitk import num_sms
+from engine.kernels.tuned import tuned_path, write_tuned
 from tools.bench.timing import copy_bandwidth_Bps, graph_seconds
 
 DEV = torch.device("cpu" if DRY else "cuda")
@@ -44,6 +50,9 @@ OUT = Path(os.environ.get("OUT", "/tmp"))
 T0 = time.time()
 TOL = 2 ** -8
 L2_BYTES = 200_000_000            # weight copies per point: several times the H200's 60 MB L2
+# outputs from this many features take the "wide" config: between the widest layer timed (gate_up, 24576) and
+# lm_head (151936); the sweep times nothing in between
+WIDE_N = 65536
 
 # qwen3-8b: hidden 4096, 32 q heads and 8 kv heads of 128, intermediate 12288, vocabulary 151936
 SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288),
@@ -100,7 +109,16 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=105.0)
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--write", nargs="?", type=Path, const=tuned_path(Q.__file__), default=None,
+                    help="write the winners into the engine's data file (default: %(const)s)")
+    ap.add_argument("--from-json", type=Path, default=None, help="an earlier run's skinny_bf16_sweep.json: no device")
     args = ap.parse_args()
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+        report(result, result["configs"])
+        if args.write is not None:
+            write(result, args.write, str(args.from_json))
+        return 0
     rows = [int(r) for r in args.rows.split(",")]
     configs = {k: CONFIGS[k] for k in args.configs.split(",")}
     if DRY:
@@ -160,7 +178,43 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "skinny_bf16_sweep.json").write_text(json.dumps(result, indent=1))
     print(f"wrote {OUT / 'skinny_bf16_sweep.json'} ({time.time() - T0:.0f} s); {len(bad)} bad checks", flush=True)
+    if args.write is not None:
+        if bad or DRY:
+            print(f"not writing {args.write}: {'bad checks' if bad else 'a dry run times nothing'}", flush=True)
+        else:
+            write(result, args.write, str(OUT / "skinny_bf16_sweep.json"))
     return 1 if bad else 0
+
+
+def single_config_fractions(result: dict, shapes: set[str]) -> dict[str, float]:
+    """Per config timed on every (shape, M > 1) of `shapes`: the weight bytes over the summed time of those points,
+    as a fraction of copy bandwidth (one config for every shape and row count)."""
+    at = {(p["shape"], p["M"], p["variant"]): p for p in result["points"]}
+    out = {}
+    for c in result["configs"]:
+        ps = [at.get((s, M, c)) for s in shapes for M in result["rows"] if M > 1]
+        if ps and all(ps):
+            out[c] = sum(p["N"] * p["K"] * 2 for p in ps) / (sum(p["us"] for p in ps) * 1e-6) / result["copy_Bps"]
+    return out
+
+
+def tuned_values(result: dict) -> dict:
+    """The data file's section from a run: "narrow", the config with the largest fraction of copy over every layer
+    shape (not lm_head) at M > 1; "wide", the same over lm_head; "wide_n" the tool's WIDE_N."""
+    layers = {p["shape"] for p in result["points"]} - {"lm_head"}
+    picks = {}
+    for key, shapes in (("narrow", layers), ("wide", {"lm_head"})):
+        fractions = single_config_fractions(result, shapes)
+        if not fractions:
+            raise ValueError(f"the run timed no config on every {key} shape at M > 1: nothing to write")
+        picks[key] = result["configs"][max(fractions, key=fractions.get)]
+    return {"wide_n": WIDE_N, **picks}
+
+
+def write(result: dict, path: Path, source: str) -> None:
+    values = tuned_values(result)
+    write_tuned(path, "skinny_dense", values, source=source, device_name=result["device"])
+    print(f"wrote {path}: {values}", flush=True)
 
 
 def report(result: dict, configs: dict) -> None:
@@ -210,11 +264,7 @@ def report(result: dict, configs: dict) -> None:
                 line.append(f"best single config {c} {one[c][0]:.3f}")
             print("  ".join(line))
     # one config for every shape and row count: the fraction summed over all layer shapes and rows
-    tot = {}
-    for c in configs:
-        ps = [at.get((s, M, c)) for s in shapes if s != "lm_head" for M in result["rows"] if M > 1]
-        if ps and all(ps):
-            tot[c] = sum(shapes[p["shape"]] for p in ps) / (sum(p["us"] for p in ps) * 1e-6) / bw
+    tot = single_config_fractions(result, set(shapes) - {"lm_head"})
     if tot:
         print("\nconfigs over every layer shape (not lm_head) at M > 1: "
               + ", ".join(f"{c} {f:.3f}" for c, f in sorted(tot.items(), key=lambda t: -t[1])))

@@ -10,7 +10,7 @@ bitwise equal; eagerly (sizes back to back, plain all-reduces in between) and in
 CUDA graphs replayed with new inputs. Timing: µs per call inside a graph of `ops` calls per
 rank, fused against unfused (all-reduce + Triton RMSNorm; for the zero-centred norm the torch
 ops of ZeroCentredRMSNorm), for decode sizes. Writes $OUT/tp_fuse.json and prints a table.
-The check helpers are reused by tests/engine/distributed/test_communicators_gpu.py.
+The check helpers are reused by tests/engine/distributed/test_communicators_multi_gpu.py.
 """
 
 import os
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm  # noqa: E402
 from engine.layers.norm import RMSNorm  # noqa: E402
-from engine.distributed.fused_allreduce import add_norm_reference, sum_splits  # noqa: E402
+from engine.distributed.fused_allreduce import add_norm_reference  # noqa: E402
 
 EPS = 1e-6
 
@@ -36,9 +36,8 @@ def _norm(hidden: int, zero_centred: bool, weight: torch.Tensor, device) -> torc
     return norm
 
 
-def _case(rows: int, hidden: int, dtype, world: int, gen: torch.Generator, zero_centred: bool, splits: int = 1):
-    lead = (splits,) if splits > 1 else ()              # [S, rows, H]: partials of S slices of K
-    parts = [torch.randn(*lead, rows, hidden, generator=gen).to(dtype) for _ in range(world)]
+def _case(rows: int, hidden: int, dtype, world: int, gen: torch.Generator, zero_centred: bool):
+    parts = [torch.randn(rows, hidden, generator=gen).to(dtype) for _ in range(world)]
     residual = (torch.randn(rows, hidden, generator=gen) * 4).to(dtype)
     w = torch.randn(hidden, generator=gen) * (0.1 if zero_centred else 1.0)
     return parts, residual, w.to(dtype)
@@ -53,15 +52,14 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / scale).max())
 
 
-def check_fused(comm, shapes, dtype=torch.bfloat16, zero_centred=False, graph=False, replays=3, seed=0,
-                splits: int = 1):
+def check_fused(comm, shapes, dtype=torch.bfloat16, zero_centred=False, graph=False, replays=3, seed=0):
     """Fused calls for each (rows, hidden) from every rank's thread, back to back (a plain
     all-reduce between them), eagerly or captured once per rank and replayed with new inputs.
     Records: residual exact, output within one rounding of the reference, ranks bitwise equal,
     and the unfused engine ops' output beside it."""
     world, gen = comm.world_size, torch.Generator().manual_seed(seed)
     n_iter = replays if graph else 1
-    cases = [[_case(r, h, dtype, world, gen, zero_centred, splits) for r, h in shapes] for _ in range(n_iter)]
+    cases = [[_case(r, h, dtype, world, gen, zero_centred) for r, h in shapes] for _ in range(n_iter)]
     between = [[torch.randn(4099, generator=gen).to(dtype) for _ in range(world)] for _ in range(n_iter)]
 
     def body(rank, barrier):
@@ -85,7 +83,7 @@ def check_fused(comm, shapes, dtype=torch.bfloat16, zero_centred=False, graph=Fa
             # the unfused engine ops on the same inputs, for comparison
             unfused = []
             for x, res, w in staged[0]:
-                y = comm.all_reduce(rank, sum_splits(x) if splits > 1 else x.clone())
+                y = comm.all_reduce(rank, x.clone())
                 unfused.append(_norm(x.shape[-1], zero_centred, w, dev)(y, res))
             torch.cuda.synchronize()
             return [[(o.cpu(), r.cpu()) for o, r in outs[0]], [(o.cpu(), r.cpu()) for o, r in unfused], [mid[0].cpu()]]
@@ -123,7 +121,6 @@ def check_fused(comm, shapes, dtype=torch.bfloat16, zero_centred=False, graph=Fa
             res_exact = all(torch.equal(o[1], ref_res) for o in outs)
             out_ulps = max(_ulps(o[0], ref_out) for o in outs)
             rec = {"check": "graph" if graph else "eager", "dtype": str(dtype)[6:], "zero_centred": zero_centred,
-                   "splits": splits,
                    "rows": rows, "hidden": hidden, "replay": it, "ranks_equal": ranks_equal,
                    "residual_exact": res_exact, "out_max_ulps_vs_reference": out_ulps}
             if not graph:
@@ -152,13 +149,11 @@ def time_fused(comm, rows: int, hidden: int, variant: str, ops: int = 50, replay
     back from this thread; min over ranks, median over replays). variant: fused, fused-zc,
     unfused (P2P all-reduce + Triton RMSNorm), unfused-zc (P2P all-reduce + ZeroCentredRMSNorm)."""
     zero_centred = variant.endswith("-zc")
-    splits = int(variant.split("split")[1]) if "split" in variant else 1
 
     def body(rank, barrier):
         dev = comm.devices[rank]
         gen = torch.Generator().manual_seed(rank)
-        lead = (splits,) if splits > 1 else ()
-        x = torch.randn(*lead, rows, hidden, generator=gen).to(dtype).to(dev) * 1e-3
+        x = torch.randn(rows, hidden, generator=gen).to(dtype).to(dev) * 1e-3
         pristine = x.clone()
         res = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(7)).to(dtype).to(dev)
         norm = _norm(hidden, zero_centred, torch.ones(hidden, dtype=dtype), dev)
@@ -237,12 +232,8 @@ def main() -> int:
         out["checks"] += check_fused(comm, shapes[:5], zero_centred=zc, graph=True)
     out["checks"] += check_fused(comm, [(2, 4096), (7, 1024)], dtype=torch.float32)
     out["checks"] += check_fused(comm, [(2, 4096)], dtype=torch.float16, zero_centred=True)
-    for zc in (False, True):                                    # [S, T, H] partials of K slices
-        out["checks"] += check_fused(comm, shapes[:5], zero_centred=zc, splits=8 if zc else 4)
-    out["checks"] += check_fused(comm, shapes[:3], splits=3, graph=True)
     comm.fast_launch = False                                    # CuPy's generic launch path too
     out["checks"] += check_fused(comm, shapes[:3])
-    out["checks"] += check_fused(comm, shapes[:2], splits=2)
     comm.fast_launch = True
     def save():                                                 # after each phase: a cut run keeps its part
         if os.environ.get("OUT"):
@@ -258,17 +249,17 @@ def main() -> int:
 
     tokens = (1, 8, 64) if args.quick else (1, 2, 4, 8, 16, 32, 64)
     print(f"\n{'tokens':>6} {'hidden':>6} {'KB':>6} | {'unfused':>8} {'fused':>8} {'ratio':>6} | "
-          f"{'unf-zc':>8} {'fused-zc':>8} {'ratio':>6} | {'fused x8 partials':>17}   (µs per call, graph of 50)")
+          f"{'unf-zc':>8} {'fused-zc':>8} {'ratio':>6}   (µs per call, graph of 50)")
     for hidden in (4096, 5120):
         for t in tokens:
             row = {"tokens": t, "hidden": hidden, "kb": t * hidden * 2 / 1024}
-            for v in ("unfused", "fused", "unfused-zc", "fused-zc", "fused-split8"):
+            for v in ("unfused", "fused", "unfused-zc", "fused-zc"):
                 row[v] = time_fused(comm, t, hidden, v)
             out["timings"].append(row)
             save()
             print(f"{t:6d} {hidden:6d} {row['kb']:6.0f} | {row['unfused']:8.2f} {row['fused']:8.2f} "
                   f"{row['fused'] / row['unfused']:6.2f} | {row['unfused-zc']:8.2f} {row['fused-zc']:8.2f} "
-                  f"{row['fused-zc'] / row['unfused-zc']:6.2f} | {row['fused-split8']:17.2f}")
+                  f"{row['fused-zc'] / row['unfused-zc']:6.2f}")
     for t in (() if args.quick else (512, 4096)):
         row = {"tokens": t, "hidden": 4096, "kb": t * 4096 * 2 / 1024}
         for v in ("unfused", "fused"):

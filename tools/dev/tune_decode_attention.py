@@ -34,6 +34,9 @@ it as JSON (after each phase, so a crash keeps what was measured).
 Ends with a variant-by-case table (us) and the table "case | default us | best us | best config".
 --variants --dry-run prints the configs it would time (plans from shapes only; no device, no run);
 add --regs to compile each for sm_90 on the CPU and print registers, spills and programs per SM.
+--variants --write [PATH] puts the long-context shapes the run picked (`long_shapes`) into the engine's data file
+(default engine/kernels/attention/tuned/h200.json, sections "decode_bf16_long" and "decode_int8_long", others kept),
+which engine/kernels/attention/paged.py reads at import; --from-json RUN.json --write does it from an earlier run.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 from engine import envs
 from engine.worker.forward_context import build_forward_context
 from engine.kernels.attention import paged as A
+from engine.kernels.tuned import tuned_path, write_tuned
 from tests.support.kernel_checks import rel_err
 from engine.worker.paged_kv import LayerKV
 from engine.layers.attention import paged_attention_reference
@@ -256,7 +260,15 @@ def main() -> int:
     ap.add_argument("--variant-qlens", default="1", help="--variants: new tokens per sequence (4: verify of 3)")
     ap.add_argument("--dry-run", action="store_true", help="--variants: print the configs, run nothing (CPU)")
     ap.add_argument("--regs", action="store_true", help="--dry-run: also compile each for sm_90, print registers")
+    ap.add_argument("--write", nargs="?", type=Path, const=tuned_path(A.__file__), default=None,
+                    help="--variants: write the long-context shapes into the engine's data file (default: %(const)s)")
+    ap.add_argument("--from-json", type=Path, default=None, help="--write from an earlier --variants run's --out JSON")
     args = ap.parse_args()
+    if args.from_json is not None:
+        if args.write is None:
+            ap.error("--from-json only goes with --write")
+        write_long_shapes(json.loads(args.from_json.read_text()), args.write, str(args.from_json))
+        return 0
     if args.variants and args.dry_run:
         return dry_run(args)
     if not torch.cuda.is_available():
@@ -299,15 +311,18 @@ def main() -> int:
 
     state = {"info": info, "copy_Bps": copy_Bps, "cut": [], "fatal": None}
 
-    def save() -> None:
-        if args.out is None:
-            return
-        args.out.parent.mkdir(parents=True, exist_ok=True)
+    def records() -> None:
         state["seconds"] = elapsed()
         state["cases"] = [{"name": c.name, "dtype": c.dtype, "batch": c.batch, "q_len": c.q_len,
                            "ctx_len": c.ctx_len, "bytes": c.nbytes, "floor_ms": c.nbytes / copy_Bps * 1e3,
                            "layers": len(c.kvs), "plan": dataclasses.asdict(c.plan), "rows": c.rows}
                           for c in cases]
+
+    def save() -> None:
+        if args.out is None:
+            return
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        records()
         args.out.write_text(json.dumps(state, indent=1))
 
     try:
@@ -322,7 +337,53 @@ def main() -> int:
         variant_summary(cases)
     if args.out is not None:
         print(f"results: {args.out}")
+    if args.write is not None:
+        if not args.variants or state["fatal"]:
+            print(f"not writing {args.write}: {'a fatal error' if state['fatal'] else 'only --variants picks them'}")
+        else:
+            records()
+            write_long_shapes(state, args.write, str(args.out or "this run (no --out)"))
     return 1 if state["fatal"] else 0
+
+
+def long_tags() -> dict[str, tuple[str, ...]]:
+    """The rows a long-context shape is picked from: the plan and its prefetch variants (bf16 pages: the 64-key
+    tiles BF16_LONG_SHAPE applies to), and for int8 pages the 128-key rows (INT8_LONG's tiles)."""
+    return {"bf16": ("default", "pf1", "pf2", "pf1-r128"),
+            "int8": ("default", "pf1", "pf1-bn128", *(tag for tag, *_ in INT8_LONG_SHAPES))}
+
+
+def long_shapes(state: dict) -> dict[str, dict]:
+    """The data file's sections from a --variants run: at batch 1, one new token and the longest context timed, the
+    fastest correct row of `long_tags`. bf16 pages: its prefetch, stages and register cap; int8 pages (128-key rows
+    only): its prefetch and warps, and the programs per SM that keep its split count (its programs over the SMs,
+    rounded up: `plan` halves the splits while they exceed that)."""
+    out, tags = {}, long_tags()
+    for dtype, section in (("bf16", "decode_bf16_long"), ("int8", "decode_int8_long")):
+        cases = [c for c in state["cases"] if c["dtype"] == dtype and c["batch"] == 1 and c["q_len"] == 1]
+        if not cases:
+            continue
+        case = max(cases, key=lambda c: c["ctx_len"])
+        rows = [r for r in case["rows"] if r.get("ok") and "ms" in r and r["tag"] in tags[dtype]
+                and (dtype == "bf16" or r["config"]["block_n"] == 128)]
+        if not rows:
+            continue
+        cfg = min(rows, key=lambda r: r["ms"])["config"]
+        if dtype == "bf16":
+            out[section] = {key: cfg[key] for key in ("prefetch", "num_stages", "max_regs")}
+        else:
+            programs = KVH * case["batch"] * cfg["num_splits"]         # one 16-row tile per sequence and KV head
+            out[section] = {"prefetch": cfg["prefetch"], "num_warps": cfg["num_warps"],
+                            "programs_per_sm": -(-programs // state["info"]["sms"])}
+        out[section]["case"] = case["name"]
+    return out
+
+
+def write_long_shapes(state: dict, path: Path, source: str) -> None:
+    shapes = long_shapes(state)
+    for section, values in shapes.items():
+        write_tuned(path, section, values, source=source, device_name=state["info"]["device"])
+    print(f"wrote {path}: {shapes or 'nothing (no batch-1 long-context rows)'}", flush=True)
 
 
 def run_phases(args, cases: list[Case], elapsed, state: dict, save) -> None:

@@ -48,6 +48,7 @@ import triton.language as tl
 from engine import envs
 from engine.platform import paths_for
 from engine.worker.forward_context import ForwardContext
+from engine.kernels.tuned import load_tuned
 from engine.kernels.attention.tiles import (_accumulate_pv, _attend_tile, _int8_operand, _online_softmax, _query_tile,
                                             _split_range, _store_split, _unmasked_end)
 from engine.worker.paged_kv import PREFILL_GATHER_MAX_BYTES, PREFILL_TMA_HEAD_DIMS, LayerKV, gather_kv
@@ -419,11 +420,15 @@ DECODE_INT8 = {"block_n": 64, "num_warps": 4, "num_stages": 1, "min_tiles": 1, "
 # H200, us per call (bench/results/2026-12-02-h200-kv-int8-long/b-f5f35af-decode-tma): b1 32k 45.0 -> 39.1, b1 8k 18.1 ->
 # 15.1, b8 8k 72.1 -> 70.1, b8 32k 263.9 -> 257.3; served int8 KV at 32k 5.668 -> 5.504 ms a step
 # (bench/results/2026-12-02-h200-kv-int8-long/c-d8e4bed-kv-int8-long). NINFER_ATTN_INT8_LONG=0 keeps the 64-key plan.
-INT8_LONG = envs.ATTN_INT8_LONG.read()
-# Its shape: the other shapes of the tuner lost at b1 32k (no prefetch at 4 warps 42.6 us, at 8 warps 48.0, prefetch
-# at 8 warps 57.6, against 39.5; bench/results/2026-12-02-h200-long-prefill-seed/b-e7e238c-tune-seed), and so did the 64-key plan
-# with prefetch (50.2-58.8 us; bench/results/2026-12-02-h200-preload-quant-8b/a-295b648-gpu-tests-int8-tune).
-INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = 1, 4, 2
+# Its shape (prefetch, warps, programs per SM) is tools/dev/tune_decode_attention.py --variants --write's pick at batch 1
+# over the longest context, kept in tuned/h200.json (section "decode_int8_long", naming the run): the other shapes of
+# the tuner lost at b1 32k (no prefetch at 4 warps 42.6 us, at 8 warps 48.0, prefetch at 8 warps 57.6, against 39.5),
+# and so did the 64-key plan with prefetch (50.2-58.8 us; bench/results/2026-12-02-h200-preload-quant-8b/
+# a-295b648-gpu-tests-int8-tune). Without the file the shape is off, as with NINFER_ATTN_INT8_LONG=0.
+_INT8_LONG_TUNED = load_tuned(__file__, "decode_int8_long", {})
+INT8_LONG = envs.ATTN_INT8_LONG.read() and bool(_INT8_LONG_TUNED)
+INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = (
+    _INT8_LONG_TUNED.get(key) for key in ("prefetch", "num_warps", "programs_per_sm"))
 
 
 # 16-bit pages, split decode at small batch past one-tile splits: the next tile's K loaded before this tile's
@@ -432,9 +437,11 @@ INT8_LONG_PREFETCH, INT8_LONG_WARPS, INT8_LONG_PROGRAMS_PER_SM = 1, 4, 2
 # b1 8k 22.0 -> 18.4 (64 splits); at b8 8k (8 splits, already 0.90 of the byte floor) it lost, 70.2 -> 71.5. Served
 # bf16 KV at 32k 5.891 -> 5.571 ms a step (bench/results/2026-12-02-h200-long-prefill-seed/f-5089f29-kv-ab-bf16-long). The rule
 # reads the split count, not keys per split: a graph's plan sees its context class (the engine's maximum past 16k),
-# not the length it replays at. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline.
-BF16_LONG = envs.ATTN_BF16_LONG.read()
-BF16_LONG_SHAPE = {"prefetch": 1, "num_stages": 1, "max_regs": 128}
+# not the length it replays at. NINFER_ATTN_BF16_LONG=0 keeps the cp.async pipeline. The shape is the tuner's pick at
+# batch 1 over the longest context (tuned/h200.json, section "decode_bf16_long"); without the file it is off.
+_BF16_LONG_TUNED = load_tuned(__file__, "decode_bf16_long", {})
+BF16_LONG = envs.ATTN_BF16_LONG.read() and bool(_BF16_LONG_TUNED)
+BF16_LONG_SHAPE = {key: _BF16_LONG_TUNED.get(key) for key in ("prefetch", "num_stages", "max_regs")}
 BF16_LONG_MIN_SPLITS = 32
 
 

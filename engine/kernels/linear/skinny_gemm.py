@@ -14,6 +14,7 @@ import triton.language as tl
 
 from engine.kernels import pdl
 from engine.kernels.linear.splitk import COUNTERS, WORKSPACE_FLOATS, num_sms, workspace
+from engine.kernels.tuned import load_tuned
 
 
 # Why: at 2-8 rows cuBLAS reads the weight at 0.64-0.83 of copy bandwidth on the narrow layers (its split-K
@@ -98,18 +99,20 @@ class DenseConfig:
 DENSE_MAX_ROWS = 16
 
 
-# From tools/dev/skinny_bf16_sweep.py on the H200 (bench/results/2026-12-01-h200-decode-variants-prefill-tma/e-8432489-skinny-sweep/skinny-sweep.log), M = 2..8:
-# 64 x 256 tiles, 3 stages, one program per SM is the best single shape over the qwen3-8b layers (0.89 of copy
-# bandwidth for qkv + o + gate_up + down against cuBLAS's 0.86; TP=2 shards 0.76 against 0.75); lm_head-sized
-# outputs take 128 x 128 tiles (1.05-1.06 against cuBLAS's 0.99).
-WIDE_N = 65536
+# Written by tools/dev/skinny_bf16_sweep.py --write into tuned/h200.json (section "skinny_dense", which names the run),
+# M = 2..8: "narrow", the best single shape over the qwen3-8b layers (64 x 256 tiles, 3 stages, one program per SM:
+# 0.89 of copy bandwidth for qkv + o + gate_up + down against cuBLAS's 0.86; TP=2 shards 0.76 against 0.75), and
+# "wide", the best for outputs of at least "wide_n" features, lm_head-sized (128 x 128 tiles: 1.05-1.06 against
+# cuBLAS's 0.99). Without the file: DenseConfig's defaults for every shape.
+_TUNED = load_tuned(__file__, "skinny_dense", {"wide_n": 0, "wide": {}, "narrow": {}})
+WIDE_N = int(_TUNED["wide_n"])
+WIDE_CONFIG = DenseConfig(**_TUNED["wide"])
+NARROW_CONFIG = DenseConfig(**_TUNED["narrow"])
 
 
 def default_dense_config(M: int, N: int, K: int) -> DenseConfig:
     """Launch shape per call shape (tools/dev/skinny_bf16_sweep.py measures the alternatives on the H200)."""
-    if N >= WIDE_N:
-        return DenseConfig(block_n=128, block_k=128, num_stages=3)
-    return DenseConfig(block_n=64, block_k=256, num_stages=3, programs_per_sm=1)
+    return WIDE_CONFIG if N >= WIDE_N else NARROW_CONFIG
 
 
 def dense_split(cfg: DenseConfig, M: int, N: int, K: int, sms: int) -> tuple[int, int]:

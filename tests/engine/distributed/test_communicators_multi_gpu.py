@@ -178,11 +178,3 @@ def test_fused_add_norm_above_the_limit_falls_back_to_the_unfused_ops(comms):
         assert torch.equal(new_res, want_res)                   # two ranks: NCCL's sum rounds once too
         torch.testing.assert_close(out, want_out, rtol=2 ** -7, atol=1e-2)
 
-
-@multi_gpu
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-@pytest.mark.parametrize("kind", ["p2p", "push"])
-def test_fused_add_norm_sums_k_split_partials(comms, graph, kind):
-    # x: [S, T, H] partials of S slices of K (RowParallelLinear.k_splits), summed before the exchange
-    from tools.dev.tp_fuse_check import check_fused
-    _assert_fused_ok(check_fused(comms[kind], FUSED_SHAPES[:3], splits=4, graph=graph))

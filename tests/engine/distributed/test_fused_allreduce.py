@@ -1,7 +1,7 @@
 """The fused all-reduce + residual add + RMSNorm on the CPU: its math against the unfused ops, and
 the decoder layers' wiring (engine.layers.reduce_add_norm).
 
-The CUDA kernel itself runs in tests/engine/distributed/test_communicators_gpu.py (against `add_norm_reference`, eagerly
+The CUDA kernel itself runs in tests/engine/distributed/test_communicators_multi_gpu.py (against `add_norm_reference`, eagerly
 and in CUDA graphs). Here: the reference equals what the CPU TP path computes with the unfused ops
 (LocalCommunicator's all-reduce, then RMSNorm / ZeroCentredRMSNorm with the residual), and a
 communicator that offers the fused call (the in-process one, extended with the reference) receives
@@ -18,7 +18,7 @@ from engine import SamplingParams
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
 from engine.layers.norm import RMSNorm
 from engine.distributed.tp_group import LocalCommunicator
-from engine.distributed.fused_allreduce import add_norm_launch_shape, add_norm_reference, sum_splits
+from engine.distributed.fused_allreduce import add_norm_launch_shape, add_norm_reference
 from tests.support.hybrid import require_shared_hybrid
 from tests.engine.distributed.test_tp_cpu import on_ranks
 
@@ -60,7 +60,6 @@ class FusedReferenceCommunicator(LocalCommunicator):
         self.fused_calls = [0] * world_size
         self.zero_centred_calls = [0] * world_size
         self.plain_calls = [0] * world_size
-        self.split_calls = [0] * world_size
 
     def all_reduce(self, rank, x):
         self.plain_calls[rank] += 1
@@ -68,7 +67,6 @@ class FusedReferenceCommunicator(LocalCommunicator):
 
     def all_reduce_add_rms_norm(self, rank, x, residual, weight, eps, zero_centred=False):
         self.fused_calls[rank] += 1
-        self.split_calls[rank] += int(x.dim() == residual.dim() + 1)
         self.zero_centred_calls[rank] += int(zero_centred)
         parts = self._exchange(rank, x.clone())
         return add_norm_reference(parts, residual, weight, eps, zero_centred)
@@ -120,47 +118,12 @@ def test_hybrid_layers_hand_every_sum_to_the_fused_call(fused_comm):
     _check_wiring(require_shared_hybrid(), fused_comm, zero_centred=True, draft_tokens=3)
 
 
-def test_k_split_partials_reach_the_fused_call_and_keep_tp2_equal_to_tp1(shared_model, fused_comm, monkeypatch):
-    # o_proj / down_proj as a batched GEMM over K slices for short inputs: [S, T, hidden] partials
-    monkeypatch.setattr("engine.layers.reduce_add_norm.K_SPLITS", 4)
-    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
-    want = [o.token_ids for o in make_llm(shared_model).generate(PROMPTS, params)]
-    two = make_llm(shared_model, tensor_parallel_size=2, draft_tokens=3)
-    layer = two.engine.executor.driver.model.model.layers[0]
-    assert (layer.self_attn.o_proj.k_splits, layer.mlp.down_proj.k_splits) == (4, 4)
-    got = [o.token_ids for o in two.generate(PROMPTS, params)]
-    assert got == want
-    assert fused_comm[-1].split_calls[0] > 0
-
-
-def test_sum_splits_adds_in_fp32_and_rounds_once():
-    parts = torch.tensor([[1.0], [2.0 ** -8], [2.0 ** -8]], dtype=torch.bfloat16)
-    # in bf16 step by step 1 + 2^-8 ties to 1 twice; in fp32 the sum is 1 + 2^-7, a bf16 value
-    assert float(sum_splits(parts)) == 1.0 + 2.0 ** -7
-
-
-def test_row_parallel_k_split_partials_sum_to_the_projection():
-    from engine.layers.linear import RowParallelLinear
-    gen = torch.Generator().manual_seed(3)
-    layer = RowParallelLinear(96, 40)
-    layer.weight.data.copy_(torch.randn(40, 96, generator=gen))
-    x = torch.randn(5, 96, generator=gen)
-    want = layer(x)                                             # one rank, reduce on: F.linear
-    layer.reduce, layer.k_splits, layer.split_rows = False, 8, 8
-    parts = layer(x)
-    assert parts.shape == (8, 5, 40)
-    torch.testing.assert_close(sum_splits(parts), want, rtol=1e-5, atol=1e-5)
-    assert layer(torch.randn(9, 96, generator=gen)).shape == (9, 40)   # above split_rows: one matmul
-
-
-def test_defer_reduce_splits_only_where_the_communicator_fuses(monkeypatch):
+def test_defer_reduce_leaves_partial_sums_only_with_several_ranks():
     from engine.layers.linear import RowParallelLinear
     from engine.layers.reduce_add_norm import defer_reduce
-    monkeypatch.setattr("engine.layers.reduce_add_norm.K_SPLITS", 8)
-    for comm, splits in ((LocalCommunicator(2), 1), (FusedReferenceCommunicator(2), 8)):
+    for comm in (LocalCommunicator(2), FusedReferenceCommunicator(2)):
         group = comm.groups()[0]
         layer = RowParallelLinear(128, 64, group)
-        assert defer_reduce(group, layer)
-        assert (layer.reduce, layer.k_splits) == (False, splits)
+        assert defer_reduce(group, layer) and not layer.reduce
     one = RowParallelLinear(128, 64)
-    assert not defer_reduce(one.tp, one) and one.reduce and one.k_splits == 1
+    assert not defer_reduce(one.tp, one) and one.reduce

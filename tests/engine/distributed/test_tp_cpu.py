@@ -1,6 +1,6 @@
 """Tensor parallelism on the CPU: two ranks in one process on the local communicator (each rank in
 its own thread) must compute what one rank computes. The same layers and executor run with the
-CUDA communicators on two GPUs (tests/engine/test_engine_gpu.py, tests/engine/distributed/test_communicators_gpu.py)."""
+CUDA communicators on two GPUs (tests/engine/test_engine_gpu.py, tests/engine/distributed/test_communicators_multi_gpu.py)."""
 
 from __future__ import annotations
 
