@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_tokenizer, build_default_weights, DEFAULT_CONFIG
 from engine.errors import InvalidArgumentError, RequestNotFoundError, UnsupportedError
 from engine.cache.block_manager import KVCacheManager
+from engine.cache.kv_leases import KVLeaseTable
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
 from engine.loading.pooling import Pooling, embedder_weights, read_pooling
 from engine.engine_info import EngineInfo, WarmupReport
@@ -205,6 +206,10 @@ class EngineCore:
             lease_s=config.lease_seconds, handoff_timeout_s=config.handoff_timeout_seconds,
             seat_timeout_s=config.seat_timeout_seconds or None, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
             states=self.states, snapshots=self.snapshots)
+        # a producer's leases on lent KV: a lease's word is zeroed before its request's blocks are freed
+        self.kv_leases = KVLeaseTable() if config.kv_role == "producer" else None
+        if self.kv_leases is not None:
+            self.scheduler.on_free = self.kv_leases.close
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")

@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from engine.cache import kv_landing
+from engine.cache.kv_leases import KVLease
 from engine.core import EngineCore, RequestOutput
 from engine.errors import EngineDeadError, QueueTimeoutError, RequestNotFoundError
 from engine.engine_info import EngineInfo, WarmupReport
@@ -268,12 +269,24 @@ class EngineLoop:
         """Where the KV pool's blocks sit (one rank: a producer or consumer runs tensor_parallel_size 1)."""
         return self._call(lambda: kv_pool_layout(self.core.executor.driver.kv))
 
-    async def lent_blocks_async(self, request_id: str) -> list[int]:
-        """The blocks a parked request lends a consumer; NOT_FOUND when it is not parked (any more)."""
-        def do() -> list[int]:
+    def kv_lease_region(self) -> tuple[int, int]:
+        """(address, bytes) of a producer's lease table (engine.cache.kv_leases), to register for READs."""
+        leases = self.core.kv_leases
+        if leases is None:
+            raise RuntimeError("only a producer (kv_role producer) keeps KV leases")
+        return leases.region
+
+    async def lent_blocks_async(self, request_id: str) -> tuple[list[int], KVLease | None]:
+        """The blocks a parked request lends a consumer and the lease they are lent under (opened here, in
+        the same engine command, so that it ends no earlier than the blocks are freed); no blocks when no
+        lease slot is free. NOT_FOUND when the request is not parked (any more)."""
+        def do() -> tuple[list[int], KVLease | None]:
             if not self.core.scheduler.is_parked(request_id):
                 raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, released or expired)")
-            return kv_landing.lent_blocks(self.core.kv, self.core.scheduler.requests[request_id])
+            lease = self.core.kv_leases.open(request_id) if self.core.kv_leases is not None else None
+            if lease is None:
+                return [], None
+            return kv_landing.lent_blocks(self.core.kv, self.core.scheduler.requests[request_id]), lease
         return await self._call_async(do)
 
     async def reserve_landing_async(self, request_id: str, token_ids: list[int],

@@ -4,7 +4,9 @@ the consumer's `GenerateRequest.kv_transfer_params_json` (smg's NixlConnector mo
 smg tags the prefill leg `{"do_remote_decode": true, "do_remote_prefill": false}`; the producer answers with
 `do_remote_prefill: true` and what the consumer needs to pull: its agent's metadata (base64), the spans of
 the lent blocks (per span of the pool's layout: where block b sits), the block ids, the prompt length they
-belong to, and the request id whose blocks the producer frees once notified. Nothing here is pickled:
+belong to, the request id whose blocks the producer frees once notified, and the lease they are lent under
+(the address of its word in the producer's memory and the epoch it holds while the lease does:
+engine.cache.kv_leases). Nothing here is pickled:
 plain JSON of ints and strings, validated field by field (INVALID_ARGUMENT naming the field).
 """
 
@@ -15,6 +17,7 @@ import binascii
 import json
 from dataclasses import dataclass
 
+from engine.cache.kv_leases import KVLease
 from engine.errors import InvalidArgumentError
 from engine.worker.kv_regions import KVPoolLayout
 
@@ -39,6 +42,7 @@ class Handoff:
     num_prompt_tokens: int
     block_ids: list[int]
     spans: list[tuple[int, int, int]]   # (base, stride, bytes per block) per span of the producer's pool
+    lease: KVLease                     # read back after the pull: unchanged = the blocks were the prompt's
 
     def remote_descs(self) -> list[tuple[int, int]]:
         """(address, bytes) of every span of every lent block, span-major (`KVPoolLayout.block_descs`)."""
@@ -58,7 +62,8 @@ class Handoff:
         return json.dumps({"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": self.engine_id,
                            "remote_agent_metadata": base64.b64encode(self.agent_metadata).decode(),
                            "remote_request_id": self.request_id, "num_prompt_tokens": self.num_prompt_tokens,
-                           "remote_block_ids": self.block_ids, "remote_spans": [list(s) for s in self.spans]},
+                           "remote_block_ids": self.block_ids, "remote_spans": [list(s) for s in self.spans],
+                           "remote_lease": [self.lease.address, self.lease.epoch]},
                           separators=(",", ":"))
 
 
@@ -108,13 +113,16 @@ def _handoff(obj: dict) -> Handoff:
     spans = [tuple(ints("remote_spans", s, 3)) for s in spans]
     if any(len(s) != 3 for s in spans):
         raise InvalidArgumentError(f"{FIELD}.remote_spans", "each span is [base, stride, bytes]")
+    lease = obj.get("remote_lease")
+    if not isinstance(lease, list) or len(ints("remote_lease", lease, 2)) != 2 or not lease[1]:
+        raise InvalidArgumentError(f"{FIELD}.remote_lease", "must be [address, epoch] (a non-zero epoch)")
     return Handoff(engine_id=text("remote_engine_id"), agent_metadata=metadata, request_id=text("remote_request_id"),
                    num_prompt_tokens=n, block_ids=ints("remote_block_ids", obj.get("remote_block_ids"), MAX_BLOCKS),
-                   spans=spans)
+                   spans=spans, lease=KVLease(address=lease[0], epoch=lease[1]))
 
 
 def handoff_for(layout: KVPoolLayout, engine_id: str, metadata: bytes, request_id: str, num_prompt_tokens: int,
-                block_ids: list[int]) -> Handoff:
+                block_ids: list[int], lease: KVLease) -> Handoff:
     return Handoff(engine_id=engine_id, agent_metadata=metadata, request_id=request_id,
                    num_prompt_tokens=num_prompt_tokens, block_ids=block_ids,
-                   spans=[(s.base, s.stride, s.bytes_per_block) for s in layout.spans])
+                   spans=[(s.base, s.stride, s.bytes_per_block) for s in layout.spans], lease=lease)

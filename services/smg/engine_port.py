@@ -16,6 +16,7 @@ from engine.errors import EngineDeadError
 from engine.engine_info import EngineInfo
 from engine.cache.block_manager import KVEventListener
 from engine.cache.kv_landing import KVLanding
+from engine.cache.kv_leases import KVLease
 from engine.loop import EngineLoop, RequestStream
 from engine.loading.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
@@ -61,7 +62,12 @@ class EnginePort:
     def kv_pool_layout(self) -> KVPoolLayout:
         return self._loop().kv_pool_layout()
 
-    async def lent_blocks(self, request_id: str) -> list[int]:
+    def kv_lease_region(self) -> tuple[int, int]:
+        """A producer's lease table (engine.cache.kv_leases): registered with the pool for consumers' READs."""
+        return self._loop().kv_lease_region()
+
+    async def lent_blocks(self, request_id: str) -> tuple[list[int], KVLease | None]:
+        """A parked request's lent blocks and the lease they are lent under (no blocks: nothing to lend)."""
         return await self._loop().lent_blocks_async(request_id)
 
     def release(self, request_id: str) -> None:

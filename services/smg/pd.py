@@ -6,13 +6,17 @@ producer's `GenerateComplete.kv_transfer_params_json` verbatim to a consumer's d
 the answer.
 
 - Producer (`--kv-role producer`): the leg is submitted to park after its prefill; its answer carries the
-  first token and the hand-off (services.kv_transfer.handoff). The request stays parked, holding its KV,
-  until the consumer's notification says the blocks were pulled, or `--lease-seconds` passes (smg never
-  aborts a finished prefill: retries and client aborts orphan it, the lease frees it).
+  first token and the hand-off (services.kv_transfer.handoff), which names the lease the blocks are lent
+  under (engine.cache.kv_leases). The request stays parked, holding its KV, until the consumer's
+  notification says the blocks were pulled, or `--lease-seconds` passes (smg never aborts a finished
+  prefill: retries and client aborts orphan it, the lease frees it).
 - Consumer (`--kv-role consumer`): blocks are reserved on the engine thread, the pull runs in a worker
   thread (the engine keeps stepping), then the request is admitted over the landed blocks as a prefix hit
-  and decodes from the prompt, sampling its first token itself. A failed pull answers UNAVAILABLE (smg
-  retries the whole pipeline) and leaves nothing held; no room for the blocks means a recomputed prompt.
+  and decodes from the prompt, sampling its first token itself. A pull that fails or outlasts
+  `--kv-pull-timeout` answers UNAVAILABLE and leaves nothing held. Two cases recompute the prompt instead
+  (the request is served, only the saving is lost): no room for the blocks now (the request queues for room
+  as any other), and a lease that had ended before the pull finished (the lease's word read back after the
+  KV says so: the blocks may hold another prompt's KV and are discarded unread).
 """
 
 from __future__ import annotations
@@ -39,7 +43,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 log = structlog.get_logger(__name__)
 KV_CONNECTOR = "NixlConnector"          # smg's name for the mode that relays our hand-off verbatim
 PULLED = b"ninfer-kv-pulled:"           # consumer -> producer notification, then the producer's request id
-PULL_TIMEOUT_S = 30.0
 NOTIFY_POLL_S = 0.005
 
 
@@ -49,6 +52,7 @@ class PDRole:
         self.role = config.kv_role
         self.engine_id = f"ninfer-{uuid.uuid4().hex[:16]}"
         self.max_model_len = config.max_model_len
+        self.pull_timeout_s = config.kv_pull_timeout_seconds
         self._agent: NixlKVAgent | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -67,7 +71,8 @@ class PDRole:
         """The NIXL agent over the KV pool, made once the engine is loaded (the pool registered once)."""
         with self._lock:
             if self._agent is None:
-                self._agent = NixlKVAgent(self.port.kv_pool_layout(), self.engine_id)
+                leases = self.port.kv_lease_region() if self.role == "producer" else None
+                self._agent = NixlKVAgent(self.port.kv_pool_layout(), self.engine_id, leases)
                 if self.role == "producer":
                     threading.Thread(target=self._serve_notifications, name="ninfer-kv-notify", daemon=True).start()
             return self._agent
@@ -88,12 +93,13 @@ class PDRole:
     async def lend(self, request_id: str, prompt_len: int) -> str:
         """The hand-off for a parked leg (or no pull when no full block is lendable: it is freed now)."""
         agent = self.agent()
-        blocks = await self.port.lent_blocks(request_id)
+        blocks, lease = await self.port.lent_blocks(request_id)
         if not blocks:
             self._release(request_id)
             return '{"do_remote_decode":false,"do_remote_prefill":false}'
         log.info("kv_lent", request_id=request_id, blocks=len(blocks), bytes=len(blocks) * agent.layout.block_bytes)
-        return kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, blocks).to_json()
+        return kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, blocks,
+                               lease).to_json()
 
     def _serve_notifications(self) -> None:
         while not self._stop.wait(NOTIFY_POLL_S):
@@ -117,7 +123,8 @@ class PDRole:
     # -- consumer -------------------------------------------------------------------------------
 
     async def pull(self, request_id: str, prompt: list[int], handoff: kvh.Handoff):
-        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails."""
+        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails
+        or times out."""
         agent = self.agent()
         handoff.check_fits(agent.layout, len(prompt))
         if not handoff.block_ids:
@@ -134,14 +141,14 @@ class PDRole:
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, handoff.remote_descs(),
-                                       landing.block_ids, notification, PULL_TIMEOUT_S)
+                                       landing.block_ids, handoff.lease, notification, self.pull_timeout_s)
         try:
-            await asyncio.shield(pulling)
+            lease_held = await asyncio.shield(pulling)
         except asyncio.CancelledError:            # the call ended: the blocks go back once the READ is over
-            pulling.add_done_callback(lambda f: self.port.drop_landing(landing))
+            pulling.add_done_callback(lambda f: self._drop_after(landing, f))
             raise
         except KVTransferError as e:
-            self.port.drop_landing(landing)
+            self._drop_after(landing, pulling)
             agent.forget_peer(handoff.agent_metadata)
             log.warning("kv_pull_failed", request_id=request_id, producer=handoff.engine_id, error=str(e))
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE,
@@ -150,10 +157,28 @@ class PDRole:
             self.port.drop_landing(landing)
             raise
         seconds = time.perf_counter() - started
+        if not lease_held:
+            # the producer's lease ended before the READ was over: its blocks may have been reused for
+            # another prompt while they were read. They are discarded and the prompt recomputed (the
+            # producer is healthy and smg would only redo the same prefill: recomputing here costs the same
+            # and answers at once).
+            self.port.drop_landing(landing)
+            log.warning("kv_pull_stale", request_id=request_id, producer=handoff.engine_id,
+                        blocks=len(handoff.block_ids), seconds=round(seconds, 6))
+            return None
         size = len(handoff.block_ids) * agent.layout.block_bytes
         log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=len(handoff.block_ids),
                  bytes=size, seconds=round(seconds, 6), gb_per_s=round(size / max(seconds, 1e-9) / 1e9, 3))
         return landing
+
+    def _drop_after(self, landing, pulling: asyncio.Future) -> None:
+        """Give the landing's blocks back once no READ can write them: never after a READ that could be
+        neither finished nor cancelled (they stay held, logged, rather than hold another request's KV)."""
+        error = pulling.exception() if pulling.done() and not pulling.cancelled() else None
+        if isinstance(error, KVTransferError) and error.landing_unsafe:
+            log.error("kv_landing_quarantined", request_id=landing.request_id, blocks=len(landing.block_ids))
+            return
+        self.port.drop_landing(landing)
 
 
 def complete_with_handoff(response: pb.GenerateResponse, handoff_json: str) -> pb.GenerateResponse:
