@@ -189,6 +189,7 @@ class EngineConfig:
     # prefill/decode across engines (docs/disaggregation.md): "producer" prefills and lends the prompt's KV,
     # "consumer" pulls it and decodes, "both" (the default) serves whole requests and either leg
     kv_role: str = "both"
+    kv_pull_timeout_seconds: float = 30.0   # a consumer's pull of a prompt's KV longer than this fails (UNAVAILABLE)
     quantization: str | None = None         # "fp8" / "ptpc_fp8": an unquantized checkpoint's linears in FP8 at load
     speculative_model: str | None = None    # a checkpoint whose mtp.* head drafts (when the model's has none)
     # vLLM's spelling: {"model": DIR, "num_speculative_tokens": k, "method": "mtp"} sets the two fields above
@@ -239,6 +240,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= 86_400):
                 raise InvalidArgumentError(name, f"must be in [0, 86400] seconds, got {value!r}")
+        if isinstance(self.kv_pull_timeout_seconds, bool) or not isinstance(self.kv_pull_timeout_seconds, (int, float)) \
+                or not (0 < self.kv_pull_timeout_seconds <= 3600):
+            raise InvalidArgumentError("kv_pull_timeout_seconds", "must be in (0, 3600] seconds, got "
+                                       f"{self.kv_pull_timeout_seconds!r}")
         if self.kv_role not in KV_ROLES:
             raise InvalidArgumentError("kv_role", f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_role != "both" and self.tensor_parallel_size != 1:

@@ -23,6 +23,7 @@ from engine.loading.embedded_model import DEFAULT_MODEL_NAME, build_default_toke
 from engine.errors import InvalidArgumentError, RequestNotFoundError, UnsupportedError
 from engine.cache.block_manager import KVCacheManager
 from engine.cache import kv_landing
+from engine.cache.kv_leases import KVLease, KVLeaseTable
 from engine.loading.checkpoint import MTP_PREFIX, RandomWeights, check_dtypes, check_tensors, read_model_dir
 from engine.loading.pooling import Pooling, embedder_weights, read_pooling
 from engine.engine_info import EngineInfo, WarmupReport
@@ -206,6 +207,10 @@ class EngineCore:
             lease_s=config.lease_seconds, handoff_timeout_s=config.handoff_timeout_seconds,
             seat_timeout_s=config.seat_timeout_seconds or None, adaptive_draft=config.adaptive_draft and k > 0), self.kv, clock,
             states=self.states, snapshots=self.snapshots)
+        # a producer's leases on lent KV: a lease's word is zeroed before its request's blocks are freed
+        self.kv_leases = KVLeaseTable() if config.kv_role == "producer" else None
+        if self.kv_leases is not None:
+            self.scheduler.on_free = self.kv_leases.close
         self.metrics = EngineMetrics(interval_s=config.stats_interval_s)
         self.last_step_idle = False
         self.warmup_report = WarmupReport(done=False, no_graphs_reason="not warmed up")
@@ -403,17 +408,20 @@ class EngineCore:
 
     # -- prefill/decode disaggregation: a request's whole state lands from a producer (engine.cache.kv_landing)
 
-    def lent(self, request_id: str) -> tuple[kv_landing.Lent, int]:
-        """What a parked request lends a consumer, and its hidden-state row (-1 without MTP); NOT_FOUND when
-        it is not parked (any more)."""
+    def lent(self, request_id: str) -> tuple[kv_landing.Lent, int, KVLease | None]:
+        """What a parked request lends a consumer, its hidden-state row (-1 without MTP) and the lease it is
+        lent under (a producer's: its word is zeroed before the request's blocks, slot and row are freed;
+        None when no lease word is free, or on an engine that keeps no leases). NOT_FOUND when it is not
+        parked (any more)."""
         if not self.scheduler.is_parked(request_id):
             raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, released or expired)")
+        lease = self.kv_leases.open(request_id) if self.kv_leases is not None else None
         runner = self.executor.driver
         if runner.device.type == "cuda":
             # the prefill's hidden-row write is enqueued after its sampling's host read: done before a peer reads
             torch.cuda.synchronize(runner.device)
         row = runner.hidden.rows[request_id] if runner.hidden is not None else -1
-        return kv_landing.lent(self.kv, self.scheduler.requests[request_id]), row
+        return kv_landing.lent(self.kv, self.scheduler.requests[request_id]), row, lease
 
     def reserve_landing(self, request_id: str, token_ids: list[int], num_blocks: int,
                         whole: bool) -> kv_landing.KVLanding | None:

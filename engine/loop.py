@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from engine.cache import kv_landing
+from engine.cache.kv_leases import KVLease
 from engine.core import EngineCore, RequestOutput
 from engine.errors import EngineDeadError, QueueTimeoutError, RequestNotFoundError
 from engine.engine_info import EngineInfo, WarmupReport
@@ -274,9 +275,17 @@ class EngineLoop:
             return kv_pool_layout(runner.kv, states, hidden)
         return self._call(do)
 
-    async def lent_async(self, request_id: str) -> tuple[kv_landing.Lent, int]:
-        """What a parked request lends a consumer, and its hidden-state row (-1 without MTP); NOT_FOUND
-        when it is not parked (any more)."""
+    def kv_lease_region(self) -> tuple[int, int]:
+        """(address, bytes) of a producer's lease table (engine.cache.kv_leases), to register for READs."""
+        leases = self.core.kv_leases
+        if leases is None:
+            raise RuntimeError("only a producer (kv_role producer) keeps KV leases")
+        return leases.region
+
+    async def lent_async(self, request_id: str) -> tuple[kv_landing.Lent, int, KVLease | None]:
+        """What a parked request lends a consumer, its hidden-state row (-1 without MTP) and the lease it is
+        all lent under (opened in the same engine command, so that it ends no earlier than the blocks, slot
+        and row are freed; None when no lease word is free). NOT_FOUND when it is not parked (any more)."""
         return await self._call_async(lambda: self.core.lent(request_id))
 
     async def reserve_landing_async(self, request_id: str, token_ids: list[int], num_blocks: int,

@@ -139,6 +139,9 @@ class Scheduler:
         self._parked_at: dict[str, float] = {}         # when each parked handle parked
         self._attached_at: dict[str, float] = {}       # when each attached request began to wait for a seat
         self.draft_policy = DraftPolicy(config.draft_tokens) if config.adaptive_draft else None
+        # called with a request's id just before its blocks are freed (a producer's KV lease ends there:
+        # engine.cache.kv_leases)
+        self.on_free: Callable[[str], None] | None = None
 
     # hybrids: linear-attention state slots (held beside KV) and snapshots at block boundaries; the
     # lane owns them (it admits), the scheduler frees a request's slot with its KV
@@ -548,6 +551,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         """Everything the request holds: KV blocks, and its state slot on a hybrid model."""
+        if self.on_free is not None:
+            self.on_free(req.request_id)
         self.kv.free(req)
         if self.states is not None:
             self.states.free(req)

@@ -110,6 +110,10 @@ def add_kv_role_arg(p: argparse.ArgumentParser) -> None:
                    help="prefill/decode on different engines behind `smg launch --pd-disaggregation`: a producer "
                         "prefills and lends the prompt's KV blocks (kept --lease-seconds at most), a consumer pulls "
                         "them over NIXL and decodes; both = whole requests (docs/disaggregation.md)")
+    p.add_argument("--kv-pull-timeout", dest="kv_pull_timeout_seconds", type=float, metavar="SECONDS",
+                   default=EngineConfig.__dataclass_fields__["kv_pull_timeout_seconds"].default,
+                   help="a consumer: a pull of a prompt's KV from its producer that takes longer fails the decode "
+                        "leg with UNAVAILABLE (the READ is cancelled, nothing held)")
 
 
 AUTO_MAX_DRAFT_TOKENS = 4
@@ -153,7 +157,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling, quantization=args.quantization,
         speculative_model=args.speculative_model, speculative_config=args.speculative_config,
-        kv_role=getattr(args, "kv_role", "both"))
+        kv_role=getattr(args, "kv_role", "both"),
+        kv_pull_timeout_seconds=getattr(args, "kv_pull_timeout_seconds", 30.0))
 
 
 def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:

@@ -5,9 +5,10 @@ smg tags the prefill leg `{"do_remote_decode": true, "do_remote_prefill": false}
 `do_remote_prefill: true` and what the consumer needs to pull: its agent's metadata (base64), the spans of
 the lent blocks (per span of the pool's layout: where block b sits), the block ids (every block of the
 prompt), the prompt length they belong to, the first token its prefill sampled, the request's state slot
-and hidden-state row with the spans of their pools (hybrids; MTP), and the request id whose blocks the
-producer frees once notified. Nothing here is pickled: plain JSON of ints and strings, validated field by
-field (INVALID_ARGUMENT naming the field).
+and hidden-state row with the spans of their pools (hybrids; MTP), the request id whose blocks the producer
+frees once notified, and the lease they are all lent under (the address of its word in the producer's
+memory and the epoch it holds while the lease does: engine.cache.kv_leases). Nothing here is pickled:
+plain JSON of ints and strings, validated field by field (INVALID_ARGUMENT naming the field).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 from dataclasses import dataclass, field
 
 from engine.cache.kv_landing import Lent
+from engine.cache.kv_leases import KVLease
 from engine.errors import InvalidArgumentError
 from engine.worker.kv_regions import KVPoolLayout
 
@@ -43,6 +45,7 @@ class Handoff:
     num_prompt_tokens: int
     block_ids: list[int]
     spans: list[tuple[int, int, int]]   # (base, stride, bytes per block) per span of the producer's pool
+    lease: KVLease                     # read back after the pull: unchanged = blocks, slot and row were the prompt's
     # the rest of a parked request's state (absent from a hand-off of leading blocks only)
     first_token_id: int | None = None    # the token the producer's prefill sampled
     state_slot: int = -1                 # hybrids: the producer's state slot and its pool's spans
@@ -90,7 +93,8 @@ class Handoff:
         obj = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": self.engine_id,
                "remote_agent_metadata": base64.b64encode(self.agent_metadata).decode(),
                "remote_request_id": self.request_id, "num_prompt_tokens": self.num_prompt_tokens,
-               "remote_block_ids": self.block_ids, "remote_spans": [list(s) for s in self.spans]}
+               "remote_block_ids": self.block_ids, "remote_spans": [list(s) for s in self.spans],
+               "remote_lease": [self.lease.address, self.lease.epoch]}
         if self.whole:
             obj.update(first_token_id=self.first_token_id, remote_state_slot=self.state_slot,
                        remote_state_spans=[list(s) for s in self.state_spans], remote_hidden_row=self.hidden_row,
@@ -152,10 +156,13 @@ def _handoff(obj: dict) -> Handoff:
         if not isinstance(v, int) or isinstance(v, bool) or not -1 <= v < 1 << 32:
             raise InvalidArgumentError(f"{FIELD}.{name}", f"must be an integer from -1 (none), got {v!r}")
         return v
+    lease = obj.get("remote_lease")
+    if not isinstance(lease, list) or len(ints("remote_lease", lease, 2)) != 2 or not lease[1]:
+        raise InvalidArgumentError(f"{FIELD}.remote_lease", "must be [address, epoch] (a non-zero epoch)")
     handoff = Handoff(engine_id=text("remote_engine_id"), agent_metadata=metadata,
                       request_id=text("remote_request_id"), num_prompt_tokens=n,
                       block_ids=ints("remote_block_ids", obj.get("remote_block_ids"), MAX_BLOCKS),
-                      spans=spans("remote_spans", 1))
+                      spans=spans("remote_spans", 1), lease=KVLease(address=lease[0], epoch=lease[1]))
     if "first_token_id" not in obj:
         return handoff
     first = obj["first_token_id"]
@@ -167,12 +174,12 @@ def _handoff(obj: dict) -> Handoff:
 
 
 def handoff_for(layout: KVPoolLayout, engine_id: str, metadata: bytes, request_id: str, num_prompt_tokens: int,
-                lent: Lent, hidden_row: int) -> Handoff:
+                lent: Lent, hidden_row: int, lease: KVLease) -> Handoff:
     """A parked request's whole hand-off: its prompt's blocks, first token, state slot and hidden row."""
     def listed(spans) -> list[tuple[int, int, int]]:
         return [(s.base, s.stride, s.bytes_per_block) for s in spans]
     return Handoff(engine_id=engine_id, agent_metadata=metadata, request_id=request_id,
-                   num_prompt_tokens=num_prompt_tokens, block_ids=lent.block_ids, spans=listed(layout.spans),
+                   num_prompt_tokens=num_prompt_tokens, block_ids=lent.block_ids, spans=listed(layout.spans), lease=lease,
                    first_token_id=lent.first_token_id, state_slot=lent.state_slot,
                    state_spans=listed(layout.state_spans), hidden_row=hidden_row,
                    hidden_spans=listed(layout.hidden_spans))

@@ -16,6 +16,7 @@ from engine.errors import EngineDeadError
 from engine.engine_info import EngineInfo
 from engine.cache.block_manager import KVEventListener
 from engine.cache.kv_landing import KVLanding, Lent
+from engine.cache.kv_leases import KVLease
 from engine.loop import EngineLoop, RequestStream
 from engine.loading.presets import PREFIX as PRESET_PREFIX
 from engine.sampling_params import SamplingParams
@@ -61,8 +62,13 @@ class EnginePort:
     def kv_pool_layout(self) -> KVPoolLayout:
         return self._loop().kv_pool_layout()
 
-    async def lent(self, request_id: str) -> tuple[Lent, int]:
-        """What a parked prefill leg lends (blocks, state slot, first token) and its hidden-state row."""
+    def kv_lease_region(self) -> tuple[int, int]:
+        """A producer's lease table (engine.cache.kv_leases): registered with the pool for consumers' READs."""
+        return self._loop().kv_lease_region()
+
+    async def lent(self, request_id: str) -> tuple[Lent, int, KVLease | None]:
+        """What a parked prefill leg lends (blocks, state slot, first token), its hidden-state row and the
+        lease it is all lent under (None: no lease word free, nothing to lend)."""
         return await self._loop().lent_async(request_id)
 
     def release(self, request_id: str) -> None:

@@ -6,15 +6,20 @@ producer's `GenerateComplete.kv_transfer_params_json` verbatim to a consumer's d
 the answer.
 
 - Producer (`--kv-role producer`): the leg is submitted to park after its prefill; its answer carries the
-  first token and the hand-off (services.kv_transfer.handoff). The request stays parked, holding its KV,
-  until the consumer's notification says the blocks were pulled, or `--lease-seconds` passes (smg never
-  aborts a finished prefill: retries and client aborts orphan it, the lease frees it).
+  first token and the hand-off (services.kv_transfer.handoff), which names the lease everything it lends is
+  lent under (engine.cache.kv_leases). The request stays parked, holding its KV (hybrids: its state slot;
+  MTP: its hidden-state row), until the consumer's notification says they were pulled, or `--lease-seconds`
+  passes (smg never aborts a finished prefill: retries and client aborts orphan it, the lease frees it).
 - Consumer (`--kv-role consumer`): blocks (hybrids: a state slot; MTP: a hidden-state row) are reserved on
   the engine thread, the pull runs in a worker thread (the engine keeps stepping), then the request is
   admitted over what landed straight into the decode batch, its stream starting with the producer's first
   token: no prompt token is recomputed. A request that must compute its prompt (prompt_logprobs) pulls
-  the leading full blocks only, as a prefix hit. A failed pull answers UNAVAILABLE (smg retries the whole
-  pipeline) and leaves nothing held; no room for what lands means a recomputed prompt.
+  the leading full blocks only, as a prefix hit. A pull that fails or outlasts `--kv-pull-timeout` answers
+  UNAVAILABLE (smg retries the whole pipeline) and leaves nothing held. Two cases recompute the prompt
+  instead (the request is served, only the saving is lost): no room for what lands now (the consumer
+  notifies the producer without a READ, so it frees at once; the request queues for room as any other),
+  and a lease that had ended before the pull finished (the lease's word, read back after the blocks, slot
+  and row, says so: they may hold another request's state and are all given back unread).
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 log = structlog.get_logger(__name__)
 KV_CONNECTOR = "NixlConnector"          # smg's name for the mode that relays our hand-off verbatim
 PULLED = b"ninfer-kv-pulled:"           # consumer -> producer notification, then the producer's request id
-PULL_TIMEOUT_S = 30.0
 NOTIFY_POLL_S = 0.005
 
 
@@ -51,6 +55,7 @@ class PDRole:
         self.role = config.kv_role
         self.engine_id = f"ninfer-{uuid.uuid4().hex[:16]}"
         self.max_model_len = config.max_model_len
+        self.pull_timeout_s = config.kv_pull_timeout_seconds
         self._agent: NixlKVAgent | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -69,7 +74,8 @@ class PDRole:
         """The NIXL agent over the KV pool, made once the engine is loaded (the pool registered once)."""
         with self._lock:
             if self._agent is None:
-                self._agent = NixlKVAgent(self.port.kv_pool_layout(), self.engine_id)
+                leases = self.port.kv_lease_region() if self.role == "producer" else None
+                self._agent = NixlKVAgent(self.port.kv_pool_layout(), self.engine_id, leases)
                 if self.role == "producer":
                     threading.Thread(target=self._serve_notifications, name="ninfer-kv-notify", daemon=True).start()
             return self._agent
@@ -98,9 +104,12 @@ class PDRole:
     async def lend(self, request_id: str, prompt_len: int) -> str:
         """The hand-off for a parked leg: its prompt's blocks, state slot, hidden row and first token."""
         agent = self.agent()
-        lent, hidden_row = await self.port.lent(request_id)
+        lent, hidden_row, lease = await self.port.lent(request_id)
+        if lease is None:                   # every lease word is taken: nothing is lent, the leg is freed now
+            self._release(request_id)
+            return '{"do_remote_decode":false,"do_remote_prefill":false}'
         handoff = kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, lent,
-                                  hidden_row)
+                                  hidden_row, lease)
         log.info("kv_lent", request_id=request_id, blocks=len(lent.block_ids), state_slot=lent.state_slot,
                  hidden_row=hidden_row, bytes=sum(n for _, n in handoff.remote_descs()))
         return handoff.to_json()
@@ -127,9 +136,9 @@ class PDRole:
     # -- consumer -------------------------------------------------------------------------------
 
     async def pull(self, request_id: str, prompt: list[int], handoff: kvh.Handoff, whole: bool = True):
-        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails.
-        `whole` (and a whole hand-off): the request's every block, state slot and hidden row; otherwise the
-        prompt's leading full blocks, a prefix hit for a request that computes the rest."""
+        """Reserve, pull and return the landing (None: recompute the prompt); UNAVAILABLE if the pull fails
+        or times out. `whole` (and a whole hand-off): the request's every block, state slot and hidden row;
+        otherwise the prompt's leading full blocks, a prefix hit for a request that computes the rest."""
         agent = self.agent()
         handoff.check_fits(agent.layout, len(prompt))
         if not handoff.block_ids:
@@ -157,15 +166,15 @@ class PDRole:
         remote = handoff.remote_descs(None if whole else num_blocks)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, remote, local, notification,
-                                       PULL_TIMEOUT_S)
+        pulling = loop.run_in_executor(None, agent.pull, handoff.agent_metadata, remote, local, handoff.lease,
+                                       notification, self.pull_timeout_s)
         try:
-            await asyncio.shield(pulling)
+            lease_held = await asyncio.shield(pulling)
         except asyncio.CancelledError:            # the call ended: the blocks go back once the READ is over
-            pulling.add_done_callback(lambda f: self.port.drop_landing(landing))
+            pulling.add_done_callback(lambda f: self._drop_after(landing, f))
             raise
         except KVTransferError as e:
-            self.port.drop_landing(landing)
+            self._drop_after(landing, pulling)
             agent.forget_peer(handoff.agent_metadata)
             log.warning("kv_pull_failed", request_id=request_id, producer=handoff.engine_id, error=str(e))
             raise RpcAbort(grpc.StatusCode.UNAVAILABLE,
@@ -174,6 +183,15 @@ class PDRole:
             self.port.drop_landing(landing)
             raise
         seconds = time.perf_counter() - started
+        if not lease_held:
+            # the producer's lease ended before the READ was over: its blocks, slot and row may have been
+            # reused for another request while they were read. The whole landing is given back unread and the
+            # prompt recomputed (the producer is healthy and smg would only redo the same prefill: recomputing
+            # here costs the same and answers at once).
+            self.port.drop_landing(landing)
+            log.warning("kv_pull_stale", request_id=request_id, producer=handoff.engine_id, blocks=num_blocks,
+                        whole=whole, seconds=round(seconds, 6))
+            return None
         size = sum(n for _, n in local)
         log.info("kv_pulled", request_id=request_id, producer=handoff.engine_id, blocks=num_blocks, whole=whole,
                  bytes=size, seconds=round(seconds, 6), gb_per_s=round(size / max(seconds, 1e-9) / 1e9, 3))
@@ -181,12 +199,21 @@ class PDRole:
 
     async def _let_go(self, handoff: kvh.Handoff, notification: bytes) -> None:
         """No pull after all (the prompt is recomputed here): the producer frees what it lent now rather than
-        at its lease's end (best effort: the lease still ends it)."""
+        at its lease's end (best effort: the lease still ends it). Nothing was read, so no lease word is."""
         try:
             await asyncio.get_running_loop().run_in_executor(None, self.agent().notify, handoff.agent_metadata,
                                                              notification)
         except KVTransferError as e:
             log.warning("kv_let_go_failed", producer=handoff.engine_id, error=str(e))
+
+    def _drop_after(self, landing, pulling: asyncio.Future) -> None:
+        """Give the landing (blocks, slot, row) back once no READ can write it: never after a READ that could
+        be neither finished nor cancelled (it stays held, logged, rather than hold another request's state)."""
+        error = pulling.exception() if pulling.done() and not pulling.cancelled() else None
+        if isinstance(error, KVTransferError) and error.landing_unsafe:
+            log.error("kv_landing_quarantined", request_id=landing.request_id, blocks=len(landing.block_ids))
+            return
+        self.port.drop_landing(landing)
 
 
 def complete_with_handoff(response: pb.GenerateResponse, handoff_json: str) -> pb.GenerateResponse:

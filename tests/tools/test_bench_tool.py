@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import derive, headline, interleave, shapes
+from tools.bench import derive, headline, interleave, report, shapes
 from tools.bench.__main__ import ORDER, _merge, _narrow_decode, _narrow_other, _narrow_quant, parse, run_order
 from tools.bench.targets import TARGETS
 
@@ -671,3 +671,25 @@ def test_moe_section_and_its_headline_keys(cpu_run):
     assert close(head["moe_30b_a3b_decode_b1_roofline_fraction"], statistics.median(one["roofline_fraction_per_rep"]))
     ratios = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(pair["reps"]["tp2"], pair["reps"]["tp1"])]
     assert close(head["moe_30b_a3b_tp2_over_tp1_decode_b1"], statistics.median(ratios))
+
+
+def test_the_pd_section_derives_per_round_ratios_and_its_gb_per_s_key_on_a_gpu_only():
+    """pd: PD / single per stream count is the median of the per-round ratios; pd_kv_transfer_gbps is the
+    median of the consumer's pulls, a GPU run's figure (a CPU run's stays in the section, with the reason)."""
+    streams = {"8": {**_pair("pd", [300.0, 330.0, 200.0], "single", [100.0, 110.0, 100.0], "ttft_ms_median"),
+                     "streams": 8}}
+    for rep, gap in zip(streams["8"]["reps"]["pd"] + streams["8"]["reps"]["single"], [50, 60, 40, 100, 100, 100]):
+        rep["inter_token_ms_median"] = gap
+    pulls = [{"blocks": 4, "bytes": 1000, "seconds": 0.001, "gb_per_s": g} for g in (1.0, 3.0, 2.0)]
+    transfer = {"pulls": 3, "blocks_median": 4, "bytes_median": 1000, "ms_median": 1.0, "ms_p90": 1.0,
+                "gb_per_s_median": 2.0, "per_pull": pulls}
+    r = _synthetic(pd={"streams": streams, "transfer": transfer, "engines": {"device": "cuda"}})
+    record = r["sections"]["pd"]["streams"]["8"]
+    assert record["ttft_pd_over_single"] == pytest.approx(3.0)       # 3.0, 3.0, 2.0 per round
+    assert record["inter_token_pd_over_single"] == pytest.approx(0.5)
+    assert r["headline"]["pd_kv_transfer_gbps"] == 2.0
+    cpu = _synthetic(pd={"streams": streams, "transfer": transfer, "engines": {"device": "cpu"}})
+    assert cpu["headline"]["pd_kv_transfer_gbps"] is None
+    assert "CPU run: 2 GB/s" in cpu["headline_detail"]["pd_kv_transfer_gbps"]["reason"]
+    table = "\n".join(report._pd(cpu))
+    assert "| 8 | 100 / 300 | 3 |" in table and "2.000 GB/s, over 3 pulls" in table, table

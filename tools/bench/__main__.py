@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 ORDER = ["roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp", "acceptance", "e2e", "quant", "hybrid",
-         "moe", "structured"]
+         "moe", "structured", "pd"]
 NEEDS_ROOFLINE = {"prefill", "decode", "kv", "tp", "peer", "concurrency", "acceptance", "quant", "hybrid", "moe"}
 
 
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report_only(args)
 
     import torch
-    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, moe, peer, prefill, quant, report,
+    from tools.bench import (acceptance, concurrency, decode, e2e, hybrid, kv, moe, pd, peer, prefill, quant, report,
                              roofline, runinfo, structured, tp)
     from tools.bench.context import Bench
     from tools.bench.plan import make_plan
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(plan, device, results, out, acc_model, write_plots=not args.no_plots)
     modules = {"roofline": roofline, "peer": peer, "prefill": prefill, "concurrency": concurrency, "decode": decode,
                "kv": kv, "tp": tp, "acceptance": acceptance, "e2e": e2e, "quant": quant, "hybrid": hybrid, "moe": moe,
-               "structured": structured}
+               "structured": structured, "pd": pd}
 
     old_term = None
     if threading.current_thread() is threading.main_thread():

@@ -90,8 +90,18 @@ def annotate(results: dict) -> None:
     if acc.get("results") is not None:
         acc["k0_decode_tok_s"] = 1e3 / ms[0] if ms.get(0) else None
 
+    _pd(secs.get("pd", {}))
     results["headline"], results["headline_detail"] = headline.compute(results)
     results["headline_basis"] = HEADLINE_BASIS
+
+
+def _pd(sec: dict) -> None:
+    """PD over a single engine through smg, per stream count: TTFT and inter-token time, each the median of
+    the per-round ratios PD / single (above 1: PD is slower)."""
+    for record in (sec.get("streams") or {}).values():
+        for metric in ("ttft_ms_median", "inter_token_ms_median"):
+            r = interleave.reduce_pair(record, "pd", "single", metric)
+            record[metric.replace("_ms_median", "_pd_over_single")] = r["value"]
 
 
 def _ms_per_round_table(results: dict, context: int | None, draft_vocab: int = 0) -> dict[int, float]:

@@ -23,6 +23,7 @@ Where each key's raw figures live in results.json:
                                      else structured.points[] (batch, share: mask fill / step, on a GPU)
     hybrid_*                         hybrid.points / long_context / one_gpu
     moe_30b_a3b_*                    moe.points (tp1), moe.pairs.decode_b1
+    pd_kv_transfer_gbps              pd.transfer: the median of the consumer's pulls (a GPU run's only)
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def compute(results: dict) -> tuple[dict, dict]:
     keys = Keys(secs)
     for part in (_decode, _peer, _prefill, _tp, _concurrency, _kv, _e2e, _quant, _structured, _hybrid, _moe):
         part(keys, results, ref)
-    keys.miss("pd_kv_transfer_gbps", "no section of this bench measures it yet")
+    _pd(keys, results)
 
     head, detail = {}, {}
     for name, t in TARGETS.items():
@@ -342,6 +343,23 @@ def _structured(keys: Keys, results: dict, ref: dict) -> None:
         else:
             keys.miss(name, keys.missing("structured"), "CPU dry run: the GPU run takes the figure" if point else None,
                       f"no interleaved structured / unconstrained b{batch} pair")
+
+
+def _pd(keys: Keys, results: dict) -> None:
+    """pd.transfer: the median GB/s of the consumer's pulls; the key is the GPU figure (two engines' device
+    memory over NVLink or RDMA), so a CPU run's figure (host memory between two processes) stays in its section."""
+    sec = keys.secs.get("pd", {})
+    t = sec.get("transfer") or {}
+    name = "pd_kv_transfer_gbps"
+    if not t.get("pulls"):
+        keys.miss(name, keys.missing("pd"), t.get("reason"), "no pull measured")
+    elif (sec.get("engines") or {}).get("device") == "cpu":
+        keys.miss(name, f"CPU run: {t['gb_per_s_median']:.3g} GB/s median over {t['pulls']} pulls between two "
+                        "processes of one host (section pd); the key is the GPU run's figure")
+    else:
+        keys.put(name, {"value": t["gb_per_s_median"], "reason": None, "rule": interleave.RULE_MEDIAN,
+                        "per_rep": [p["gb_per_s"] for p in t.get("per_pull", [])]},
+                 1, pulls=t["pulls"], bytes_median=t["bytes_median"], ms_median=t["ms_median"])
 
 
 def _hybrid(keys: Keys, results: dict, ref: dict) -> None:

@@ -107,6 +107,16 @@ class E2EPlan:
 
 
 @dataclass
+class PDPlan:
+    """tools/bench/pd.py: one engine against a producer + consumer pair, both through smg."""
+    prompt: int = 4096              # about this many prompt tokens (plain words)
+    decode_tokens: int = 128
+    streams: list[int] = field(default_factory=lambda: [1, 8])
+    reps: int = 3                   # interleaved rounds (single, PD) of each stream count
+    kv_capacity: int = 64 * 1024    # every engine's: the largest round fits
+
+
+@dataclass
 class QuantPlan:
     """tools/bench/quant.py: bf16, FP8 and NVFP4 engines of each shape."""
     shapes: list[str] = field(default_factory=lambda: ["qwen3-8b", "qwen3-32b"])
@@ -186,6 +196,7 @@ class Plan:
     hybrid: HybridPlan = field(default_factory=HybridPlan)
     structured: StructuredPlan = field(default_factory=StructuredPlan)
     moe: MoEPlan = field(default_factory=MoEPlan)
+    pd: PDPlan = field(default_factory=PDPlan)
 
 
 def make_plan(device: str, shape: str, quick: bool, repeats: int | None = None, time_scale: float = 1.0) -> Plan:
@@ -208,7 +219,7 @@ def _gpu_full(shape: str) -> Plan:
         # peer: the compiled step's compile and autotuning (minutes) before its pairs; decode, kv, quant, e2e:
         # two engines held and interleaved (each round measures both)
         budgets={"roofline": 20, "peer": 420, "prefill": 150, "concurrency": 90, "decode": 240, "kv": 90,
-                 "tp": 360, "acceptance": 45, "e2e": 600, "quant": 420, "hybrid": 360, "moe": 180},
+                 "tp": 360, "acceptance": 45, "e2e": 600, "quant": 420, "hybrid": 360, "moe": 180, "pd": 300},
         global_s=2400,
         roofline=RooflinePlan(copy_bytes=2 << 30, matmul_n=8192, matmul_dtype="bfloat16",
                               gemv_rows=151936, gemv_cols=4096),
@@ -238,7 +249,7 @@ def _gpu_quick(shape: str) -> Plan:
     # kv: the int8 engine's build and warm-up alone took 20-28 s on the H200 (graphs to 32k), so 25 s left its point
     # unmeasured (bench/results/2026-12-02-h200-fused-merge-kv-32b/e); 45 s holds it and one 32k point
     plan.budgets = {"roofline": 12, "peer": 360, "prefill": 45, "concurrency": 45, "decode": 90, "kv": 70,
-                    "tp": 240, "acceptance": 25, "e2e": 480, "quant": 330, "hybrid": 300, "moe": 150}
+                    "tp": 240, "acceptance": 25, "e2e": 480, "quant": 330, "hybrid": 300, "moe": 150, "pd": 240}
     plan.global_s = 1800            # a device call is shorter: pick sections, and --budget-s under the call's limit
     plan.e2e = E2EPlan(prompt=512, decode_tokens=128, streams=[1, 8, 32], ttft_samples=32, reps=3, tps=[1, 2],
                        ks=[0, 3], draft_vocab=32768, kv_capacity=24 * K)
@@ -260,7 +271,7 @@ def _cpu(shape: str, quick: bool) -> Plan:
         mode="cpu-quick" if quick else "cpu", shape=shape, chunk=128, kv_capacity=1024,
         # generous: the CPU run checks code paths (the test), it must not skip points on a slow machine
         budgets={name: 120.0 for name in ("roofline", "peer", "prefill", "concurrency", "decode", "kv", "tp",
-                                          "acceptance", "e2e", "quant", "hybrid", "moe")},
+                                          "acceptance", "e2e", "quant", "hybrid", "moe", "pd")},
         global_s=900,
         roofline=RooflinePlan(copy_bytes=64 << 20, matmul_n=512, matmul_dtype="float32", gemv_rows=4096,
                               gemv_cols=1024, repeats=5),
@@ -287,6 +298,8 @@ def _cpu(shape: str, quick: bool) -> Plan:
                              long_context=1024, long_decode_tokens=16, chunk=128)
     plan.structured = StructuredPlan(context=16, decode_tokens=12, walks=4, walk_tokens=80)
     plan.moe = MoEPlan(shape="tiny-moe", context=64, kv_capacity=1024, chunk=128)
+    plan.pd = PDPlan(prompt=512, decode_tokens=16, streams=[1, 8], reps=3, kv_capacity=8 * 1024)
+    plan.budgets["pd"] = 900.0      # three engine processes and two routers on a shared CPU
     if quick:                       # the test's run: every code path once, few engines
         plan.prefill = PrefillPlan(grid={128: [128, 512]}, repeats={128: 3, 512: 3})
         plan.decode.ks = [0, 3]

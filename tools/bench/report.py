@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 from tools.bench import interleave
@@ -105,7 +106,7 @@ def markdown(r: dict) -> str:
     L += _tab(["figure", "measured", "target", "ratio to target", "met", "conditions / reason", "target text"], rows)
 
     L += _limits(r) + _peer(r) + _prefill(r) + _decode(r) + _acceptance(r) + _concurrency(r) + _kv(r) + _tp(r) + _e2e(r)
-    L += _quant(r) + _hybrid(r) + _moe(r)
+    L += _quant(r) + _hybrid(r) + _moe(r) + _pd(r)
 
     L += ["## Sections", ""]
     rows = [[name, s.get("status", "?"), fmt(s.get("elapsed_s")), s.get("run_id", ""),
@@ -418,6 +419,33 @@ def _e2e(r: dict) -> list[str]:
     bad = [v for c in sec.get("configs", []) for v in c.get("consistency_violations", [])[:5]]
     if bad:
         L += ["", "First inconsistencies:", ""] + [f"- {v}" for v in bad[:10]]
+    return L + [""]
+
+
+def _pd(r: dict) -> list[str]:
+    sec = r["sections"].get("pd")
+    if not sec or sec.get("status") == "skipped":
+        return ["## Prefill/decode across engines", "", f"- skipped: {sec.get('reason')}", ""] if sec else []
+    L = ["## Prefill/decode across engines — a producer + consumer pair (NIXL) vs one engine, both through smg", "",
+         f"{sec.get('model')}, about {sec.get('prompt_tokens_about')} prompt tokens, {sec.get('decode_tokens')} out, "
+         "streamed; the two routers take turns. Client-side medians per round; PD / single: the median of the "
+         "per-round ratios.", ""]
+    rows = []
+    for n, rec in sorted((sec.get("streams") or {}).items(), key=lambda kv: int(kv[0])):
+        med = {(side, key): statistics.median(xs) if (xs := [x for x in interleave.values(rec, side, key)
+                                                            if x is not None]) else None
+               for side in ("single", "pd") for key in ("ttft_ms_median", "inter_token_ms_median")}
+        rows.append([n, f"{fmt(med['single', 'ttft_ms_median'])} / {fmt(med['pd', 'ttft_ms_median'])}",
+                     fmt(rec.get("ttft_pd_over_single")),
+                     f"{fmt(med['single', 'inter_token_ms_median'])} / {fmt(med['pd', 'inter_token_ms_median'])}",
+                     fmt(rec.get("inter_token_pd_over_single")), str(len(rec.get("order", [])) // 2)])
+    L += _tab(["streams", "TTFT ms single / PD", "PD / single", "inter-token ms single / PD", "PD / single",
+               "rounds"], rows)
+    t = sec.get("transfer") or {}
+    if t.get("pulls"):
+        L += ["", f"- KV moved per prompt: {t['blocks_median']:g} blocks, {t['bytes_median'] / 1e6:.2f} MB in "
+                  f"{t['ms_median']:.2f} ms median (p90 {t['ms_p90']:.2f} ms), {t['gb_per_s_median']:.3f} GB/s, "
+                  f"over {t['pulls']} pulls"]
     return L + [""]
 
 
