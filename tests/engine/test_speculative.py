@@ -73,6 +73,6 @@ def test_greedy_k3_without_prefix_reuse_equals_k0(shared_model, reference):
     assert all(o.stats.usage.cached_tokens == 0 for o in outs)
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [3])                 # k = 1, 2, 3, 5 over the float KV above; int8 adds its scales
 def test_greedy_int8_kv_with_k_drafts_equals_int8_k0(shared_model, reference_int8, k):
     check_lossless(make_llm(shared_model, draft_tokens=k, kv_dtype="int8"), reference_int8, k)

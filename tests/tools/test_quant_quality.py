@@ -9,18 +9,20 @@ import pytest
 from tools.quality.quant_quality import markdown, measure
 from tools.quality.quant_quality_texts import PROMPTS, TEXTS
 
-FLOORS = {"fp8": 0.95, "nvfp4": 0.85, "nvfp4-search": 0.85}
+FLOORS = {"fp8": 0.95, "nvfp4": 0.85}
 
 
 @pytest.fixture(scope="module")
 def small_run(shared_model, tmp_path_factory):
     texts = {k: v[:1] for k, v in TEXTS.items()}
     prompts = {k: v[:1] for k, v in PROMPTS.items()}
-    return measure(shared_model, texts=texts, prompts=prompts, max_tokens=16,
+    # nvfp4-search left out here: its scale search is tested in tests/engine/quant/test_formats.py, and a third
+    # quantized model cost CI 40 s
+    return measure(shared_model, formats=("fp8", "nvfp4"), texts=texts, prompts=prompts, max_tokens=16,
                    workdir=str(tmp_path_factory.mktemp("quality")))
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "nvfp4-search"])
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
 def test_teacher_forced_agreement_clears_a_loose_floor(small_run, fmt):
     tf = small_run["formats"][fmt]["teacher_forced"]
     assert set(tf) == {"prose", "code", "json", "enumeration", "overall"}
