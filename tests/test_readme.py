@@ -1,4 +1,4 @@
-"""The README's commands use the CLI's real subcommands and flags."""
+"""The README: its commands use the CLI's real subcommands and flags, and it stays a page for users."""
 
 from __future__ import annotations
 
@@ -78,3 +78,12 @@ def test_the_first_command_passes_the_cpu_index_to_pip_only_when_it_answers(monk
             pass                                   # the shell drops the probe's error (2>/dev/null || true)
         assert capsys.readouterr().out.strip() == expected
     assert "create_connection(('download.pytorch.org', 443)" in (README.parent / ".ci" / "run").read_text()
+
+
+def test_the_readme_stays_a_users_page_of_at_most_150_lines_with_one_performance_table():
+    """What is not for a first reader goes in docs/; a blank line inside the table would split it in two."""
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail to docs/"
+    section = README.read_text().split("## Performance", 1)[1].split("\n## ", 1)[0]
+    tables = re.findall(r"(?:^\|.*\|\n)+", section + "\n", re.M)
+    assert len(tables) == 1, f"the performance section has {len(tables)} tables"
