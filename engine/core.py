@@ -33,7 +33,7 @@ from engine.loading.presets import PREFIX as PRESET_PREFIX, preset
 from engine.sched.request import PhaseTimes, Request, RequestStatus, SpecStats
 from engine.distributed.executor import Executor
 from engine.sampling_params import SamplingParams
-from engine.admission import admit_options
+from engine.sched.admission import admit_options
 from engine.worker.async_rounds import InflightRound, TokenReadback, plan_ahead, why_synchronous
 from engine.sched.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.loading.hybrid_config import state_slot_counts

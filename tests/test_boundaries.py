@@ -17,7 +17,7 @@ PRODUCT_PACKAGES = ("engine", "services", "gateway", "ninfer")
 # accounting, the shared gRPC plumbing and the CLI; and the engine's pure-Python top-level modules.
 TORCH_FREE_PACKAGES = ("gateway", "engine/sched", "engine/cache", "services/server", "ninfer/cli")
 TORCH_FREE_MODULES = ["engine", "engine.config", "engine.errors", "engine.sampling_params", "engine.request_stats",
-                      "engine.metrics", "engine.tokenizer", "engine.engine_info", "engine.envs", "engine.admission",
+                      "engine.metrics", "engine.tokenizer", "engine.engine_info", "engine.envs",
                       "services.convert"]
 # in those packages, the modules that hold an engine (and so torch), and why
 TORCH_USERS = {"gateway.serve": "`ninfer serve`'s one-process stack: an engine and the gateway together"}
@@ -173,3 +173,11 @@ def test_request_stats_keys_are_spelled_in_one_place():
                if not str(p.relative_to(ROOT)).startswith("ninfer/v1")
                and str(p.relative_to(ROOT)) not in allowed and any(k in p.read_text() for k in STATS_KEYS)]
     assert spelled == []
+
+
+def test_the_engine_keeps_at_most_a_dozen_modules_at_its_top_level():
+    """engine/'s subpackages are the architecture (sched, cache, worker, distributed, loading, models, layers, quant,
+    kernels, structured); a new module belongs in one of them unless it is the engine's front door or a type of its
+    public API."""
+    top = sorted(p.name for p in (ROOT / "engine").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 12, top

@@ -71,7 +71,7 @@ class Request:
     # Resumed from another engine (a migrated stream) with output_token_ids already generated: its
     # first prefill covers all but the last of them and samples nothing (scheduler.update).
     resuming: bool = False
-    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # engine.admission.bad_words_token_ids
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()   # engine.sched.admission.bad_words_token_ids
     # prompt_logprobs: one per prompt token after the first, filled as the prefill's chunks score them
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False

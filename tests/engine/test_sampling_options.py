@@ -33,7 +33,7 @@ def reference_tokens(llm, reference, prompt: str, params: SamplingParams) -> lis
     core = llm.engine
     ids = llm.tokenizer.encode(prompt)
     stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(core.model_config.eos_token_ids))
-    from engine.admission import bad_words_token_ids
+    from engine.sched.admission import bad_words_token_ids
     words = [list(w) for w in bad_words_token_ids(params.bad_words or [], llm.tokenizer, core.model_config.vocab_size)]
     out = reference_greedy(reference, ids, params.max_tokens, presence=params.presence_penalty,
                            frequency=params.frequency_penalty, repetition=params.repetition_penalty,
