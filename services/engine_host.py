@@ -75,6 +75,7 @@ class EngineHost(NinferServer):
 
     def stop(self) -> None:
         super().stop()
+        self.smg.pd.close()               # a producer's or consumer's NIXL agent (its UCX progress thread) goes
         loop = self.ctx.loop
         if loop is not None:
             loop.shutdown()

@@ -99,7 +99,7 @@ class NixlKVAgent:
             peer = self._peers.get(peer_metadata)
             if peer is None:
                 try:
-                    peer = self._peers[peer_metadata] = self._agent.add_remote_agent(peer_metadata)
+                    peer = self._peers[peer_metadata] = self._live().add_remote_agent(peer_metadata)
                 except Exception as e:  # noqa: BLE001 - NIXL's errors (a blob that is no agent's metadata)
                     raise KVTransferError(f"{what} could not start: {e}") from None
             return peer
@@ -109,11 +109,11 @@ class NixlKVAgent:
         dev = self.layout.device_id if mem == self._mem else 0
         with self._lock:
             try:
-                handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(np.array([(a, n, dev) for a, n in local], dtype=np.uint64), mem),
-                    self._agent.get_xfer_descs(np.array([(a, n, dev) for a, n in remote], dtype=np.uint64), mem),
+                handle = self._live().initialize_xfer(
+                    "READ", self._live().get_xfer_descs(np.array([(a, n, dev) for a, n in local], dtype=np.uint64), mem),
+                    self._live().get_xfer_descs(np.array([(a, n, dev) for a, n in remote], dtype=np.uint64), mem),
                     peer, notification)
-                state = self._agent.transfer(handle)
+                state = self._live().transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL's errors (unknown peer, unregistered memory...)
                 raise KVTransferError(f"{what} could not start: {e}") from None
         try:
@@ -130,7 +130,7 @@ class NixlKVAgent:
     def _state(self, handle) -> str:
         with self._lock:
             try:
-                return self._agent.check_xfer_state(handle)
+                return self._live().check_xfer_state(handle)
             except Exception as e:  # noqa: BLE001
                 return f"ERR: {e}"
 
@@ -140,7 +140,7 @@ class NixlKVAgent:
         for attempt in range(2):
             with self._lock:
                 try:
-                    self._agent.release_xfer_handle(handle)
+                    self._live().release_xfer_handle(handle)
                     return
                 except Exception as e:  # noqa: BLE001 - an active transfer that could not be cancelled
                     log.warning("kv_transfer_release_failed", peer=peer, error=repr(e), attempt=attempt)
@@ -157,7 +157,7 @@ class NixlKVAgent:
         peer = self._peer(peer_metadata, "the notification")
         with self._lock:
             try:
-                self._agent.send_notif(peer, notification)
+                self._live().send_notif(peer, notification)
             except Exception as e:  # noqa: BLE001 - NIXL's errors (unknown peer, a closed connection...)
                 raise KVTransferError(f"the notification could not be sent: {e}") from None
 
@@ -167,14 +167,22 @@ class NixlKVAgent:
             name = self._peers.pop(peer_metadata, None)
             if name is not None:
                 try:
-                    self._agent.remove_remote_agent(name)
+                    self._live().remove_remote_agent(name)
                 except Exception:  # noqa: BLE001
                     pass
 
     def notifications(self) -> list[bytes]:
         """Notifications received since the last call (the consumers' 'pulled' messages)."""
         with self._lock:
+            if self._agent is None:
+                return []
             return [m for msgs in self._agent.get_new_notifs().values() for m in msgs]
+
+    def _live(self):
+        """The NIXL agent; KVTransferError once closed (the caller holds the lock)."""
+        if self._agent is None:
+            raise KVTransferError("the engine's KV transfer agent is closed")
+        return self._agent
 
     def close(self) -> None:
         with self._lock:
@@ -182,3 +190,5 @@ class NixlKVAgent:
                 self._closed = True
                 for descs in self._registered:
                     self._agent.deregister_memory(descs)
+                # dropping the agent stops UCX's progress thread, which polls a core for as long as it lives
+                self._agent = None
