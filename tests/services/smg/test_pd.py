@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import time
 from types import SimpleNamespace
 
 import grpc
@@ -24,6 +23,7 @@ from services.engine_client import EngineClient
 from services.engine_host import EngineHost
 from services.server.grpc_server import ServerOptions
 from tests.support.hybrid import require_shared_hybrid
+from tests.support.polling import wait_for
 from tools.serving.smg_stack import SmgRouter, smg_command
 
 pytest.importorskip("nixl_cu12", reason="NIXL is not installed (the `test` extra installs nixl-cu12)")
@@ -106,15 +106,6 @@ def prefill_computed(client: EngineClient) -> int:
 
 def leases_expired(client: EngineClient) -> int:
     return client.metrics().performance.requests.get("lease_expired", 0)
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_server_info_names_the_connector_role_and_engine(stubs):

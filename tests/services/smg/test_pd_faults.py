@@ -21,6 +21,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
 
 from services.engine_client import EngineClient
+from tests.support.polling import wait_for
 from tools.serving.server_process import ServerProcess
 from tools.serving.smg_stack import SmgRouter, smg_command
 
@@ -98,15 +99,6 @@ def lend(producer: Engine, request_id: str, prompt=PROMPT) -> str:
                        prompt=prompt).kv_transfer_params_json
     assert json.loads(handoff)["remote_block_ids"], handoff
     return handoff
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def assert_nothing_held(engine: Engine) -> None:
