@@ -412,9 +412,13 @@ class Scheduler:
             raise RequestNotFoundError(f"no parked request {request_id!r} (unknown, attached or expired)")
         del self._lease_deadline[request_id]
         del self._parked_at[request_id]
-        self._attached_at[request_id] = self.clock()
-        self.attached.append(req)
+        self._attach(req, self.clock())
         return req
+
+    def _attach(self, req: Request, now: float) -> None:
+        """Wait for a decode seat (the seat timeout, seat_timeout_s, counts from `now`)."""
+        self._attached_at[req.request_id] = now
+        self.attached.append(req)
 
     def admit_pulled(self, req: Request, landing: kv_landing.KVLanding, first_token_id: int) -> RequestEvent:
         """A request whose prompt another engine prefilled (prefill/decode disaggregation): `add_request`
@@ -428,8 +432,7 @@ class Scheduler:
         req.num_mtp_computed = n - 1 if self.config.draft_tokens > 0 else 0
         req.times.prefill_start = req.times.first_token = now
         req.status = RequestStatus.PARKED
-        self._attached_at[req.request_id] = now
-        self.attached.append(req)
+        self._attach(req, now)
         event = self._append(req, [first_token_id], now)
         if not req.finished:
             self._register(req, self.config.draft_tokens > 0)

@@ -57,8 +57,10 @@ class NixlKVAgent:
         dev = layout.device_id
         self._registered = [self._agent.get_reg_descs([(addr, size, dev, "") for addr, size in layout.regions],
                                                       self._mem)]
-        self._words = np.zeros(LANDING_WORDS, dtype=np.uint64)     # [LANDING_WORDS] uint64: leases read back
-        self._free_words = list(range(LANDING_WORDS))
+        # [LANDING_WORDS] uint64: a consumer's landing words, where producers' lease words are read back; a
+        # producer registers its lease table instead and reads nothing, so it has none
+        self._words = np.zeros(0 if lease_region else LANDING_WORDS, dtype=np.uint64)
+        self._free_words = list(range(len(self._words)))
         words = lease_region or (self._words.ctypes.data, self._words.nbytes)
         self._registered.append(self._agent.get_reg_descs([(words[0], words[1], 0, "")], "DRAM"))
         for descs in self._registered:
