@@ -19,12 +19,6 @@ def idle(kv: KVCacheManager) -> bool:
 
 
 class Parked(Req):
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.tokens
-
-
-class Parked(Req):
     def __init__(self, rid: str, tokens: list[int], outputs: list[int] = ()):
         super().__init__(rid, tokens)
         self.output_token_ids, self.state_slot = list(outputs), -1
