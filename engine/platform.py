@@ -58,6 +58,11 @@ class KernelPaths:
     moe_nvfp4_experts: str            # "triton-grouped-gemm-dequant" (weight-only, in registers) | "torch"
     int_linear: str                   # GPTQ/AWQ/pack-quantized: "triton-int-gemv+gemm" | "torch-dequantize" | "torch"
     tp_allreduce: str                 # "p2p-one-shot+nccl" (CUDA C one-shot, NCCL above its size) | "nccl" | "local"
+    residual_dtype: str = ""          # the decoder's residual stream (residual_dtype_name(dtype)); set from dtype
+
+    def __post_init__(self):
+        if not self.residual_dtype:
+            object.__setattr__(self, "residual_dtype", residual_dtype_name(self.dtype))
 
     @property
     def fp8_tensor_cores(self) -> bool:
@@ -66,6 +71,12 @@ class KernelPaths:
     def as_dict(self) -> dict[str, str]:
         """Every field as text: the log line at start-up and ModelInfo.kernel_paths."""
         return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in self.__dict__.items()}
+
+
+def residual_dtype_name(dtype: str) -> str:
+    """The dtype of the decoder's residual stream for activations in `dtype`: float32 under float16, whose
+    range (+-65504) bfloat16-trained checkpoints exceed there (engine.layers.norm says why); else `dtype`."""
+    return "float32" if dtype == "float16" else dtype
 
 
 def capability_name(capability: tuple[int, int] | None) -> str:

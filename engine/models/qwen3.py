@@ -22,7 +22,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear, quant_format
 from engine.layers.mlp import Qwen3MLP
 from engine.layers.moe import SparseMoeBlock, mlp_checkpoint_shapes
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, start_residual
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.reduce_add_norm import defer_reduce, reduce_add_norm
 from engine.distributed.tp_group import SINGLE_RANK, TPGroup
@@ -87,7 +87,7 @@ class Qwen3DecoderLayer(nn.Module):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
         # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.reduce_add_norm).
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x), start_residual(x)
         else:
             x, residual = reduce_add_norm(self.tp, self.input_layernorm, x, residual)
         x = self.self_attn(positions, x)

@@ -20,6 +20,7 @@ from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.gated_attention import GatedAttention
 from engine.layers.gated_delta import GatedDeltaNet
 from engine.layers.hybrid_norm import ZeroCentredRMSNorm
+from engine.layers.norm import start_residual
 from engine.layers.linear import ReplicatedLinear
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.reduce_add_norm import defer_reduce, reduce_add_norm
@@ -50,7 +51,7 @@ class HybridDecoderLayer(nn.Module):
         # x, residual: [T, hidden]; residual None on the first layer. Returns the next (x, residual).
         # With TP > 1, x is this rank's partial sum whenever residual is given (engine.layers.reduce_add_norm).
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x), start_residual(x)
         else:
             x, residual = reduce_add_norm(self.tp, self.input_layernorm, x, residual)
         x = self.linear_attn(x) if self.is_linear else self.self_attn(positions, x)

@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import CapacityError
-from engine.platform import KernelPaths
+from engine.platform import KernelPaths, residual_dtype_name
 from engine.worker.paged_kv import PREFILL_GATHER_MAX_BYTES, PREFILL_TMA_HEAD_DIMS
 
 GiB = 1 << 30
@@ -107,6 +107,8 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     # live tensors of one layer at the largest chunk (hidden, residual, qkv, attention out, gate/up,
     # act), twice for the allocator's double buffering; plus the vocabulary rows sampled per step.
     activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
+    # the residual stream in and out of a norm, wider than the activations under float16 (engine.layers.norm)
+    activations += 2 * chunk * 2 * h * (dtype_bytes(residual_dtype_name(cfg.torch_dtype_name)) - elt)
     if model.is_moe:
         from engine.loading.moe_config import moe_activation_bytes
         activations += 2 * moe_activation_bytes(model, chunk, tp, elt)

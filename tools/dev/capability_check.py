@@ -1,8 +1,8 @@
 """Run an older GPU's kernel paths on this one and compare with the CPU's float32 engine.
 
-    NINFER_KERNEL_CAPABILITY=7.0 python -m tools.dev.capability_check --dtype float16 [--kv-dtype int8]
+    NINFER_KERNEL_CAPABILITY=7.0 python -m tools.dev.capability_check --dtype float16 [--kv-dtype int8] [--model DIR]
 
-For each shared model (../shared/models/tiny-qwen3-mtp, tiny-qwen3_5-mtp): greedy 32-token continuations of
+For each shared model (../shared/models/tiny-qwen3-mtp, tiny-qwen3_5-mtp; or each --model): greedy 32-token continuations of
 eight prompts and every prompt position's logits on cuda (the paths engine/platform.py picks for the capability
 named, e.g. sm70: float16, paged attention, no PDL, quantized weights dequantized by torch) against the CPU engine
 in float32. Prints the kernel paths, identical continuations, top-1 agreement and the largest logit error.
@@ -36,10 +36,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-dtype", default="auto")
+    parser.add_argument("--model", action="append", help="a model directory (repeatable); default: the shared models")
     args = parser.parse_args()
-    for name in ("tiny-qwen3-mtp", "tiny-qwen3_5-mtp"):
-        ref_tokens, ref_logits, _ = run(MODELS / name, "cpu", "float32", "auto")
-        tokens, logits, paths = run(MODELS / name, args.device, args.dtype, args.kv_dtype)
+    models = [Path(m) for m in args.model] if args.model else [MODELS / "tiny-qwen3-mtp", MODELS / "tiny-qwen3_5-mtp"]
+    for path in models:
+        name = path.name
+        ref_tokens, ref_logits, _ = run(path, "cpu", "float32", "auto")
+        tokens, logits, paths = run(path, args.device, args.dtype, args.kv_dtype)
         identical = sum(a == b for a, b in zip(ref_tokens, tokens))
         top1 = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ref_logits, logits))
         positions = sum(a.shape[0] for a in ref_logits)

@@ -37,8 +37,9 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, ro_ptr, stride_x, stride_r, str
     pdl.wait_for_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        # the twin adds in the activation dtype: round the sum before it is stored and normed
-        x = (x + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        # the twin adds in the residual's dtype (the activation dtype; float32 under float16): round the sum
+        # to it before it is stored and normed
+        x = (x + tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(ro_ptr.dtype.element_ty)
         tl.store(ro_ptr + row * stride_ro + offs, x, mask=mask)
         x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + eps)
@@ -54,7 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     """x, residual: [..., hidden]; weight: [hidden].
 
     Without residual: returns norm(x). With it: returns (norm(x + residual), x + residual), the
-    contract of RMSNorm.forward. out / residual_out: optional destinations (same shape as x).
+    contract of RMSNorm.forward: the sum in residual's dtype (float32 under float16 activations), the
+    normed output in x's. out / residual_out: optional destinations (same shape as x).
     zero_centred: the weight is an offset from one (ZeroCentredRMSNorm of the hybrids).
     """
     n = x.shape[-1]
@@ -64,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     o2 = out.view(-1, n)
     if residual is not None:
         r2 = residual.reshape(-1, n)
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual_out is None else residual_out
+        residual_out = torch.empty(x.shape, dtype=residual.dtype, device=x.device) if residual_out is None else residual_out
         ro2 = residual_out.view(-1, n)
     else:
         r2 = ro2 = x2                                   # placeholders, never touched
