@@ -85,7 +85,6 @@ from engine import envs
 from engine.distributed import p2p_push
 from engine.distributed.p2p_launch import RankLaunch
 from engine.distributed.tp_group import TPGroup
-from engine.errors import InvalidArgumentError
 from engine.kernels.cuda_source import read_cuda_source
 from engine.distributed.fused_allreduce import ADD_NORM_KERNEL_NAMES, ADD_NORM_SOURCE, add_norm_launch_shape
 
@@ -558,11 +557,13 @@ def _enable_peer_access(cupy, devices: list[int]) -> None:
                         raise
 
 
-def _p2p_unselected(devices) -> str:
-    """The capability of the first device whose kernel paths do not take the CUDA C all-reduce; "" if none."""
-    from engine.platform import paths_for
+def _p2p_unselected(devices, kind: str) -> str:
+    """The capability of the first device whose kernel paths do not take the CUDA C all-reduce; "" if none.
+    `--tp-comm p2p` there is refused, naming the flag (engine.platform.check_tp_comm)."""
+    from engine.platform import check_tp_comm, paths_for
     for d in devices:
         paths = paths_for(torch.device("cuda", d))
+        check_tp_comm(paths, kind, len(devices))
         if paths.tp_allreduce != "p2p-one-shot+nccl":
             return paths.capability
     return ""
@@ -575,10 +576,7 @@ def make_communicator(kind: str, devices, **p2p_options) -> NcclCommunicator | P
         return NcclCommunicator(devices)
     if kind not in ("p2p", "auto"):
         raise ValueError(f"communicator kind must be 'nccl', 'p2p' or 'auto', got {kind!r}")
-    unselected = _p2p_unselected(devices)
-    if unselected and kind == "p2p":
-        raise InvalidArgumentError("tp_comm", f"the P2P all-reduce kernels are not selected on {unselected} "
-                                              "(CUDA 13's NVRTC starts at sm75): use --tp-comm nccl or auto")
+    unselected = _p2p_unselected(devices, kind)
     if kind == "p2p":
         return P2PCommunicator(devices, **p2p_options)
     nccl = NcclCommunicator(devices)
