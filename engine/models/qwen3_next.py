@@ -27,6 +27,7 @@ import torch
 from engine.config import ModelConfig
 from engine.errors import ModelLoadError
 from engine.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from engine.quant.dequantize_at_load import ModuleTensors
 from engine.quant.layouts.base import FP8_CHANNEL, INT, NVFP4, Renamed
 
 FLAT = (".in_proj_qkv.weight", ".in_proj_z.weight", ".in_proj_b.weight", ".in_proj_a.weight")
@@ -118,22 +119,12 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
         split by rows; quantized ones converted to the layer's tensors first, whose rows are then split alike."""
         if self.kept and not self.kept_plain:
             self.checkpoint_shapes()                           # records the unquantized shape of each kept module
-        scheme = self.checkpoint_quant
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        needed: dict[str, set[str]] = {}
+        gather = ModuleTensors(self.checkpoint_quant, self.kept_plain, "a grouped projection kept quantized")
         for name, tensor in weights:
-            module, _, suffix = name.rpartition(".")
-            if module in self.kept:
-                if module in needed and not needed[module]:      # an optional tensor after the module's last one
-                    continue
-                spec = scheme.spec(module)
-                need = needed.setdefault(module, {n.rpartition(".")[2] for n in scheme.layout.disk_shapes(
-                    module, spec, *self.kept_plain[module])})
-                for layer_suffix, converted in scheme.layout.convert(module, suffix, tensor, spec):
-                    pending.setdefault(module, {})[layer_suffix] = converted
-                need.discard(suffix)
-                if not need:
-                    yield from self._split_rows(module, pending.pop(module, {}))
+            if name.rpartition(".")[0] in self.kept:
+                complete = gather.add(name, tensor)
+                if complete is not None:
+                    yield from self._split_rows(*complete)
                 continue
             for packed, parts in ((".in_proj_qkvz.weight", ("qkv", "z")), (".in_proj_ba.weight", ("b", "a"))):
                 if name.endswith(packed):
@@ -145,6 +136,7 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
                     break
             else:
                 yield name, tensor
+        gather.check_complete()
 
     def _split_rows(self, module: str, tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """A quantized grouped module's layer tensors as its flat parts': row-wise tensors take each part's rows,

@@ -29,6 +29,44 @@ from engine.quant.scheme import QuantScheme
 log = structlog.get_logger(__name__)
 
 
+class ModuleTensors:
+    """Gathers the checkpoint tensors of quantized modules out of a weight stream, each converted to its layer's
+    tensors (`Layout.convert`), and hands a module over once the last tensor its layout names has come."""
+
+    def __init__(self, scheme: QuantScheme, plain: dict[str, tuple[int, int]], why: str):
+        self.scheme = scheme
+        self.plain = plain                                      # module -> its unquantized [out, in]
+        self.why = why
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> layer tensors so far
+        self.needed: dict[str, set[str]] = {}                   # module -> checkpoint suffixes still to come
+        self.done: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, dict[str, torch.Tensor]] | None:
+        """Take checkpoint tensor `name` of a module; (module, its layer tensors) when that was its last one."""
+        module, _, suffix = name.rpartition(".")
+        if module in self.done:                                 # an optional tensor after the module's last one
+            return None
+        if module not in self.plain:
+            raise ModelLoadError(f"{name}: no unquantized shape known for {module} ({self.why})")
+        spec = self.scheme.spec(module)
+        need = self.needed.setdefault(module, {n.rpartition(".")[2] for n in self.scheme.layout.disk_shapes(
+            module, spec, *self.plain[module])})
+        for layer_suffix, converted in self.scheme.layout.convert(module, suffix, tensor, spec):
+            self.pending.setdefault(module, {})[layer_suffix] = converted
+        need.discard(suffix)
+        if need:
+            return None
+        self.done.add(module)
+        return module, self.pending.pop(module, {})
+
+    def check_complete(self) -> None:
+        """Refuse a stream that ended before some module's tensors all came, naming the missing ones."""
+        incomplete = sorted(f"{m} (missing {', '.join(sorted(self.needed[m]))})" for m in self.needed
+                            if m not in self.done)
+        if incomplete:
+            raise ModelLoadError(f"quantized modules with tensors missing: {'; '.join(incomplete[:4])}")
+
+
 class DequantizeAtLoad:
     """The modules of `scheme` (a resolved checkpoint scheme) that load dequantized, and the stream that does it."""
 
@@ -67,30 +105,16 @@ class DequantizeAtLoad:
             return
         log.info("dequantize_at_load", modules=len(self.modules), example=min(self.modules),
                  kinds=sorted({self.scheme.spec(m).kind for m in self.modules}), why=self.why)
-        pending: dict[str, dict[str, torch.Tensor]] = {}       # module -> layer tensors so far
-        needed: dict[str, set[str]] = {}                        # module -> checkpoint suffixes still to come
-        done: set[str] = set()
+        gather = ModuleTensors(self.scheme, self.plain, "dequantized at load")
         for name, tensor in weights:
-            module, _, suffix = name.rpartition(".")
-            if module not in self.modules:
+            if name.rpartition(".")[0] not in self.modules:
                 yield name, tensor
                 continue
-            if module in done:                                  # an optional tensor after the module's last one
-                continue
-            if module not in self.plain:
-                raise ModelLoadError(f"{name}: no unquantized shape known for {module} (dequantized at load)")
-            spec = self.scheme.spec(module)
-            need = needed.setdefault(module, {n.rpartition(".")[2] for n in self.scheme.layout.disk_shapes(
-                module, spec, *self.plain[module])})
-            for layer_suffix, converted in self.scheme.layout.convert(module, suffix, tensor, spec):
-                pending.setdefault(module, {})[layer_suffix] = converted
-            need.discard(suffix)
-            if not need:
-                done.add(module)
-                yield f"{module}.weight", self._dequantized(module, spec, pending.pop(module, {}), device)
-        incomplete = sorted(f"{m} (missing {', '.join(sorted(needed[m]))})" for m in needed if m not in done)
-        if incomplete:
-            raise ModelLoadError(f"quantized modules with tensors missing: {'; '.join(incomplete[:4])}")
+            complete = gather.add(name, tensor)
+            if complete is not None:
+                module, tensors = complete
+                yield f"{module}.weight", self._dequantized(module, self.scheme.spec(module), tensors, device)
+        gather.check_complete()
 
     def _dequantized(self, module: str, spec, tensors: dict[str, torch.Tensor], device) -> torch.Tensor:
         from engine.layers.linear import ReplicatedLinear
