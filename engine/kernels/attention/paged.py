@@ -689,8 +689,6 @@ def _segment_keys(q: torch.Tensor, kv: LayerKV, ctx: ForwardContext) -> int:
     return keys if keys >= SEGMENT_MIN_KEYS and keys % kv.k.shape[1] == 0 else 0
 
 
-from engine import envs
-from engine.platform import paths_for
 def upcast_int8(cfg: AttnConfig, kv: LayerKV, q: torch.Tensor) -> bool:
     """Whether this call takes the in-register int8 conversion: asked for, int8 pages, bf16 q (the
     PTX makes bf16), and compiled (the interpreter runs no PTX; it takes the float32 route, same values)."""
