@@ -127,8 +127,10 @@ def stopped(fleet):
 def test_a_pull_after_the_lease_ended_recomputes_the_prompt_instead_of_decoding_reused_blocks(fleet):
     producer, consumer = fleet["producer"], fleet["consumer"]
     alone = generate(producer, request_id="f-alone")              # untagged: the producer serves it whole
+    expired_before = len(producer.events("lease_expired"))
     handoff = lend(producer, "f-late")
     assert wait_for(lambda: producer.client.metrics().queue.parked == 0, LEASE_S + 5), "the lease ended"
+    assert wait_for(lambda: len(producer.events("lease_expired")) == expired_before + 1, 5)
     # every block of the pool goes to another prompt: a pull now reads its KV under the old prompt's name
     generate(producer, prompt=list(range(900, 1050)), request_id="f-reuse")
     consumer.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
@@ -209,6 +211,7 @@ def test_a_consumer_killed_mid_stream_behind_smg_ends_the_client_s_stream_and_th
     error event (`stream_error`) after the tokens it had, and ends (docs/disaggregation.md). The producer was
     notified by the pull, so it holds nothing at once (no lease to wait out)."""
     producer, consumer = fleet["producer"], fleet["consumer"]
+    expired_before = len(producer.events("lease_expired"))
     router = SmgRouter.start_pd([producer.proc.address], [consumer.proc.address], shared_model, tmp_path / "smg.log")
     try:
         router.wait_until_ready(workers=2, model=MODEL, timeout_s=60)
@@ -226,7 +229,9 @@ def test_a_consumer_killed_mid_stream_behind_smg_ends_the_client_s_stream_and_th
         texts = [e for e in events if e.get("choices")]
         assert error is None and 2 <= len(texts) < 64, (len(texts), error)
         assert events[-1].get("error", {}).get("type") == "stream_error", events[-1]
-        assert producer.client.metrics().queue.parked == 0         # released on the pull, not by expiry
+        assert producer.client.metrics().queue.parked == 0
+        time.sleep(0.3)                                           # room for an expiry's log line to arrive
+        assert len(producer.events("lease_expired")) == expired_before         # released on the pull: no lease ran out
     finally:
         router.proc.kill()                 # not its graceful stop: smg 1.13 waits 5 s for load balancers there
         router.stop()
