@@ -13,6 +13,7 @@ pool (`engine.worker.mtp_hidden_pool`: [rows, k + 1, hidden]). They are register
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,15 +50,20 @@ class KVPoolLayout:
 
     def block_descs(self, block_ids: list[int]) -> list[tuple[int, int]]:
         """(address, bytes) of each span of each block, span-major (the same order on both sides)."""
-        return [(s.base + b * s.stride, s.bytes_per_block) for s in self.spans for b in block_ids]
+        return span_descs(self.spans, block_ids)
 
     def slot_descs(self, slot: int) -> list[tuple[int, int]]:
         """(address, bytes) of one state slot in every linear layer (empty for a model without them)."""
-        return [(s.base + slot * s.stride, s.bytes_per_block) for s in self.state_spans]
+        return span_descs(self.state_spans, [slot])
 
     def row_descs(self, row: int) -> list[tuple[int, int]]:
         """(address, bytes) of one row of the MTP hidden-state pool (empty without MTP)."""
-        return [(s.base + row * s.stride, s.bytes_per_block) for s in self.hidden_spans]
+        return span_descs(self.hidden_spans, [row])
+
+
+def span_descs(spans: Iterable[BlockSpan], indices: list[int]) -> list[tuple[int, int]]:
+    """(address, bytes) of entry i of each span for each i in `indices`, span-major: what a transfer engine moves."""
+    return [(s.base + i * s.stride, s.bytes_per_block) for s in spans for i in indices]
 
 
 def _spans(tensors: list[torch.Tensor], what: str) -> list[BlockSpan]:

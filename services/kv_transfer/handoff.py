@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from engine.cache.kv_landing import Lent
 from engine.cache.kv_leases import KVLease
 from engine.errors import InvalidArgumentError
-from engine.worker.kv_regions import KVPoolLayout
+from engine.worker.kv_regions import BlockSpan, KVPoolLayout, span_descs
 
 FIELD = "kv_transfer_params_json"
 MAX_BLOCKS = 1 << 20
@@ -61,11 +61,10 @@ class Handoff:
     def remote_descs(self, num_blocks: int | None = None) -> list[tuple[int, int]]:
         """(address, bytes) of every span of the first `num_blocks` lent blocks, span-major
         (`KVPoolLayout.block_descs`); whole: then the state slot's and the hidden row's spans."""
-        blocks = self.block_ids[:num_blocks]
-        descs = [(base + b * stride, size) for base, stride, size in self.spans for b in blocks]
+        descs = span_descs([BlockSpan(*s) for s in self.spans], self.block_ids[:num_blocks])
         if num_blocks is None:
-            descs += [(base + self.state_slot * stride, size) for base, stride, size in self.state_spans]
-            descs += [(base + self.hidden_row * stride, size) for base, stride, size in self.hidden_spans]
+            descs += span_descs([BlockSpan(*s) for s in self.state_spans], [self.state_slot])
+            descs += span_descs([BlockSpan(*s) for s in self.hidden_spans], [self.hidden_row])
         return descs
 
     def check_fits(self, layout: KVPoolLayout, num_prompt_tokens: int) -> None:
