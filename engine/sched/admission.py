@@ -30,11 +30,13 @@ def admit_options(params: SamplingParams, vocab_size: int, tokenizer, max_batch:
         bad = next((t for t in params.logit_bias if t >= vocab_size), None)
         if bad is not None:
             raise InvalidArgumentError("logit_bias", f"token id {bad} is outside the vocabulary [0, {vocab_size})")
-    truncate = params.truncate_prompt_tokens
-    if truncate == -1:
-        truncate = max_model_len
     words = bad_words_token_ids(params.bad_words, tokenizer, vocab_size) if params.bad_words else ()
-    return AdmittedOptions(truncate, words)
+    return AdmittedOptions(truncation(params, max_model_len), words)
+
+
+def truncation(params: SamplingParams, max_model_len: int) -> int | None:
+    """How many trailing prompt tokens `truncate_prompt_tokens` keeps (-1: the context limit); None: all."""
+    return max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
 
 
 def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> tuple[tuple[int, ...], ...]:

@@ -36,6 +36,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.cache.kv_landing import lendable_blocks, prompt_blocks
 from engine.errors import InvalidArgumentError, RequestNotFoundError
+from engine.sched.admission import truncation
 from engine.sampling_params import SamplingParams
 from services.kv_transfer import handoff as kvh
 from services.kv_transfer.nixl_agent import KVTransferError, NixlKVAgent
@@ -89,10 +90,9 @@ class PDRole:
     def truncated(self, prompt: list[int], params: SamplingParams) -> list[int]:
         """The prompt as the engine keeps it (`truncate_prompt_tokens`, -1: the context limit), applied before
         either leg: the hand-off's blocks and length are the kept prompt's on both sides."""
-        keep = params.truncate_prompt_tokens
-        if keep is None:
+        if params.truncate_prompt_tokens is None:
             return prompt
-        return prompt[-(self.port.facts().info.max_model_len if keep == -1 else keep):]
+        return prompt[-truncation(params, self.port.facts().info.max_model_len):]
 
     # -- producer -------------------------------------------------------------------------------
 
