@@ -23,6 +23,7 @@ from services.engine_client import EngineClient
 from services.engine_host import EngineHost
 from services.server.grpc_server import ServerOptions
 from tests.support.hybrid import require_shared_hybrid
+from tests.support.pd import PROMPT, REMOTE_DECODE, assert_nothing_held, generate, leases_expired
 from tests.support.polling import wait_for
 from tools.serving.smg_stack import SmgRouter, smg_command
 
@@ -30,8 +31,6 @@ pytest.importorskip("nixl_cu12", reason="NIXL is not installed (the `test` extra
 
 MODEL = "tiny-qwen3-mtp"
 LEASE_S = 3.0
-PROMPT = list(range(300, 370))                   # 70 tokens: 5 blocks of 16, the last one partial
-REMOTE_DECODE = json.dumps({"do_remote_decode": True, "do_remote_prefill": False})
 HYBRID_TOKENS = 10                               # the hybrid decodes slower on CPU: fewer tokens
 PREFIX = "The Python standard library is very extensive, offering a wide range of facilities. " * 3
 
@@ -70,30 +69,6 @@ def clients(hosts):
         c.close()
 
 
-def generate(stub, prompt=PROMPT, kv: str | None = None, max_tokens: int = 16, request_id: str = "pd-1",
-             stream: bool = False, **sampling) -> pb.GenerateComplete:
-    request = pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=prompt),
-                                 sampling_params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                   **sampling),
-                                 stream=stream)
-    if kv is not None:
-        request.kv_transfer_params_json = kv
-    responses = list(stub.Generate(request, timeout=60))
-    output = [t for r in responses if r.HasField("chunk") for t in r.chunk.token_ids]
-    done = responses[-1].complete
-    if stream:
-        done.output_ids.extend(output)
-    return done
-
-
-def assert_nothing_held(client: EngineClient) -> None:
-    m = client.wait_idle(timeout_s=10)
-    assert m.queue.parked == 0 and m.queue.running == 0, m.queue
-    assert m.kv.free_blocks == m.kv.num_blocks, f"{m.kv.num_blocks - m.kv.free_blocks} blocks held"
-    assert m.kv.refs_taken == m.kv.refs_dropped
-    assert m.kv.state_slots_used == 0 and m.kv.mtp_hidden_rows_used == 0, m.kv
-
-
 def cache_hits(client: EngineClient) -> int:
     """Prompt tokens the engine took from its prefix cache (or pulled), over the metrics' history."""
     return sum(client.metrics().history.cache_hit_tokens)
@@ -102,10 +77,6 @@ def cache_hits(client: EngineClient) -> int:
 def prefill_computed(client: EngineClient) -> int:
     """Prompt tokens the engine's prefill computed, over the metrics' history."""
     return sum(client.metrics().history.prefill_tokens)
-
-
-def leases_expired(client: EngineClient) -> int:
-    return client.metrics().performance.requests.get("lease_expired", 0)
 
 
 def test_server_info_names_the_connector_role_and_engine(stubs):

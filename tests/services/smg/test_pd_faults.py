@@ -21,6 +21,8 @@ import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2 as pb, vllm_engine_pb2_grpc
 
 from services.engine_client import EngineClient
+from tests.support import pd
+from tests.support.pd import PROMPT, REMOTE_DECODE, leases_expired
 from tests.support.polling import wait_for
 from tools.serving.server_process import ServerProcess
 from tools.serving.smg_stack import SmgRouter, smg_command
@@ -30,8 +32,6 @@ pytest.importorskip("nixl_cu12", reason="NIXL is not installed (the `test` extra
 MODEL = "tiny-qwen3-mtp"
 LEASE_S = 1.0
 PULL_TIMEOUT_S = 1.0
-PROMPT = list(range(300, 370))                  # 70 tokens: 5 blocks of 16 lent whole, the last one partial
-REMOTE_DECODE = json.dumps({"do_remote_decode": True, "do_remote_prefill": False})
 
 
 class Engine:
@@ -84,13 +84,8 @@ def fleet(shared_model):
                     f.result().close()
 
 
-def generate(engine: Engine, kv: str | None = None, max_tokens: int = 8, request_id: str = "f-1",
-             prompt=PROMPT) -> pb.GenerateComplete:
-    request = pb.GenerateRequest(request_id=request_id, tokenized=pb.TokenizedInput(input_ids=prompt),
-                                 sampling_params=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    if kv is not None:
-        request.kv_transfer_params_json = kv
-    return list(engine.stub.Generate(request, timeout=30))[-1].complete
+def generate(engine: Engine, **leg) -> pb.GenerateComplete:
+    return pd.generate(engine.stub, **{"max_tokens": 8, "timeout_s": 30, **leg})
 
 
 def lend(producer: Engine, request_id: str, prompt=PROMPT) -> str:
@@ -99,15 +94,6 @@ def lend(producer: Engine, request_id: str, prompt=PROMPT) -> str:
                        prompt=prompt).kv_transfer_params_json
     assert json.loads(handoff)["remote_block_ids"], handoff
     return handoff
-
-
-def assert_nothing_held(engine: Engine) -> None:
-    """No request anywhere (parked ones hold a lease), every block free, every reference dropped."""
-    assert wait_for(lambda: engine.client.metrics().queue.parked == 0, LEASE_S + 5), "a lease is still held"
-    m = engine.client.wait_idle(timeout_s=10)
-    assert (m.queue.waiting, m.queue.running, m.queue.parked) == (0, 0, 0), m.queue
-    assert m.kv.free_blocks == m.kv.num_blocks, f"{m.kv.num_blocks - m.kv.free_blocks} blocks held"
-    assert m.kv.refs_taken == m.kv.refs_dropped
 
 
 @pytest.fixture
@@ -127,10 +113,10 @@ def stopped(fleet):
 def test_a_pull_after_the_lease_ended_recomputes_the_prompt_instead_of_decoding_reused_blocks(fleet):
     producer, consumer = fleet["producer"], fleet["consumer"]
     alone = generate(producer, request_id="f-alone")              # untagged: the producer serves it whole
-    expired_before = len(producer.events("lease_expired"))
+    expired_before = leases_expired(producer.client)
     handoff = lend(producer, "f-late")
     assert wait_for(lambda: producer.client.metrics().queue.parked == 0, LEASE_S + 5), "the lease ended"
-    assert wait_for(lambda: len(producer.events("lease_expired")) == expired_before + 1, 5)
+    assert wait_for(lambda: leases_expired(producer.client) == expired_before + 1), "counted as an expiry"
     # every block of the pool goes to another prompt: a pull now reads its KV under the old prompt's name
     generate(producer, prompt=list(range(900, 1050)), request_id="f-reuse")
     consumer.stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
@@ -140,7 +126,7 @@ def test_a_pull_after_the_lease_ended_recomputes_the_prompt_instead_of_decoding_
     assert decode.cached_tokens == 0                  # recomputed: nothing of the pulled blocks was taken
     assert wait_for(lambda: len(consumer.events("kv_pull_stale")) == stale_before + 1)
     for engine in (producer, consumer):
-        assert_nothing_held(engine)
+        pd.assert_nothing_held(engine.client, LEASE_S)
 
 
 def test_a_stalled_pull_times_out_unavailable_and_a_consumer_without_room_queues_and_recomputes(fleet, stopped):
@@ -177,7 +163,7 @@ def test_a_stalled_pull_times_out_unavailable_and_a_consumer_without_room_queues
     assert any(e.get("request_id", "").startswith("f-queued") for e in consumer.events("kv_pull_skipped_no_room"))
     producer.signal(signal.SIGCONT)
     for engine in (consumer, producer):                # the producer's two leases end by expiry
-        assert_nothing_held(engine)
+        pd.assert_nothing_held(engine.client, LEASE_S)
 
 
 def test_a_producer_killed_mid_transfer_fails_the_leg_unavailable_and_the_consumer_holds_nothing(fleet, stopped):
@@ -201,7 +187,7 @@ def test_a_producer_killed_mid_transfer_fails_the_leg_unavailable_and_the_consum
     assert isinstance(error, grpc.RpcError) and error.code() is grpc.StatusCode.UNAVAILABLE, error
     assert "pulling the prompt's KV from producer" in error.details()
     print(f"producer killed mid-transfer: {error.details()}")
-    assert_nothing_held(consumer)
+    pd.assert_nothing_held(consumer.client, LEASE_S)
 
 
 @pytest.mark.skipif(smg_command() is None, reason="smg is not installed (the `test` extra installs it)")
@@ -211,7 +197,7 @@ def test_a_consumer_killed_mid_stream_behind_smg_ends_the_client_s_stream_and_th
     error event (`stream_error`) after the tokens it had, and ends (docs/disaggregation.md). The producer was
     notified by the pull, so it holds nothing at once (no lease to wait out)."""
     producer, consumer = fleet["producer"], fleet["consumer"]
-    expired_before = len(producer.events("lease_expired"))
+    expired_before = leases_expired(producer.client)
     router = SmgRouter.start_pd([producer.proc.address], [consumer.proc.address], shared_model, tmp_path / "smg.log")
     try:
         router.wait_until_ready(workers=2, model=MODEL, timeout_s=60)
@@ -230,9 +216,8 @@ def test_a_consumer_killed_mid_stream_behind_smg_ends_the_client_s_stream_and_th
         assert error is None and 2 <= len(texts) < 64, (len(texts), error)
         assert events[-1].get("error", {}).get("type") == "stream_error", events[-1]
         assert producer.client.metrics().queue.parked == 0
-        time.sleep(0.3)                                           # room for an expiry's log line to arrive
-        assert len(producer.events("lease_expired")) == expired_before         # released on the pull: no lease ran out
+        assert leases_expired(producer.client) == expired_before    # released on the pull: no lease ran out
     finally:
         router.proc.kill()                 # not its graceful stop: smg 1.13 waits 5 s for load balancers there
         router.stop()
-    assert_nothing_held(producer)
+    pd.assert_nothing_held(producer.client, LEASE_S)
