@@ -20,6 +20,7 @@ from gateway.serve import ServeStack
 from services.engine_client import EngineClient
 from services.server.errors import RETRY_PUSHBACK_KEY
 from services.server.grpc_server import ServerOptions
+from tests.support.polling import wait_until
 
 MAX_PENDING = 2
 PENDING_TIMEOUT_MS = 2000
@@ -53,14 +54,6 @@ def assert_idle_at_baseline(engine: EngineClient):
 
 def finished(engine: EngineClient, reason: str) -> int:
     return engine.metrics().performance.requests.get(reason, 0)
-
-
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached")
-        time.sleep(0.01)
 
 
 class Background:
@@ -106,19 +99,19 @@ def test_cancel_mid_stream_aborts_the_engine_request(client, engine, stack):
 
     def generated() -> float:          # the decode service counts an aborted request's tokens too
         return stack.registry.get_sample_value("ninfer_engine_generated_tokens_total") - before
-    wait_for(lambda: generated() > 0)
+    wait_until(lambda: generated() > 0)
     assert 3 <= generated() < LONG.max_tokens, "the engine stopped decoding when the client went away"
-    wait_for(lambda: stack.registry.get_sample_value("ninfer_gateway_requests_total", {"status": "CANCELLED"}))
+    wait_until(lambda: stack.registry.get_sample_value("ninfer_gateway_requests_total", {"status": "CANCELLED"}))
 
 
 def test_cancel_while_queued_removes_the_request(client, engine):
     aborted = finished(engine, "abort")
     slot = hold_the_batch_slot(engine)
     waiting = Background(client, "queued", SHORT)
-    wait_for(lambda: engine.metrics().queue.waiting == 1)
+    wait_until(lambda: engine.metrics().queue.waiting == 1)
     waiting.call.cancel()
     assert waiting.join().error.code() is grpc.StatusCode.CANCELLED
-    wait_for(lambda: engine.metrics().queue.waiting == 0)
+    wait_until(lambda: engine.metrics().queue.waiting == 0)
     assert finished(engine, "abort") == aborted + 1
     engine.release(slot.handle)
     assert_idle_at_baseline(engine)
@@ -129,7 +122,7 @@ def test_a_deadline_while_queued_is_deadline_exceeded_and_frees_everything(clien
     slot = hold_the_batch_slot(engine)
     late = Background(client, "too late", SHORT, timeout=0.5).join()
     assert late.error.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: engine.metrics().queue.waiting == 0)          # the engine saw the deadline too
+    wait_until(lambda: engine.metrics().queue.waiting == 0)          # the engine saw the deadline too
     engine.release(slot.handle)
     assert_idle_at_baseline(engine)
     assert finished(engine, "abort") == aborted + 2                 # the late request and the slot
@@ -149,7 +142,7 @@ def test_queue_full_refuses_exactly_the_excess_and_the_rest_finish_unchanged(cli
     assert reference.error is None
     slot = hold_the_batch_slot(engine)
     calls = [Background(client, "same prompt", SHORT) for _ in range(MAX_PENDING + 2)]
-    wait_for(lambda: sum(c.error is not None for c in calls) == 2)
+    wait_until(lambda: sum(c.error is not None for c in calls) == 2)
     refused = [c for c in calls if c.error is not None]
     for c in refused:
         assert c.error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED

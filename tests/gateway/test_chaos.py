@@ -18,6 +18,7 @@ from gateway.client import GatewayClient, SamplingParams
 from ninfer.v1 import gateway_pb2
 from services.engine_client import EngineClient
 from tests.conftest import WORKLOADS, require_shared_model
+from tests.support.polling import wait_until
 from tools.serving.server_process import ServerProcess
 
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -62,13 +63,6 @@ def engines(client: GatewayClient) -> dict[str, gateway_pb2.EngineMetricsEntry]:
     return {e.engine: e for e in reply.engines}
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.01)
-
-
 def migrations_metric(port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -77,7 +71,7 @@ def migrations_metric(port: int) -> float:
 
 def run_with_fault(client: GatewayClient, fault) -> list[Stream]:
     streams = [Stream(client, i) for i in range(len(PROMPTS))]
-    wait_for(lambda: all(len(s.tokens) >= 4 for s in streams), 120, "every stream under way")
+    wait_until(lambda: all(len(s.tokens) >= 4 for s in streams), 120, "every stream under way")
     assert sorted(e.in_flight for e in engines(client).values()) == [8, 8]
     fault()
     return [s.join() for s in streams]
@@ -102,7 +96,7 @@ def test_streams_survive_a_killed_and_a_stopped_engine_token_for_token():
     try:
         with GatewayClient(gw.address) as client:
             client.wait_until_serving(timeout_s=120)
-            wait_for(lambda: all(e.serving for e in engines(client).values()), 60, "both engines serving")
+            wait_until(lambda: all(e.serving for e in engines(client).values()), 60, "both engines serving")
             reference = [s.join().tokens for s in [Stream(client, i) for i in range(len(PROMPTS))]]
             assert all(len(t) == MAX_TOKENS for t in reference)
 
@@ -113,7 +107,7 @@ def test_streams_survive_a_killed_and_a_stopped_engine_token_for_token():
             restarted = ServerProcess.start("engine", *engine_args(model), "--listen", a.address, env=CHILD_ENV)
             with EngineClient(a.address) as direct:
                 direct.wait_until_serving(timeout_s=120)
-            wait_for(lambda: engines(client)[a.address].serving, 10, "the restarted engine routed")
+            wait_until(lambda: engines(client)[a.address].serving, 10, "the restarted engine routed")
             stopped_at = []
 
             def stop_b() -> None:

@@ -21,6 +21,7 @@ from services.engine_client import EngineClient
 from services.engine_host import EngineHost
 from services.server.errors import RETRY_PUSHBACK_KEY, SHUT_DOWN_DETAILS
 from services.server.grpc_server import ServerOptions
+from tests.support.polling import wait_until
 
 MAX_RPCS = 3
 PUSHBACK_MS = 321
@@ -50,13 +51,6 @@ def failure(call) -> grpc.RpcError:
     return e.value
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
-
-
 def test_past_the_concurrency_limit_calls_are_refused_with_pushback_and_health_answers(client, stack):
     streams = [client.generate(f"hold {i}", sampling=LONG) for i in range(MAX_RPCS)]
     for s in streams:
@@ -72,7 +66,7 @@ def test_past_the_concurrency_limit_calls_are_refused_with_pushback_and_health_a
     finally:
         for s in streams:
             s.cancel()
-    wait_for(lambda: stack.gateway.limiter.active == 0)
+    wait_until(lambda: stack.gateway.limiter.active == 0)
     assert list(client.generate("now there is room", sampling=SamplingParams(max_tokens=2)))[-1].HasField("result")
 
 
@@ -120,7 +114,7 @@ def test_a_deadline_is_counted_as_deadline_exceeded(client, stack):
     before = count("DEADLINE_EXCEEDED")
     e = failure(lambda: client.generate("slow", sampling=LONG, timeout=0.3))
     assert e.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for(lambda: count("DEADLINE_EXCEEDED") == before + 1)
+    wait_until(lambda: count("DEADLINE_EXCEEDED") == before + 1)
 
 
 def test_an_expired_lease_is_logged():
@@ -130,7 +124,7 @@ def test_an_expired_lease_is_logged():
         try:
             with EngineClient(host.address) as engine:
                 handle = engine.prefill([5, 6, 7], SamplingParams(max_tokens=20)).handle
-                wait_for(lambda: any(e["event"] == "lease_expired" for e in logs))
+                wait_until(lambda: any(e["event"] == "lease_expired" for e in logs))
                 assert engine.wait_idle(timeout_s=5).queue.parked == 0
         finally:
             host.stop()
@@ -145,12 +139,12 @@ def test_a_gateway_says_its_engine_is_draining():
         with GatewayClient(gateway.address) as client:
             client.wait_until_serving(timeout_s=30)
             host.state.drain()                                 # what SIGTERM does first
-            wait_for(lambda: client.serving_status() == health_pb2.HealthCheckResponse.NOT_SERVING)
+            wait_until(lambda: client.serving_status() == health_pb2.HealthCheckResponse.NOT_SERVING)
             e = failure(lambda: client.generate("hi"))
             assert e.code() is grpc.StatusCode.UNAVAILABLE
             assert f"{host.address}: draining" in e.details() and "not serving yet" not in e.details()
             host.stop()                                        # the engine has exited: no longer "draining"
-            wait_for(lambda: "draining" not in failure(lambda: client.generate("hi")).details())
+            wait_until(lambda: "draining" not in failure(lambda: client.generate("hi")).details())
             e = failure(lambda: client.generate("hi"))
             assert e.code() is grpc.StatusCode.UNAVAILABLE and f"{host.address}: down" in e.details(), e.details()
     finally:
@@ -166,7 +160,7 @@ def test_a_standalone_gateway_sizes_its_limit_from_the_engines_it_talks_to():
     try:
         default = gateway.limiter.limit
         # the engine admits 2 x 2 + 3 + 1 = 8 calls; the other address has no engine (engine defaults)
-        wait_for(lambda: gateway.limiter.limit == 8 + default // 2)
+        wait_until(lambda: gateway.limiter.limit == 8 + default // 2)
         assert gateway.registry.get_sample_value("ninfer_rpc_concurrency_limit",
                                                  {"server": "ninfer-gateway-rpc"}) == 8 + default // 2
     finally:

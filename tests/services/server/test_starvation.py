@@ -18,6 +18,7 @@ from services.engine_client import EngineClient
 from services.engine_host import EngineHost
 from services.server.connections import ConnectionLimits
 from services.server.grpc_server import ServerOptions
+from tests.support.polling import wait_until
 from tests.support.raw_http2 import HeaderOnlyClient
 
 RECEIVE_S = 2.0
@@ -41,13 +42,6 @@ def stack():
     s.stop()
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
-
-
 def sample(stack: ServeStack, name: str, server: str) -> float:
     return stack.registry.get_sample_value(name, {"server": server}) or 0.0
 
@@ -64,7 +58,7 @@ def test_header_only_streams_lock_out_nothing_and_end_at_the_receive_timeout(sta
     stalled = CONNECTIONS * PER_CONNECTION
     try:
         for server in servers:
-            wait_for(lambda: sample(stack, "ninfer_rpc_awaiting_message", server) == stalled, RECEIVE_S,
+            wait_until(lambda: sample(stack, "ninfer_rpc_awaiting_message", server) == stalled, RECEIVE_S,
                      f"{server}: {stalled} calls awaiting their message")
         with GatewayClient(stack.address) as gateway, \
                 EngineClient(stack.engine.address, stack.engine_api_key) as engine:
@@ -83,7 +77,7 @@ def test_header_only_streams_lock_out_nothing_and_end_at_the_receive_timeout(sta
             assert sample(stack, "ninfer_rpc_concurrency_limit", server) == MAX_RPCS
 
         every = [c for cs in clients.values() for c in cs]
-        wait_for(lambda: sum(len(c.ends) for c in every) == len(servers) * stalled, RECEIVE_S + 5,
+        wait_until(lambda: sum(len(c.ends) for c in every) == len(servers) * stalled, RECEIVE_S + 5,
                  "every stalled stream ended")
         for c in every:
             assert {e.grpc_status for e in c.ends.values()} == {DEADLINE_EXCEEDED}
@@ -91,7 +85,7 @@ def test_header_only_streams_lock_out_nothing_and_end_at_the_receive_timeout(sta
             ends = [e.at - opened_at for e in c.ends.values()]
             assert RECEIVE_S - 0.2 <= min(ends) and max(ends) <= RECEIVE_S + 3.0, (min(ends), max(ends))
         for server in servers:      # the server counts a call out after the client has seen its end
-            wait_for(lambda: sample(stack, "ninfer_rpc_awaiting_message", server) == 0, 5.0,
+            wait_until(lambda: sample(stack, "ninfer_rpc_awaiting_message", server) == 0, 5.0,
                      f"{server}: no call awaits its message")
             assert sample(stack, "ninfer_rpc_receive_timeouts_total", server) == stalled
     finally:
@@ -107,13 +101,13 @@ def test_connections_are_capped_idle_ones_closed_and_the_stream_cap_announced():
     clients = []
     try:
         clients = [HeaderOnlyClient(host.address) for _ in range(3)]
-        wait_for(lambda: clients[0].remote_max_streams() == 7, 5, "the server's SETTINGS announce the stream cap")
+        wait_until(lambda: clients[0].remote_max_streams() == 7, 5, "the server's SETTINGS announce the stream cap")
         extra = HeaderOnlyClient(host.address)
         clients.append(extra)
-        wait_for(lambda: extra.closed, 5, "a connection past --max-connections is closed")
+        wait_until(lambda: extra.closed, 5, "a connection past --max-connections is closed")
         assert not any(c.closed for c in clients[:3]), "the first three stay open"
         start = time.monotonic()
-        wait_for(lambda: all(c.goaway or c.closed for c in clients[:3]), 6, "idle connections closed")
+        wait_until(lambda: all(c.goaway or c.closed for c in clients[:3]), 6, "idle connections closed")
         assert time.monotonic() - start < 6
     finally:
         for c in clients:
