@@ -32,7 +32,7 @@ class ZeroCentredRMSNorm(nn.Module):
         if x.is_cuda:
             from engine.kernels.elementwise.norm_rope import rms_norm
             return rms_norm(x, self.weight, self.eps, residual, zero_centred=True)
-        dtype = x.dtype
+        dtype = x.dtype if residual is None else self.weight.dtype     # x is float32 after a float16 MLP
         if residual is not None:
             x = x.to(residual.dtype) + residual          # in the residual's dtype (float32 under float16)
         out = (_rms(x, self.eps) * (1.0 + self.weight.float())).to(dtype)

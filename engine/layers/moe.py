@@ -55,7 +55,7 @@ class SparseMoeBlock(nn.Module):
         logits = self.gate(x)
         shared = shared_gate = None
         if self.shared_expert is not None:
-            shared, shared_gate = self.shared_expert(x), self.shared_expert_gate(x)     # [T, H], [T, 1]
+            shared, shared_gate = self.shared_expert(x).to(x.dtype), self.shared_expert_gate(x)     # [T, H], [T, 1]
         if x.is_cuda and moe_family(paths_for(x.device), self.experts.quant).startswith("triton"):
             from engine.kernels.moe import fused_moe
             out = fused_moe.sparse_moe(x, logits, self.experts, self.top_k, self.renormalize, shared, shared_gate)

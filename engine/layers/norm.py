@@ -5,8 +5,9 @@ layer's output, so it is where a model's largest activations live; Qwen-class ch
 bfloat16 carry values there beyond float16's +-65504 (Qwen2 in float16 gives NaN from the first layers
 on, QwenLM/Qwen3 issues 826 and 868). Summing in float32 and handing each layer its normed input in
 float16 is the fix of flash-attention's layer norm (`residual_in_fp32`) and of llama.cpp, which keeps
-every activation in float32. The layer outputs themselves stay float16: a single projection whose
-output exceeds the range still overflows. bfloat16 and float32 streams stay in their dtype.
+every activation in float32. The dense MLP hands its output on in float32 too (engine.layers.mlp rescales
+its SwiGLU rows); attention's and the Gated DeltaNet's outputs stay float16, so one of those beyond the
+range still overflows. bfloat16 and float32 streams stay in their dtype.
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         # x: [..., hidden]. With `residual`, returns (norm(x + residual), x + residual): the sum in the
-        # residual's dtype, the normed output in x's.
+        # residual's dtype, the normed output in the weight's (the model's; x is float32 after a float16 MLP).
         if x.is_cuda:
             from engine.kernels.elementwise.norm_rope import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         h = x.to(residual.dtype) + residual
-        return self._norm(h, x.dtype), h
+        return self._norm(h, self.weight.dtype), h

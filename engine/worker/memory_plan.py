@@ -109,6 +109,8 @@ def plan_memory(cfg: EngineConfig, model: ModelConfig, draft_tokens: int, max_mo
     activations = 2 * chunk * (4 * h + qkv + 3 * f) * elt
     # the residual stream in and out of a norm, wider than the activations under float16 (engine.layers.norm)
     activations += 2 * chunk * 2 * h * (dtype_bytes(residual_dtype_name(cfg.torch_dtype_name)) - elt)
+    if cfg.torch_dtype_name == "float16":       # the SwiGLU product in float32 (engine.layers.mlp)
+        activations += 2 * chunk * 4 * f
     if model.is_moe:
         from engine.loading.moe_config import moe_activation_bytes
         activations += 2 * moe_activation_bytes(model, chunk, tp, elt)

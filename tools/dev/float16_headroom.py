@@ -6,20 +6,23 @@ Runs the engine (float32 on the CPU by default) on a few prompts and greedy cont
 on every decoder layer (they observe, nothing changes) and reports, per layer, the largest |value| of
 
 - the residual stream the layer hands on, and the final stream the last norm reads;
-- each projection that writes into the stream (attention's o_proj, the Gated DeltaNet's out_proj, the MLP's
-  down_proj or the sparse MoE block's output);
+- the outputs that the engine keeps in float16 under `--dtype float16` and adds into the stream: attention's
+  o_proj, the Gated DeltaNet's out_proj, a sparse MoE block's output;
+- the dense MLP's SwiGLU product (down_proj's input; with the neuron that holds the peak) and its down_proj
+  output;
 - and counts the token positions whose final hidden state is not finite (run it with `--dtype float16` to see
   whether anything overflowed).
 
-Under `--dtype float16` the engine keeps the stream in float32 (engine.layers.norm), so the stream may exceed
-65504; the projections' outputs are float16, so each must stay below it. The verdict line says which.
+Under `--dtype float16` the engine keeps the stream in float32 (engine.layers.norm) and computes the dense
+MLP's SwiGLU in float32, dividing each row whose peak exceeds 4096 by a power of two before down_proj and
+handing the output on in float32 (engine.layers.mlp). So the stream, the SwiGLU product and the dense down_proj
+output may exceed 65504; the float16 outputs above must not. The verdict line says which case a model is in.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
@@ -29,8 +32,8 @@ from engine import LLM, SamplingParams
 from engine.loading.checkpoint import FLOAT16_MAX
 from tools.dev.capability_check import PROMPTS
 
-# the modules whose output is added into the residual stream (a decoder layer's attention or mixer, and its MLP)
-WRITERS = re.compile(r"(self_attn\.o_proj|linear_attn\.out_proj|mlp\.down_proj|mlp)")
+# a decoder layer's modules whose float16 output is added into the stream ("mlp": a sparse MoE block)
+FLOAT16_WRITERS = ("self_attn.o_proj", "linear_attn.out_proj", "mlp")
 
 
 @dataclass
@@ -38,8 +41,10 @@ class Headroom:
     """Largest |value| seen, per decoder layer (index) and over the model."""
 
     stream: dict[int, float] = field(default_factory=lambda: defaultdict(float))        # after layer i
-    writers: dict[str, float] = field(default_factory=lambda: defaultdict(float))       # "3.mlp.down_proj"
     final_stream: float = 0.0                                                            # what the last norm reads
+    writers: dict[str, float] = field(default_factory=lambda: defaultdict(float))       # "3.self_attn.o_proj"
+    swiglu: dict[int, tuple[float, int]] = field(default_factory=dict)                   # layer -> (peak, neuron)
+    mlp_outputs: dict[int, float] = field(default_factory=lambda: defaultdict(float))   # dense down_proj outputs
     stream_dtypes: set[str] = field(default_factory=set)
     nonfinite_rows: int = 0          # token positions whose final hidden state holds inf or NaN (an overflow)
 
@@ -51,6 +56,10 @@ class Headroom:
     def writer_peak(self) -> float:
         return max(self.writers.values(), default=0.0)
 
+    @property
+    def swiglu_peak(self) -> float:
+        return max((peak for peak, _ in self.swiglu.values()), default=0.0)
+
     def verdict(self) -> str:
         if self.nonfinite_rows:
             return f"{self.nonfinite_rows} token positions overflowed: their final hidden states hold inf or NaN"
@@ -58,16 +67,24 @@ class Headroom:
             worst = max(self.writers, key=self.writers.get)
             return (f"{worst} writes {self.writer_peak:.0f}, beyond float16's {FLOAT16_MAX:.0f}: --dtype float16 "
                     "would overflow there (use bfloat16 or float32)")
-        if self.stream_peak >= FLOAT16_MAX:
-            return (f"the stream reaches {self.stream_peak:.0f}: float16 runs only because the engine keeps the "
-                    f"stream in float32; the largest projection output is {self.writer_peak:.0f}")
-        return (f"fits float16: stream peak {self.stream_peak:.1f}, projection peak {self.writer_peak:.1f} "
-                f"({FLOAT16_MAX / max(self.stream_peak, self.writer_peak, 1e-9):.0f}x headroom)")
+        beyond = [f"the stream reaches {self.stream_peak:.0f}"] if self.stream_peak >= FLOAT16_MAX else []
+        if self.swiglu_peak >= FLOAT16_MAX:
+            layer = max(self.swiglu, key=lambda i: self.swiglu[i][0])
+            beyond.append(f"layer {layer}'s SwiGLU product reaches {self.swiglu_peak:.0f} (neuron "
+                          f"{self.swiglu[layer][1]})")
+        if beyond:
+            return (f"{' and '.join(beyond)}: float16 runs only because the engine keeps the stream in float32 and "
+                    f"rescales SwiGLU rows; the largest float16 output is {self.writer_peak:.0f}")
+        peak = max(self.stream_peak, self.writer_peak, self.swiglu_peak, 1e-9)
+        return (f"fits float16: stream peak {self.stream_peak:.1f}, float16 output peak {self.writer_peak:.1f}, "
+                f"SwiGLU peak {self.swiglu_peak:.1f} ({FLOAT16_MAX / peak:.0f}x headroom)")
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(stream=dict(self.stream), writers=dict(self.writers), stream_dtypes=sorted(self.stream_dtypes),
-                 stream_peak=self.stream_peak, writer_peak=self.writer_peak, verdict=self.verdict())
+        d.update(stream=dict(self.stream), writers=dict(self.writers), mlp_outputs=dict(self.mlp_outputs),
+                 swiglu={i: list(v) for i, v in self.swiglu.items()}, stream_dtypes=sorted(self.stream_dtypes),
+                 stream_peak=self.stream_peak, writer_peak=self.writer_peak, swiglu_peak=self.swiglu_peak,
+                 verdict=self.verdict())
         return d
 
 
@@ -83,11 +100,16 @@ class HeadroomProbe:
                        decoder.register_forward_hook(self._on_decoder)]
         for i, layer in enumerate(decoder.layers):
             self._hooks.append(layer.register_forward_hook(lambda m, a, out, i=i: self._on_layer(i, out)))
-            for name, module in layer.named_children():
-                for sub, child in [(name, module), *((f"{name}.{n}", c) for n, c in module.named_children())]:
-                    if WRITERS.fullmatch(sub) and not (sub == "mlp" and hasattr(module, "down_proj")):
-                        self._hooks.append(child.register_forward_hook(
-                            lambda m, a, out, key=f"{i}.{sub}": self._on_writer(key, out)))
+            modules = dict(layer.named_modules())
+            for name in FLOAT16_WRITERS:
+                module = modules.get(name)
+                if module is not None and not (name == "mlp" and hasattr(module, "down_proj")):
+                    self._hooks.append(module.register_forward_hook(
+                        lambda m, a, out, key=f"{i}.{name}": self._on_writer(key, out)))
+            down = modules.get("mlp.down_proj")
+            if down is not None:                                     # a dense MLP
+                self._hooks.append(down.register_forward_pre_hook(lambda m, a, i=i: self._on_swiglu(i, a[0])))
+                self._hooks.append(down.register_forward_hook(lambda m, a, out, i=i: self._on_mlp_output(i, out)))
 
     def _on_layer(self, i: int, out) -> None:
         x, residual = out                        # the layer's output (partial with TP > 1) and the stream so far
@@ -104,6 +126,16 @@ class HeadroomProbe:
 
     def _on_writer(self, key: str, out) -> None:
         self.found.writers[key] = max(self.found.writers[key], float(out.abs().max()))
+
+    def _on_swiglu(self, i: int, product: torch.Tensor) -> None:
+        # product: [T, f], as down_proj receives it (under float16, rows already divided by their scale)
+        peaks = product.float().abs().amax(0)
+        neuron = int(peaks.argmax())
+        if float(peaks[neuron]) > self.found.swiglu.get(i, (0.0, -1))[0]:
+            self.found.swiglu[i] = (float(peaks[neuron]), neuron)
+
+    def _on_mlp_output(self, i: int, out) -> None:
+        self.found.mlp_outputs[i] = max(self.found.mlp_outputs[i], float(out.abs().max()))
 
     def close(self) -> Headroom:
         for h in self._hooks:
@@ -132,7 +164,10 @@ def main() -> None:
     found = measure(llm, max_tokens=args.max_tokens)
     for i in sorted(found.stream):
         writers = {k.split(".", 1)[1]: round(v, 1) for k, v in found.writers.items() if k.split(".")[0] == str(i)}
-        print(f"layer {i:3d}  stream {found.stream[i]:12.1f}  writers {writers}")
+        swiglu = found.swiglu.get(i)
+        mlp = (f"  SwiGLU {swiglu[0]:.1f} (neuron {swiglu[1]}), down_proj {found.mlp_outputs[i]:.1f}"
+               if swiglu else "")
+        print(f"layer {i:3d}  stream {found.stream[i]:12.1f}  float16 outputs {writers}{mlp}")
     print(f"final stream {found.final_stream:.1f}")
     print(found.verdict())
     if args.json:

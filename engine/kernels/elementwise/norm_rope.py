@@ -56,13 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
     Without residual: returns norm(x). With it: returns (norm(x + residual), x + residual), the
     contract of RMSNorm.forward: the sum in residual's dtype (float32 under float16 activations), the
-    normed output in x's. out / residual_out: optional destinations (same shape as x).
+    normed output in the weight's (x may be float32 there). out / residual_out: optional destinations.
     zero_centred: the weight is an offset from one (ZeroCentredRMSNorm of the hybrids).
     """
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     rows = x2.shape[0]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    dtype = x.dtype if residual is None else weight.dtype
+    out = torch.empty(x.shape, dtype=dtype, device=x.device) if out is None else out
     o2 = out.view(-1, n)
     if residual is not None:
         r2 = residual.reshape(-1, n)

@@ -48,13 +48,14 @@ def test_even_one_sequence_on_the_whole_card_holds_two_thirds_of_the_seeds_kv(mo
     """The most the planner gives: one seat, no state snapshots, a 512-token prefill chunk, all 16 GiB."""
     p = plan(model, seed_config(max_batch=1, state_snapshots=0, prefill_chunk=512, memory_utilization=1.0))
     print(p.describe())
-    assert p.kv_tokens == 123_360 and p.kv_tokens < SEED_KV_TOKENS
+    assert p.kv_tokens == 121_216 and p.kv_tokens < SEED_KV_TOKENS
     short = (SEED_KV_TOKENS - p.kv_tokens) * p.kv_bytes_per_token
     # exactly why: weights (8.82 GiB) + the seed's KV (2.98 GiB) + the planner's fixed CUDA reserve leave no room;
     # the reserve (3 GiB + 2 GiB with TP) was measured on an H200 (CUDA graphs' pool, cuBLAS workspaces, NCCL and
-    # P2P buffers, the context) and is 1.05 GiB more than this card can spare beside the seed's KV
+    # P2P buffers, the context) and is 1.10 GiB more than this card can spare beside the seed's KV, one state slot
+    # and the activations (0.15 GiB under float16: its float32 residual stream and SwiGLU product among them)
     assert p.reserve_bytes == CUDA_RESERVE_BYTES + CUDA_TP_RESERVE_BYTES == 5 * GiB
-    assert 1.0 * GiB < short < 1.1 * GiB
+    assert 1.05 * GiB < short < 1.15 * GiB
     assert p.weights_bytes + SEED_KV_TOKENS * p.kv_bytes_per_token + p.reserve_bytes > CARD
     assert p.weights_bytes + SEED_KV_TOKENS * p.kv_bytes_per_token + p.reserve_bytes - short < CARD
 
