@@ -5,7 +5,7 @@
 # The machine's copy of .git can be stale (bench runs on 2026-12-02 recorded the first commit sent, "dirty"): name the
 # commit that runs in the command, NINFER_COMMIT=$(git rev-parse --short HEAD) written out here, and the bench
 # records that (tools/bench/runinfo.py).
-# Steps: env, bench-round, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
+# Steps: env, float16, bench-round, small-kernels-tests, fp8-gemv, mma-gemv, mma-tests, bench-quant, skinny-sweep, skinny-tests, prefill-attn, prefill-attn-tests, tune-variants, decode-variant-tests, profile-rows, profile-prefill, profile-quant, quant-tests, profile-ab, hybrid-quant-tests, serve-hybrid, profile-pdl, profile-push, comm-push, kernels-d256, hybrid-tests, profile-hybrid, bench-hybrid, gpu-tests, tp-tests, comm-tests, engine-tests, kernel-tests, tune-attn, bench-kv, kernels, profile, profile-tp, comm, bench-quick, bench, bench-tp, bench-tp-kv.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -86,6 +86,17 @@ step() {
     bench-quant) python3 -m tools.bench --quick --sections roofline,peer,decode,quant --quant-shapes qwen3-8b --quant-seed-shape '' --budget-s "${BENCH_BUDGET_S:-240}" --out "$OUT/bench" ;;
     skinny-sweep) python3 -m tools.dev.skinny_bf16_sweep ;;   # bf16 decode rows 2-8 on tensor cores against cuBLAS
     skinny-tests) python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/linear/test_skinny_gemm.py tests/engine/kernels/attention/test_prefill_tma.py -rA 2>&1 | grep -E "FAIL|Error|passed|failed" | tail -n 30 ;;
+    float16) # --dtype float16 on silicon (docs/hardware.md, "float16"): the float32-stream norm kernel and its cost,
+             # the sm90 / sm70 / sm80 selections against the CPU's float32, and the overflow models of
+             # tests/engine/test_float16_overflow.py through the CUDA engine
+             python3 -m pytest -q -p no:cacheprovider tests/engine/kernels/elementwise/test_float32_residual.py -rfE 2>&1 | tail -n 3
+             python3 -m tools.dev.residual_norm_bench --out "$OUT/residual_norm_bench.json"
+             python3 -c "from pathlib import Path; from tests.engine.test_float16_overflow import *
+m = Path('$MODEL'); scaled_stream_copy(m, Path('/tmp/f16/scaled'), SCALES[m.name])
+massive_neuron_copy(m, Path('/tmp/f16/massive'), 3, 486, NEURON_SCALE)"    # the tiny Qwen3's peak SwiGLU neuron
+             for cap in "" 7.0 8.0; do env ${cap:+NINFER_KERNEL_CAPABILITY=$cap} python3 -m tools.dev.capability_check --dtype float16 \
+                 --model $MODEL --model /tmp/f16/scaled --model /tmp/f16/massive 2>&1 | grep -E "identical|residual_dtype" | cut -c1-200; done
+             for m in $MODEL /tmp/f16/scaled /tmp/f16/massive; do python3 -m tools.dev.float16_headroom $m --device cuda --dtype float16 2>&1 | tail -n 1; done ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
