@@ -92,9 +92,7 @@ class HeadroomProbe:
     """Forward hooks on the decoder of an LLM's rank-0 model; `close()` removes them."""
 
     def __init__(self, llm: LLM):
-        core = llm.engine
-        runner = core.executor.driver if getattr(core, "executor", None) is not None else core.runner
-        decoder = runner.model.model
+        decoder = llm.engine.executor.driver.model.model          # rank 0's decoder
         self.found = Headroom()
         self._hooks = [decoder.norm.register_forward_pre_hook(self._on_final_norm),
                        decoder.register_forward_hook(self._on_decoder)]
