@@ -67,6 +67,13 @@ class Handoff:
             descs += span_descs([BlockSpan(*s) for s in self.hidden_spans], [self.hidden_row])
         return descs
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a whole pull moves: every span of every lent block, then the state slot's and hidden row's spans
+        (what `remote_descs()` lists, without listing it)."""
+        return (len(self.block_ids) * sum(size for _, _, size in self.spans)
+                + sum(size for _, _, size in (*self.state_spans, *self.hidden_spans)))
+
     def check_fits(self, layout: KVPoolLayout, num_prompt_tokens: int) -> None:
         if [s[2] for s in self.spans] != layout.shape():
             raise InvalidArgumentError(f"{FIELD}.spans", "the producer's KV blocks are laid out unlike this "

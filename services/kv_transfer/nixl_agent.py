@@ -67,7 +67,6 @@ class NixlKVAgent:
             self._agent.register_memory(descs)
         self.metadata: bytes = self._agent.get_agent_metadata()
         self._peers: dict[bytes, str] = {}       # a producer's metadata -> its agent name here
-        self._closed = False
 
     def pull(self, peer_metadata: bytes, remote: list[tuple[int, int]], local: list[tuple[int, int]], lease: KVLease,
              notification: bytes, timeout_s: float) -> bool:
@@ -111,11 +110,12 @@ class NixlKVAgent:
         dev = self.layout.device_id if mem == self._mem else 0
         with self._lock:
             try:
-                handle = self._live().initialize_xfer(
-                    "READ", self._live().get_xfer_descs(np.array([(a, n, dev) for a, n in local], dtype=np.uint64), mem),
-                    self._live().get_xfer_descs(np.array([(a, n, dev) for a, n in remote], dtype=np.uint64), mem),
+                agent = self._live()
+                handle = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs(np.array([(a, n, dev) for a, n in local], dtype=np.uint64), mem),
+                    agent.get_xfer_descs(np.array([(a, n, dev) for a, n in remote], dtype=np.uint64), mem),
                     peer, notification)
-                state = self._live().transfer(handle)
+                state = agent.transfer(handle)
             except Exception as e:  # noqa: BLE001 - NIXL's errors (unknown peer, unregistered memory...)
                 raise KVTransferError(f"{what} could not start: {e}") from None
         try:
@@ -188,8 +188,7 @@ class NixlKVAgent:
 
     def close(self) -> None:
         with self._lock:
-            if not self._closed:
-                self._closed = True
+            if self._agent is not None:
                 for descs in self._registered:
                     self._agent.deregister_memory(descs)
                 # dropping the agent stops UCX's progress thread, which polls a core for as long as it lives

@@ -111,7 +111,7 @@ class PDRole:
         handoff = kvh.handoff_for(agent.layout, self.engine_id, agent.metadata, request_id, prompt_len, lent,
                                   hidden_row, lease)
         log.info("kv_lent", request_id=request_id, blocks=len(lent.block_ids), state_slot=lent.state_slot,
-                 hidden_row=hidden_row, bytes=sum(n for _, n in handoff.remote_descs()))
+                 hidden_row=hidden_row, bytes=handoff.nbytes)
         return handoff.to_json()
 
     def _serve_notifications(self) -> None:
