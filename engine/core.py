@@ -427,10 +427,9 @@ class EngineCore:
                         whole: bool) -> kv_landing.KVLanding | None:
         """Room for a pull: blocks; whole, also a state slot (hybrids) and a hidden-state row (MTP).
         None when any of them is short now."""
-        s = self.scheduler
         # a whole landing becomes an attached request: it counts among the parked and attached, whose bound
         # keeps a hidden-state row for every request the prefill lane admits
-        if whole and len(s.parked) + len(s.attached) + len(self._landings) >= (s.config.max_parked or s.config.max_batch):
+        if whole and len(self._landings) >= self.scheduler.parked_room:
             return None
         landing = kv_landing.reserve(self.kv, request_id, token_ids, num_blocks, self.states if whole else None,
                                      whole)
@@ -458,7 +457,7 @@ class EngineCore:
         """Admit a request whose prompt a producer prefilled and whose state landed whole: it decodes from
         the pulled KV, state and hidden row with the producer's first token, computing no prompt token.
         -> the request and the first token's output. The landing is the request's afterwards."""
-        if params.n != 1 or params.prompt_logprobs is not None or params.logprobs is not None:
+        if not kv_landing.lands_whole(params):
             raise InvalidArgumentError("n", "a request admitted over pulled state continues one sequence, "
                                             "without prompt logprobs or logprobs (its first token's are not moved)")
         if not 0 <= first_token_id < self.model_config.vocab_size:

@@ -51,6 +51,12 @@ class Lent:
     first_token_id: int                   # the token its prefill sampled
 
 
+def lands_whole(params) -> bool:
+    """Whether a request pulled from a producer may decode from its whole state (engine.core.add_pulled): one
+    sequence, no prompt logprobs and no first-token logprobs (a hand-off carries the token, not its logprobs)."""
+    return params.n == 1 and params.prompt_logprobs is None and params.logprobs is None
+
+
 def lendable_blocks(num_prompt_tokens: int, block_size: int) -> int:
     """Full blocks strictly below the prompt's last token: what a consumer that recomputes the rest of
     the prompt can take as a prefix hit."""

@@ -473,6 +473,12 @@ class Scheduler:
     def _parks(r: Request) -> bool:
         return r.park_after_prefill and r.num_preemptions == 0
 
+    @property
+    def parked_room(self) -> int:
+        """Requests that may still park or attach (--max-parked, else the decode batch): the bound that keeps an
+        MTP hidden-state row for each of them (engine.worker.model_runner)."""
+        return (self.config.max_parked or self.config.max_batch) - len(self.parked) - len(self.attached)
+
     def _has_room(self, req: Request) -> bool:
         """Room for the queue's head once prefilled: a request that will park needs room among the
         parked; one that will decode needs a seat. The lane's requests count where they are headed."""
@@ -482,8 +488,7 @@ class Scheduler:
             return 1 + len(r.forks)
         ahead = sum(seats(r) for r in self.lane.requests if parks(r) == parks(req))
         if parks(req):
-            return (len(self.parked) + len(self.attached) + ahead + seats(req)
-                    <= (self.config.max_parked or self.config.max_batch))
+            return ahead + seats(req) <= self.parked_room
         return len(self.running) + len(self.attached) + ahead + seats(req) <= self.config.max_batch
 
     def decode_work(self, req: Request) -> DecodeWork:

@@ -30,6 +30,7 @@ import grpc
 import structlog
 from structlog.contextvars import bound_contextvars
 
+from engine.cache import kv_landing
 from engine.config import EngineConfig
 from engine.errors import InvalidArgumentError
 from engine.sampling_params import SamplingParams
@@ -116,7 +117,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             params = convert.sampling_from_proto(request.sampling_params, len(prompt), info)
             tags = kvh.parse(request.kv_transfer_params_json) if request.HasField("kv_transfer_params_json") else None
             lending = bool(tags and tags.do_remote_decode and self.pd.role == "producer" and params.n == 1)
-            if lending or (tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer"):
+            pulling = bool(tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer")
+            if lending or pulling:
                 prompt = self.pd.truncated(prompt, params)     # both legs mean the prompt the producer prefilled
             if lending:
                 params = self.pd.prefill_params(params, len(prompt))
@@ -125,12 +127,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 # message, an empty chunk, goes out before a long prompt's prefill (smg drains and drops it)
                 await context.send_initial_metadata(())
             landing = None
-            if tags and tags.do_remote_prefill and tags.handoff and self.pd.role == "consumer":
+            if pulling:
                 # the whole state lands unless the request must compute its prompt (prompt logprobs) or the
-                # first token's logprobs (the hand-off carries the token, not its logprobs)
-                whole = params.n == 1 and params.prompt_logprobs is None and params.logprobs is None
+                # first token's logprobs
                 landing = await self.pd.pull(f"{request.request_id}:{uuid.uuid4().hex[:8]}", prompt, tags.handoff,
-                                             whole)
+                                             kv_landing.lands_whole(params))
             try:
                 if landing is not None:
                     stream = await self.port.submit_landed(landing, prompt, params, request.request_id,
