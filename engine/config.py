@@ -233,17 +233,10 @@ class EngineConfig:
             raise InvalidArgumentError("memory_utilization", f"must be in (0, 1], got {self.memory_utilization}")
         if not (self.stats_interval_s > 0 and math.isfinite(self.stats_interval_s)):
             raise InvalidArgumentError("stats_interval_s", "must be a positive number")
-        if isinstance(self.lease_seconds, bool) or not isinstance(self.lease_seconds, (int, float)) \
-                or not (0 < self.lease_seconds <= 86_400 and math.isfinite(self.lease_seconds)):
-            raise InvalidArgumentError("lease_seconds", f"must be in (0, 86400] seconds, got {self.lease_seconds!r}")
-        for name in ("handoff_timeout_seconds", "seat_timeout_seconds"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value <= 86_400):
-                raise InvalidArgumentError(name, f"must be in [0, 86400] seconds, got {value!r}")
-        if isinstance(self.kv_pull_timeout_seconds, bool) or not isinstance(self.kv_pull_timeout_seconds, (int, float)) \
-                or not (0 < self.kv_pull_timeout_seconds <= 3600):
-            raise InvalidArgumentError("kv_pull_timeout_seconds", "must be in (0, 3600] seconds, got "
-                                       f"{self.kv_pull_timeout_seconds!r}")
+        _require_seconds("lease_seconds", self.lease_seconds, 86_400)
+        _require_seconds("handoff_timeout_seconds", self.handoff_timeout_seconds, 86_400, zero_ok=True)
+        _require_seconds("seat_timeout_seconds", self.seat_timeout_seconds, 86_400, zero_ok=True)
+        _require_seconds("kv_pull_timeout_seconds", self.kv_pull_timeout_seconds, 3600)
         if self.kv_role not in KV_ROLES:
             raise InvalidArgumentError("kv_role", f"must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_role != "both" and self.tensor_parallel_size != 1:
@@ -303,6 +296,13 @@ def _quant_scheme(qc):
         return None
     from engine.quant.scheme import from_hf
     return from_hf(qc)
+
+
+def _require_seconds(name: str, value: Any, hi: int, *, zero_ok: bool = False) -> None:
+    """A duration: a number in (0, hi] seconds, or [0, hi] with zero_ok (NaN and infinity fail the bounds)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not ((0 <= value if zero_ok else 0 < value) and value <= hi):
+        raise InvalidArgumentError(name, f"must be in {'[' if zero_ok else '('}0, {hi}] seconds, got {value!r}")
 
 
 def _require_int(name: str, value: Any, lo: int, hi: int) -> None:

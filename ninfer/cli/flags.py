@@ -157,8 +157,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         handoff_timeout_seconds=args.handoff_timeout_seconds, seat_timeout_seconds=args.seat_timeout_seconds,
         async_scheduling=args.async_scheduling, quantization=args.quantization,
         speculative_model=args.speculative_model, speculative_config=args.speculative_config,
-        kv_role=getattr(args, "kv_role", "both"),
-        kv_pull_timeout_seconds=getattr(args, "kv_pull_timeout_seconds", 30.0))
+        kv_role=getattr(args, "kv_role", EngineConfig.kv_role),
+        kv_pull_timeout_seconds=getattr(args, "kv_pull_timeout_seconds", EngineConfig.kv_pull_timeout_seconds))
 
 
 def flag_of(parser: argparse.ArgumentParser, field: str) -> str | None:
