@@ -185,5 +185,5 @@ def transfer_figures(pulls: list[dict]) -> dict:
 
 
 def _med(record: dict, side: str, key: str) -> str:
-    xs = [x for x in interleave.values(record, side, key) if x is not None]
-    return f"{statistics.median(xs):.1f}" if xs else "-"
+    median = interleave.reduce_values(interleave.values(record, side, key), minimum=1)["value"]
+    return "-" if median is None else f"{median:.1f}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 
 from tools.bench import interleave
@@ -432,8 +431,7 @@ def _pd(r: dict) -> list[str]:
          "per-round ratios.", ""]
     rows = []
     for n, rec in sorted((sec.get("streams") or {}).items(), key=lambda kv: int(kv[0])):
-        med = {(side, key): statistics.median(xs) if (xs := [x for x in interleave.values(rec, side, key)
-                                                            if x is not None]) else None
+        med = {(side, key): interleave.reduce_values(interleave.values(rec, side, key), minimum=1)["value"]
                for side in ("single", "pd") for key in ("ttft_ms_median", "inter_token_ms_median")}
         rows.append([n, f"{fmt(med['single', 'ttft_ms_median'])} / {fmt(med['pd', 'ttft_ms_median'])}",
                      fmt(rec.get("ttft_pd_over_single")),
